@@ -1,0 +1,94 @@
+// Resolved run configuration: defaults < YAML file < `--section.key=value` overrides.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace dcp {
+
+/// Thrown for an unknown key, an unparsable value or a value outside what is allowed.
+/// The message names the key, the value and what is allowed.
+struct ConfigError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct RunConfig {
+  std::string dir = "runs/default";  ///< run_dir: config.yaml, metrics.jsonl, summary.json, checkpoint/
+  int64_t seed = 1234;
+  std::string log_level = "info";
+};
+
+struct DataConfig {
+  std::string path = "/usr/share/doc/python3.11/html/_sources";  ///< folder of text files or a .jsonl file
+  std::string format = "auto";       ///< auto | text_dir | jsonl
+  std::string glob = "*.txt";        ///< file-name pattern for text_dir (fnmatch, matched on the base name)
+  int64_t max_seq_len = 1024;        ///< tokens per sample; longer documents are split into chunks
+  double heldout_fraction = 0.05;    ///< share of documents (by hash of path) held out for evaluation
+};
+
+struct ModelConfig {
+  int64_t d_model = 128;
+  int64_t n_layers = 4;
+  int64_t n_heads = 4;
+  int64_t d_ff = 384;                ///< SwiGLU hidden width
+  double rope_theta = 10000.0;
+  int64_t recompute_layers = 0;      ///< the first N layers recompute activations in backward
+};
+
+struct AttentionConfig {
+  std::string backend = "softmax";
+};
+
+struct TrainConfig {
+  int64_t global_batch_tokens = 16384;  ///< tokens per global step, summed over ranks
+  int64_t micro_batch_tokens = 4096;    ///< packing budget of one micro-batch on one rank
+  int64_t max_steps = 300;
+  double lr = 3e-3;
+  double min_lr_ratio = 0.1;            ///< cosine decays to lr * min_lr_ratio
+  int64_t warmup_steps = 20;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double grad_clip = 1.0;               ///< max global gradient L2 norm; 0 disables clipping
+  int64_t checkpoint_every = 0;         ///< steps between checkpoints; 0 = only at the end
+  int64_t threads = 0;                  ///< intra-op threads per rank; 0 = cores / local ranks
+};
+
+struct EvalConfig {
+  int64_t max_tokens = 131072;  ///< held-out tokens evaluated (0 = all)
+};
+
+struct DistConfig {
+  double timeout_s = 60.0;  ///< a collective or rendezvous that waits longer fails with an error
+};
+
+struct Config {
+  RunConfig run;
+  DataConfig data;
+  ModelConfig model;
+  AttentionConfig attention;
+  TrainConfig train;
+  EvalConfig eval;
+  DistConfig dist;
+
+  /// Loads defaults, then the YAML file (if `path` is non-empty), then `overrides` ("section.key=value").
+  /// Throws ConfigError (unknown key, bad value) or std::runtime_error (unreadable file).
+  static Config load(const std::string& path, const std::vector<std::string>& overrides);
+
+  /// Applies one "section.key=value" assignment; throws ConfigError.
+  void set(const std::string& key, const std::string& value);
+
+  /// Checks cross-key constraints (e.g. d_model divisible by n_heads); throws ConfigError.
+  void validate() const;
+
+  /// The resolved configuration as YAML text (every key, sorted by section).
+  std::string to_yaml() const;
+
+  /// Every key with its current value as text, in declaration order.
+  std::vector<std::pair<std::string, std::string>> items() const;
+};
+
+}  // namespace dcp

@@ -1,0 +1,104 @@
+// Decoder-only byte-level transformer over packed variable-length micro-batches.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+#include <vector>
+
+#include "dcp/config.h"
+#include "dcp/data.h"
+
+namespace dcp {
+
+/// Several samples packed as one flat token stream; sample i occupies [cu_seqlens[i], cu_seqlens[i+1]).
+/// T = total tokens.
+struct PackedBatch {
+  torch::Tensor tokens;      ///< [T] int64 input token ids
+  torch::Tensor targets;     ///< [T] int64 next-token targets
+  torch::Tensor positions;   ///< [T] int64 position inside its sample (restarts at 0 for every sample)
+  torch::Tensor cu_seqlens;  ///< [n_samples + 1] int64 cumulative sample lengths, cu_seqlens[0] = 0
+  std::vector<int64_t> sample_ids;
+  int64_t num_tokens() const { return tokens.numel(); }
+};
+
+/// Packs the given samples in order. Throws std::invalid_argument for an empty id list.
+PackedBatch make_batch(const Corpus& corpus, const std::vector<int64_t>& sample_ids);
+
+/// Attention over a packed stream: causal inside each sample, nothing across samples.
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+  /// q, k, v: [T, heads, head_dim] (rotary already applied); cu_seqlens: [n + 1] int64.
+  /// Returns [T, heads, head_dim].
+  virtual torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const torch::Tensor& cu_seqlens) const = 0;
+};
+
+/// Exact softmax attention, computed sample by sample (scores scaled by 1/sqrt(head_dim)).
+class SoftmaxAttention : public AttentionBackend {
+ public:
+  torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& cu_seqlens) const override;
+};
+
+/// Builds the backend named by `attention.backend`; throws ConfigError for an unknown name.
+std::shared_ptr<AttentionBackend> make_attention_backend(const AttentionConfig& cfg);
+
+/// Runs `fn(x)` without keeping its activations and recomputes it during backward (activation checkpointing).
+/// Gradients of parameters used by `fn` accumulate into their .grad as without checkpointing. `fn` must be
+/// deterministic (no dropout) and must only read tensors other than `x` that do not require grad.
+torch::Tensor recompute(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& x);
+
+/// Root-mean-square layer norm (Zhang & Sennrich 2019) with a learned gain.
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(int64_t dim, double eps = 1e-6);
+  torch::Tensor forward(const torch::Tensor& x);  ///< [..., dim] -> [..., dim]
+  torch::Tensor weight;
+  double eps;
+};
+TORCH_MODULE(RMSNorm);
+
+/// Pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Shazeer 2020), rotary positions
+/// (Su et al. 2021, RoFormer) on q and k.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention);
+  /// x: [T, d_model]; positions: [T] int64; cu_seqlens: [n+1] int64. Returns [T, d_model].
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens);
+
+  int64_t n_heads, head_dim;
+  double rope_theta;
+  RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
+  torch::nn::Linear wqkv{nullptr}, wo{nullptr}, w_gate{nullptr}, w_up{nullptr}, w_down{nullptr};
+  std::shared_ptr<AttentionBackend> attention;
+};
+TORCH_MODULE(Block);
+
+/// Byte embeddings -> n_layers Blocks -> RMSNorm -> linear head over kVocabSize.
+struct TransformerImpl : torch::nn::Module {
+  explicit TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn = {});
+
+  /// Returns logits [T, kVocabSize]. The first `recompute_layers` blocks recompute their activations in
+  /// backward instead of keeping them. Throws std::invalid_argument if recompute_layers is outside [0, n_layers].
+  torch::Tensor forward(const PackedBatch& batch, int64_t recompute_layers = 0);
+
+  /// Sum over all tokens of the next-token cross-entropy (nats), as a scalar; callers divide by the global
+  /// number of target tokens.
+  torch::Tensor loss_sum(const PackedBatch& batch, int64_t recompute_layers = 0);
+
+  ModelConfig cfg;
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  RMSNorm final_norm{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Transformer);
+
+/// Applies rotary position embeddings: x [T, heads, head_dim], positions [T] int64 -> same shape.
+torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double theta);
+
+}  // namespace dcp

@@ -1,0 +1,231 @@
+#include "dcp/config.h"
+
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+namespace dcp {
+namespace {
+
+struct IntRule {
+  int64_t min = std::numeric_limits<int64_t>::min();
+  int64_t max = std::numeric_limits<int64_t>::max();
+};
+struct RealRule {
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+};
+using Choices = std::vector<std::string>;
+
+// The one list of configuration keys. Each entry binds a key to its member and its rule; loading,
+// overrides, printing and validation all walk this list, so a key is declared exactly once.
+template <class C, class F>
+void visit(C& c, F&& f) {
+  f("run.dir", c.run.dir, Choices{});
+  f("run.seed", c.run.seed, IntRule{0});
+  f("run.log_level", c.run.log_level, Choices{"trace", "debug", "info", "warn", "error"});
+  f("data.path", c.data.path, Choices{});
+  f("data.format", c.data.format, Choices{"auto", "text_dir", "jsonl"});
+  f("data.glob", c.data.glob, Choices{});
+  f("data.max_seq_len", c.data.max_seq_len, IntRule{2, 1 << 24});
+  f("data.heldout_fraction", c.data.heldout_fraction, RealRule{0.0, 0.9});
+  f("model.d_model", c.model.d_model, IntRule{2, 1 << 16});
+  f("model.n_layers", c.model.n_layers, IntRule{1, 1024});
+  f("model.n_heads", c.model.n_heads, IntRule{1, 1024});
+  f("model.d_ff", c.model.d_ff, IntRule{1, 1 << 20});
+  f("model.rope_theta", c.model.rope_theta, RealRule{1.0});
+  f("model.recompute_layers", c.model.recompute_layers, IntRule{0, 1024});
+  f("attention.backend", c.attention.backend, Choices{"softmax"});
+  f("train.global_batch_tokens", c.train.global_batch_tokens, IntRule{1});
+  f("train.micro_batch_tokens", c.train.micro_batch_tokens, IntRule{1});
+  f("train.max_steps", c.train.max_steps, IntRule{0});
+  f("train.lr", c.train.lr, RealRule{0.0, 10.0});
+  f("train.min_lr_ratio", c.train.min_lr_ratio, RealRule{0.0, 1.0});
+  f("train.warmup_steps", c.train.warmup_steps, IntRule{0});
+  f("train.weight_decay", c.train.weight_decay, RealRule{0.0, 10.0});
+  f("train.beta1", c.train.beta1, RealRule{0.0, 0.999999});
+  f("train.beta2", c.train.beta2, RealRule{0.0, 0.999999});
+  f("train.grad_clip", c.train.grad_clip, RealRule{0.0});
+  f("train.checkpoint_every", c.train.checkpoint_every, IntRule{0});
+  f("train.threads", c.train.threads, IntRule{0, 1024});
+  f("eval.max_tokens", c.eval.max_tokens, IntRule{0});
+  f("dist.timeout_s", c.dist.timeout_s, RealRule{0.1, 86400.0});
+}
+
+std::string join(const Choices& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+std::string describe(const IntRule& r) {
+  if (r.max == std::numeric_limits<int64_t>::max()) return fmt::format("an integer >= {}", r.min);
+  return fmt::format("an integer in [{}, {}]", r.min, r.max);
+}
+std::string describe(const RealRule& r) {
+  if (std::isinf(r.max)) return fmt::format("a number >= {}", r.min);
+  return fmt::format("a number in [{}, {}]", r.min, r.max);
+}
+
+[[noreturn]] void fail(const std::string& key, const std::string& value, const std::string& allowed) {
+  throw ConfigError(fmt::format("config key '{}': bad value '{}' (allowed: {})", key, value, allowed));
+}
+
+void parse_into(const std::string& key, const std::string& text, int64_t& out, const IntRule& r) {
+  std::size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    fail(key, text, describe(r));
+  }
+  if (used != text.size() || v < r.min || v > r.max) fail(key, text, describe(r));
+  out = v;
+}
+
+void parse_into(const std::string& key, const std::string& text, double& out, const RealRule& r) {
+  std::size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    fail(key, text, describe(r));
+  }
+  if (used != text.size() || !std::isfinite(v) || v < r.min || v > r.max) fail(key, text, describe(r));
+  out = v;
+}
+
+void parse_into(const std::string& key, const std::string& text, std::string& out, const Choices& c) {
+  if (!c.empty() && std::find(c.begin(), c.end(), text) == c.end()) fail(key, text, "one of " + join(c));
+  if (c.empty() && text.empty()) fail(key, text, "a non-empty string");
+  out = text;
+}
+
+std::string to_text(int64_t v) { return std::to_string(v); }
+std::string to_text(const std::string& v) { return v; }
+std::string to_text(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+std::vector<std::string> known_keys() {
+  std::vector<std::string> keys;
+  Config c;
+  visit(c, [&](const char* k, auto&, auto&&) { keys.emplace_back(k); });
+  return keys;
+}
+
+// Flattens a YAML mapping of sections into "section.key" -> scalar text.
+void flatten(const YAML::Node& node, const std::string& prefix, std::map<std::string, std::string>& out,
+             const std::string& path) {
+  if (!node.IsMap()) throw ConfigError(fmt::format("config file '{}': expected a mapping at '{}'", path, prefix));
+  for (const auto& kv : node) {
+    std::string key = kv.first.as<std::string>();
+    std::string full = prefix.empty() ? key : prefix + "." + key;
+    if (kv.second.IsMap()) {
+      flatten(kv.second, full, out, path);
+    } else if (kv.second.IsScalar()) {
+      out[full] = kv.second.as<std::string>();
+    } else {
+      throw ConfigError(fmt::format("config file '{}': key '{}' must be a scalar value", path, full));
+    }
+  }
+}
+
+}  // namespace
+
+void Config::set(const std::string& key, const std::string& value) {
+  bool found = false;
+  visit(*this, [&](const char* k, auto& member, const auto& rule) {
+    if (key != k) return;
+    found = true;
+    parse_into(key, value, member, rule);
+  });
+  if (!found) {
+    throw ConfigError(fmt::format("unknown config key '{}' (value '{}'); known keys: {}", key, value,
+                                  join(known_keys())));
+  }
+}
+
+void Config::validate() const {
+  if (model.d_model % model.n_heads != 0) {
+    throw ConfigError(fmt::format("config key 'model.n_heads': bad value '{}' (allowed: a divisor of model.d_model={})",
+                                  model.n_heads, model.d_model));
+  }
+  if ((model.d_model / model.n_heads) % 2 != 0) {
+    throw ConfigError(fmt::format(
+        "config key 'model.n_heads': bad value '{}' (allowed: head_dim = d_model/n_heads must be even for rotary "
+        "embeddings; d_model={})",
+        model.n_heads, model.d_model));
+  }
+  if (model.recompute_layers > model.n_layers) {
+    throw ConfigError(fmt::format("config key 'model.recompute_layers': bad value '{}' (allowed: 0..model.n_layers={})",
+                                  model.recompute_layers, model.n_layers));
+  }
+  if (train.micro_batch_tokens < data.max_seq_len) {
+    throw ConfigError(fmt::format(
+        "config key 'train.micro_batch_tokens': bad value '{}' (allowed: >= data.max_seq_len={}, so that every "
+        "sample fits in one micro-batch)",
+        train.micro_batch_tokens, data.max_seq_len));
+  }
+}
+
+Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
+  Config c;
+  if (!path.empty()) {
+    std::ifstream in(path);
+    if (!in) throw std::runtime_error(fmt::format("config file '{}' cannot be opened", path));
+    YAML::Node root;
+    try {
+      root = YAML::LoadFile(path);
+    } catch (const YAML::Exception& e) {
+      throw ConfigError(fmt::format("config file '{}' is not valid YAML: {}", path, e.what()));
+    }
+    std::map<std::string, std::string> flat;
+    if (root && !root.IsNull()) flatten(root, "", flat, path);
+    for (const auto& [k, v] : flat) c.set(k, v);
+  }
+  for (const auto& o : overrides) {
+    std::string s = o.rfind("--", 0) == 0 ? o.substr(2) : o;
+    auto eq = s.find('=');
+    if (eq == std::string::npos) {
+      throw ConfigError(fmt::format("override '{}' must have the form --section.key=value", o));
+    }
+    c.set(s.substr(0, eq), s.substr(eq + 1));
+  }
+  c.validate();
+  return c;
+}
+
+std::vector<std::pair<std::string, std::string>> Config::items() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  visit(*this, [&](const char* k, const auto& member, auto&&) { out.emplace_back(k, to_text(member)); });
+  return out;
+}
+
+std::string Config::to_yaml() const {
+  YAML::Emitter e;
+  e << YAML::BeginMap;
+  std::string section;
+  for (const auto& [key, value] : items()) {
+    auto dot = key.find('.');
+    std::string sec = key.substr(0, dot);
+    if (sec != section) {
+      if (!section.empty()) e << YAML::EndMap;
+      e << YAML::Key << sec << YAML::Value << YAML::BeginMap;
+      section = sec;
+    }
+    e << YAML::Key << key.substr(dot + 1) << YAML::Value << value;
+  }
+  if (!section.empty()) e << YAML::EndMap;
+  e << YAML::EndMap;
+  return std::string(e.c_str()) + "\n";
+}
+
+}  // namespace dcp
