@@ -54,6 +54,7 @@ struct TrainConfig {
   double beta2 = 0.95;
   double grad_clip = 1.0;               ///< max global gradient L2 norm; 0 disables clipping
   int64_t checkpoint_every = 0;         ///< steps between checkpoints; 0 = only at the end
+  int64_t stop_after_steps = 0;         ///< end this invocation after N steps (checkpointed; --resume goes on); 0 = off
   int64_t threads = 0;                  ///< intra-op threads per rank; 0 = cores / local ranks
 };
 

@@ -39,8 +39,10 @@ struct SkipReport {
 /// sorted path order) or a JSONL file whose lines are objects with a string field `text`. Documents longer
 /// than `data.max_seq_len` bytes are split into chunks of at most that many bytes. Empty documents, binary
 /// ones (a NUL byte or invalid UTF-8) and unreadable files are skipped and counted in skipped().
-/// The split puts a document in the held-out set when FNV-1a-64(its source path, or path:line for JSONL)
-/// falls in the lowest `data.heldout_fraction` of the hash range, so it is independent of file order.
+/// Files or folders that cannot be read count as "unreadable". The split puts a document in the held-out set
+/// when FNV-1a-64 of its path relative to `data.path` (its line number for JSONL, its name for
+/// from_documents) falls in the lowest `data.heldout_fraction` of the hash range, so the split depends neither
+/// on file order nor on where the corpus is installed.
 class Corpus {
  public:
   /// Throws std::runtime_error naming the path when it does not exist (for the default corpus the message
@@ -64,7 +66,8 @@ class Corpus {
   void tokens(int64_t id, int64_t* inputs, int64_t* targets) const;
 
  private:
-  void add_document(const std::string& source, std::string_view text, int64_t max_seq_len, double heldout_fraction);
+  void add_document(const std::string& source, std::string_view split_key, std::string_view text, int64_t max_seq_len,
+                    double heldout_fraction);
 
   std::string text_;                 // all kept document bytes, concatenated
   std::vector<int64_t> offsets_;     // offsets_[id] = start of sample id in text_

@@ -7,6 +7,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -26,7 +27,8 @@ struct PackedBatch {
   int64_t num_tokens() const { return tokens.numel(); }
 };
 
-/// Packs the given samples in order. Throws std::invalid_argument for an empty id list.
+/// Packs the given samples in order (CPU tensors). Throws std::invalid_argument for an empty id list and
+/// std::out_of_range for an id outside corpus.samples().
 PackedBatch make_batch(const Corpus& corpus, const std::vector<int64_t>& sample_ids);
 
 /// Attention over a packed stream: causal inside each sample, nothing across samples.
@@ -39,7 +41,8 @@ class AttentionBackend {
                                 const torch::Tensor& cu_seqlens) const = 0;
 };
 
-/// Exact softmax attention, computed sample by sample (scores scaled by 1/sqrt(head_dim)).
+/// Exact softmax attention, computed sample by sample (scores scaled by 1/sqrt(head_dim)); memory is
+/// O(heads * L^2) for the longest sample L. Throws std::invalid_argument unless cu_seqlens runs from 0 to T.
 class SoftmaxAttention : public AttentionBackend {
  public:
   torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -51,7 +54,10 @@ std::shared_ptr<AttentionBackend> make_attention_backend(const AttentionConfig& 
 
 /// Runs `fn(x)` without keeping its activations and recomputes it during backward (activation checkpointing).
 /// Gradients of parameters used by `fn` accumulate into their .grad as without checkpointing. `fn` must be
-/// deterministic (no dropout) and must only read tensors other than `x` that do not require grad.
+/// deterministic (no dropout); besides `x` and module parameters it may only read tensors that do not require
+/// grad. `fn` is kept until backward, so it must own (capture by value) everything it reads. Like PyTorch's
+/// reentrant checkpoint, parameter grads reach .grad only through backward(), not through autograd::grad().
+/// Runs `fn(x)` plainly when grad mode is off or `x` does not require grad. x: any shape.
 torch::Tensor recompute(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& x);
 
 /// Root-mean-square layer norm (Zhang & Sennrich 2019) with a learned gain.
@@ -66,6 +72,7 @@ TORCH_MODULE(RMSNorm);
 /// Pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Shazeer 2020), rotary positions
 /// (Su et al. 2021, RoFormer) on q and k.
 struct BlockImpl : torch::nn::Module {
+  /// Throws std::invalid_argument unless d_model is divisible by n_heads. wqkv's output is [q | k | v].
   BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention);
   /// x: [T, d_model]; positions: [T] int64; cu_seqlens: [n+1] int64. Returns [T, d_model].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens);
@@ -84,6 +91,7 @@ struct TransformerImpl : torch::nn::Module {
 
   /// Returns logits [T, kVocabSize]. The first `recompute_layers` blocks recompute their activations in
   /// backward instead of keeping them. Throws std::invalid_argument if recompute_layers is outside [0, n_layers].
+  /// tokens and positions are moved to the parameters' device; cu_seqlens is read on the host.
   torch::Tensor forward(const PackedBatch& batch, int64_t recompute_layers = 0);
 
   /// Sum over all tokens of the next-token cross-entropy (nats), as a scalar; callers divide by the global
@@ -98,7 +106,9 @@ struct TransformerImpl : torch::nn::Module {
 };
 TORCH_MODULE(Transformer);
 
-/// Applies rotary position embeddings: x [T, heads, head_dim], positions [T] int64 -> same shape.
+/// Applies rotary position embeddings: x [T, heads, head_dim], positions [T] int64 -> same shape and dtype.
+/// Dimension i is rotated with i + head_dim/2 by angle position * theta^(-2i/head_dim), computed in fp32.
+/// Throws std::invalid_argument for an odd head_dim.
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double theta);
 
 }  // namespace dcp

@@ -1,0 +1,30 @@
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "dcp/infer.h"
+#include "train/checkpoint.h"
+
+namespace dcp {
+
+void add_generate_command(CLI::App& app) {
+  auto* sub = app.add_subcommand("generate", "Print text sampled from a trained checkpoint");
+  auto checkpoint = std::make_shared<std::string>();
+  auto prompt = std::make_shared<std::string>();
+  auto opt = std::make_shared<GenerateOptions>();
+  sub->add_option("--checkpoint", *checkpoint, "checkpoint folder (run_dir/checkpoint)")->required();
+  sub->add_option("--prompt", *prompt, "text the sample continues");
+  sub->add_option("--max-new-tokens", opt->max_new_tokens, "bytes to generate")->check(CLI::Range(0, 1 << 20));
+  sub->add_option("--temperature", opt->temperature, "softmax temperature; 0 = greedy")->check(CLI::Range(0.0, 100.0));
+  sub->add_option("--top-k", opt->top_k, "sample among the k most likely bytes; 0 = all")->check(CLI::Range(0, 256));
+  sub->add_option("--seed", opt->seed, "sampling seed");
+  sub->callback([checkpoint, prompt, opt] {
+    Config cfg = load_checkpoint_config(*checkpoint);
+    Transformer model(cfg.model, cfg.attention);
+    load_checkpoint(*checkpoint, model, nullptr);
+    opt->context = cfg.data.max_seq_len;
+    std::string text = generate(model, *prompt, *opt);
+    fmt::print("{}{}\n", *prompt, text);
+  });
+}
+
+}  // namespace dcp

@@ -1,0 +1,108 @@
+// Every c10d call whose API differs between LibTorch 1.13 (Debian) and 2.x (CUDA machines) lives here.
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <chrono>
+
+#include "dcp/dist.h"
+#include "dist/c10d_compat.h"
+
+namespace dcp {
+
+struct Communicator::Impl {
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+};
+
+namespace {
+
+void wait(const Communicator& c, const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("{} on process group '{}' (rank {} of {}) failed: a peer died or did not "
+                                         "answer within the timeout ({})",
+                                         op, c.name(), c.rank(), c.size(), e.what()));
+  }
+}
+
+std::chrono::milliseconds to_ms(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
+}  // namespace
+
+Communicator::Communicator(std::string name, int64_t rank, int64_t size, std::shared_ptr<Impl> impl)
+    : name_(std::move(name)), rank_(rank), size_(size), impl_(std::move(impl)) {}
+
+void Communicator::allreduce_sum(at::Tensor& t) const {
+  if (!impl_) return;
+  std::vector<at::Tensor> v{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  wait(*this, impl_->pg->allreduce(v, o), "allreduce(sum)");
+}
+
+void Communicator::allreduce_max(at::Tensor& t) const {
+  if (!impl_) return;
+  std::vector<at::Tensor> v{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  wait(*this, impl_->pg->allreduce(v, o), "allreduce(max)");
+}
+
+at::Tensor Communicator::all_to_all(const at::Tensor& input) const {
+  if (!impl_) return input.clone();
+  if (input.size(0) % size_ != 0) {
+    throw std::invalid_argument(fmt::format("all_to_all on '{}': dim 0 ({}) is not divisible by the group size {}",
+                                            name_, input.size(0), size_));
+  }
+  at::Tensor in = input.contiguous();
+  at::Tensor out = at::empty_like(in);
+  std::vector<int64_t> splits;  // empty = equal splits
+  wait(*this, impl_->pg->alltoall_base(out, in, splits, splits), "all_to_all");
+  return out;
+}
+
+void Communicator::barrier() const {
+  if (!impl_) return;
+  wait(*this, impl_->pg->barrier(), "barrier");
+}
+
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const DistEnv& env, double timeout_s) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(env.master_port);
+  o.isServer = env.rank == 0;
+  o.numWorkers = static_cast<size_t>(env.world_size);
+  o.waitWorkers = true;
+  o.timeout = to_ms(timeout_s);
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format(
+        "rendezvous at {}:{} failed for rank {} of {} within {} s (is every rank started, and is the port free?): {}",
+        env.master_addr, env.master_port, env.rank, env.world_size, timeout_s, e.what()));
+  }
+}
+
+std::shared_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const std::string& name, int64_t rank, int64_t size,
+                                                     double timeout_s) {
+  if (size == 1) return std::make_shared<Communicator>(name, 0, 1, nullptr);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
+  auto opts = c10d::ProcessGroupGloo::Options::create(to_ms(timeout_s));
+  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  opts->threads = 1;
+  auto impl = std::make_shared<Communicator::Impl>();
+  try {
+    impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(rank), static_cast<int>(size),
+                                                           opts);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("creating process group '{}' (rank {} of {}) failed within {} s: {}", name,
+                                         rank, size, timeout_s, e.what()));
+  }
+  return std::make_shared<Communicator>(name, rank, size, std::move(impl));
+}
+
+}  // namespace dcp

@@ -1,0 +1,129 @@
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "dcp/model.h"
+
+namespace dcp {
+namespace {
+
+constexpr double kInitStd = 0.02;
+
+void init_normal(torch::Tensor& weight, double std) { torch::nn::init::normal_(weight, 0.0, std); }
+
+// Pairs dimension i with i + D/2 (the "rotate_half" layout of GPT-NeoX / LLaMA).
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  auto halves = x.chunk(2, -1);
+  return torch::cat({-halves[1], halves[0]}, -1);
+}
+
+}  // namespace
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  // Normalise in fp32: the mean of squares overflows or loses precision in half types.
+  auto xf = x.to(torch::kFloat);
+  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return normed.to(x.scalar_type()) * weight;
+}
+
+torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
+  const int64_t head_dim = x.size(-1);
+  if (head_dim % 2 != 0) {
+    throw std::invalid_argument("apply_rotary: head_dim must be even, got " + std::to_string(head_dim));
+  }
+  // Angles in fp32 even for half-precision activations: position * frequency needs the mantissa.
+  auto fp32 = torch::TensorOptions().dtype(torch::kFloat).device(x.device());
+  auto inv_freq = torch::pow(theta, -torch::arange(0, head_dim, 2, fp32) / static_cast<double>(head_dim));  // [D/2]
+  auto angles = positions.to(fp32).unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, D/2]
+  auto cos = torch::cat({angles.cos(), angles.cos()}, -1).unsqueeze(1);  // [T, 1, D]
+  auto sin = torch::cat({angles.sin(), angles.sin()}, -1).unsqueeze(1);
+  auto xf = x.to(torch::kFloat);
+  return (xf * cos + rotate_half(xf) * sin).to(x.scalar_type());
+}
+
+BlockImpl::BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention)
+    : n_heads(cfg.n_heads),
+      head_dim(cfg.n_heads > 0 ? cfg.d_model / cfg.n_heads : 0),
+      rope_theta(cfg.rope_theta),
+      attention(std::move(attention)) {
+  if (cfg.n_heads <= 0 || cfg.d_model % cfg.n_heads != 0) {
+    throw std::invalid_argument("Block: d_model " + std::to_string(cfg.d_model) + " is not divisible by n_heads " +
+                                std::to_string(cfg.n_heads));
+  }
+  const int64_t d = cfg.d_model;
+  auto linear = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  attn_norm = register_module("attn_norm", RMSNorm(d));
+  wqkv = register_module("wqkv", linear(d, 3 * d));
+  wo = register_module("wo", linear(d, d));
+  mlp_norm = register_module("mlp_norm", RMSNorm(d));
+  w_gate = register_module("w_gate", linear(d, cfg.d_ff));
+  w_up = register_module("w_up", linear(d, cfg.d_ff));
+  w_down = register_module("w_down", linear(cfg.d_ff, d));
+
+  // GPT-2 scaling: the projections that write into the residual stream shrink with depth so the stream's
+  // variance stays bounded over 2 * n_layers residual additions.
+  const double residual_std = kInitStd / std::sqrt(2.0 * static_cast<double>(cfg.n_layers));
+  init_normal(wqkv->weight, kInitStd);
+  init_normal(w_gate->weight, kInitStd);
+  init_normal(w_up->weight, kInitStd);
+  init_normal(wo->weight, residual_std);
+  init_normal(w_down->weight, residual_std);
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
+                                 const torch::Tensor& cu_seqlens) {
+  const int64_t tokens = x.size(0);
+  // wqkv's output is laid out as [q | k | v], each [heads, head_dim].
+  auto qkv = wqkv(attn_norm(x)).view({tokens, 3, n_heads, head_dim}).unbind(1);
+  auto q = apply_rotary(qkv[0], positions, rope_theta);
+  auto k = apply_rotary(qkv[1], positions, rope_theta);
+  auto attn = attention->forward(q, k, qkv[2], cu_seqlens).reshape({tokens, n_heads * head_dim});
+  auto h = x + wo(attn);
+  auto m = mlp_norm(h);
+  return h + w_down(torch::silu(w_gate(m)) * w_up(m));
+}
+
+TransformerImpl::TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn) : cfg(cfg) {
+  auto backend = make_attention_backend(attn);
+  embed = register_module("embed", torch::nn::Embedding(kVocabSize, cfg.d_model));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < cfg.n_layers; ++i) blocks->push_back(Block(cfg, backend));
+  final_norm = register_module("final_norm", RMSNorm(cfg.d_model));
+  head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(cfg.d_model, kVocabSize).bias(false)));
+  init_normal(embed->weight, kInitStd);
+  init_normal(head->weight, kInitStd);
+}
+
+torch::Tensor TransformerImpl::forward(const PackedBatch& batch, int64_t recompute_layers) {
+  if (recompute_layers < 0 || recompute_layers > cfg.n_layers) {
+    throw std::invalid_argument("Transformer: recompute_layers " + std::to_string(recompute_layers) +
+                                " outside [0, " + std::to_string(cfg.n_layers) + "]");
+  }
+  const auto device = embed->weight.device();
+  const torch::Tensor positions = batch.positions.to(device);
+  const torch::Tensor cu_seqlens = batch.cu_seqlens;
+  torch::Tensor x = embed(batch.tokens.to(device));  // [T, d_model]
+  for (int64_t i = 0; i < cfg.n_layers; ++i) {
+    std::shared_ptr<BlockImpl> block = blocks->ptr<BlockImpl>(static_cast<size_t>(i));
+    if (i < recompute_layers) {
+      // Captured by value: the closure is kept until backward reruns it, after this frame is gone.
+      x = recompute([block, positions, cu_seqlens](const torch::Tensor& h) { return block->forward(h, positions, cu_seqlens); },
+                    x);
+    } else {
+      x = block->forward(x, positions, cu_seqlens);
+    }
+  }
+  return head(final_norm(x));
+}
+
+torch::Tensor TransformerImpl::loss_sum(const PackedBatch& batch, int64_t recompute_layers) {
+  auto logits = forward(batch, recompute_layers);
+  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat), batch.targets.to(logits.device()),
+                                              torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+}
+
+}  // namespace dcp

@@ -1,0 +1,96 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+
+#include "dcp/plan.h"
+
+namespace dcp {
+
+std::vector<int64_t> epoch_order(const std::vector<int64_t>& ids, uint64_t seed, int64_t epoch) {
+  std::vector<int64_t> order = ids;
+  // A stream of its own, so that the order does not depend on the standard library's shuffle.
+  uint64_t state = sample_seed(seed, static_cast<uint64_t>(epoch), ~uint64_t{0});
+  for (size_t i = order.size(); i > 1; --i) {
+    state = sample_seed(state, i, 0);
+    std::swap(order[i - 1], order[state % i]);
+  }
+  return order;
+}
+
+namespace {
+
+// Longest first onto the least-loaded rank; ties go to the lower rank so that every rank computes the same.
+std::vector<std::vector<int64_t>> assign_lpt(const std::vector<Sample>& samples, std::vector<int64_t> ids,
+                                             int64_t world_size) {
+  std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) {
+    return samples[static_cast<size_t>(a)].length > samples[static_cast<size_t>(b)].length;
+  });
+  std::vector<std::vector<int64_t>> per_rank(static_cast<size_t>(world_size));
+  std::vector<int64_t> load(static_cast<size_t>(world_size), 0);
+  for (int64_t id : ids) {
+    size_t r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    per_rank[r].push_back(id);
+    load[r] += samples[static_cast<size_t>(id)].length;
+  }
+  return per_rank;
+}
+
+// First-fit decreasing bin packing of one rank's samples into micro-batches of bounded token count.
+std::vector<MicroBatch> pack_first_fit(const std::vector<Sample>& samples, const std::vector<int64_t>& ids,
+                                       int64_t capacity, int64_t recompute_layers) {
+  std::vector<MicroBatch> bins;
+  for (int64_t id : ids) {  // ids arrive longest first from assign_lpt
+    int64_t len = samples[static_cast<size_t>(id)].length;
+    auto it = std::find_if(bins.begin(), bins.end(), [&](const MicroBatch& b) { return b.num_tokens + len <= capacity; });
+    if (it == bins.end()) {
+      bins.push_back(MicroBatch{{}, 0, recompute_layers});
+      it = bins.end() - 1;
+    }
+    it->sample_ids.push_back(id);
+    it->num_tokens += len;
+  }
+  return bins;
+}
+
+}  // namespace
+
+std::vector<StepPlan> plan_data_parallel(const std::vector<Sample>& samples, const std::vector<int64_t>& order,
+                                         int64_t epoch, const DataParallelOptions& opt) {
+  if (opt.world_size < 1 || opt.global_batch_tokens < 1 || opt.micro_batch_tokens < 1) {
+    throw std::invalid_argument(fmt::format(
+        "data-parallel planner: world_size {}, global_batch_tokens {}, micro_batch_tokens {} must all be positive",
+        opt.world_size, opt.global_batch_tokens, opt.micro_batch_tokens));
+  }
+  std::vector<StepPlan> plans;
+  size_t next = 0;
+  while (next < order.size()) {
+    std::vector<int64_t> step_ids;
+    int64_t tokens = 0;
+    while (next < order.size()) {
+      const Sample& s = samples.at(static_cast<size_t>(order[next]));
+      if (s.length > opt.micro_batch_tokens) {
+        throw std::invalid_argument(fmt::format("sample {} ({}) has {} tokens, more than micro_batch_tokens {}", s.id,
+                                                s.source, s.length, opt.micro_batch_tokens));
+      }
+      if (!step_ids.empty() && tokens + s.length > opt.global_batch_tokens) break;
+      step_ids.push_back(s.id);
+      tokens += s.length;
+      ++next;
+    }
+    StepPlan plan;
+    plan.epoch = epoch;
+    plan.index = static_cast<int64_t>(plans.size());
+    plan.global_num_tokens = tokens;
+    auto per_rank = assign_lpt(samples, step_ids, opt.world_size);
+    for (int64_t r = 0; r < opt.world_size; ++r) {
+      plan.groups.push_back(GroupPlan{
+          r, 1, pack_first_fit(samples, per_rank[static_cast<size_t>(r)], opt.micro_batch_tokens, opt.recompute_layers)});
+    }
+    plans.push_back(std::move(plan));
+  }
+  return plans;
+}
+
+}  // namespace dcp

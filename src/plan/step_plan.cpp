@@ -1,0 +1,159 @@
+#include <fmt/format.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "dcp/plan.h"
+
+namespace dcp {
+namespace {
+
+using nlohmann::json;
+
+json to_json_value(const StepPlan& p) {
+  json groups = json::array();
+  for (const auto& g : p.groups) {
+    json mbs = json::array();
+    for (const auto& mb : g.micro_batches) {
+      mbs.push_back({{"sample_ids", mb.sample_ids},
+                     {"num_tokens", mb.num_tokens},
+                     {"recompute_layers", mb.recompute_layers}});
+    }
+    groups.push_back({{"first_rank", g.first_rank}, {"sp_size", g.sp_size}, {"micro_batches", mbs}});
+  }
+  return {{"epoch", p.epoch}, {"index", p.index}, {"global_num_tokens", p.global_num_tokens}, {"groups", groups}};
+}
+
+template <class T>
+T field(const json& j, const char* name, const std::string& where) {
+  if (!j.is_object() || !j.contains(name)) {
+    throw std::invalid_argument(fmt::format("step plan: missing field '{}' in {}", name, where));
+  }
+  try {
+    return j.at(name).get<T>();
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(fmt::format("step plan: field '{}' in {} is malformed: {}", name, where, e.what()));
+  }
+}
+
+StepPlan from_json_value(const json& j) {
+  StepPlan p;
+  p.epoch = field<int64_t>(j, "epoch", "step");
+  p.index = field<int64_t>(j, "index", "step");
+  p.global_num_tokens = field<int64_t>(j, "global_num_tokens", "step");
+  std::string where = fmt::format("step (epoch {}, index {})", p.epoch, p.index);
+  for (const auto& jg : field<json>(j, "groups", where)) {
+    GroupPlan g;
+    g.first_rank = field<int64_t>(jg, "first_rank", where + " group");
+    g.sp_size = field<int64_t>(jg, "sp_size", where + " group");
+    std::string gwhere = fmt::format("{} group at rank {}", where, g.first_rank);
+    for (const auto& jm : field<json>(jg, "micro_batches", gwhere)) {
+      MicroBatch mb;
+      mb.sample_ids = field<std::vector<int64_t>>(jm, "sample_ids", gwhere + " micro_batch");
+      mb.num_tokens = field<int64_t>(jm, "num_tokens", gwhere + " micro_batch");
+      mb.recompute_layers = jm.value("recompute_layers", int64_t{0});
+      g.micro_batches.push_back(std::move(mb));
+    }
+    p.groups.push_back(std::move(g));
+  }
+  return p;
+}
+
+}  // namespace
+
+const GroupPlan& StepPlan::group_of(int64_t rank) const {
+  for (const auto& g : groups) {
+    if (rank >= g.first_rank && rank < g.first_rank + g.sp_size) return g;
+  }
+  throw std::out_of_range(fmt::format("step plan (epoch {}, index {}) has no group for rank {}", epoch, index, rank));
+}
+
+void StepPlan::validate(int64_t world_size, const std::vector<Sample>& samples, int64_t n_layers) const {
+  auto fail = [&](const std::string& what) {
+    throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}): {}", epoch, index, what));
+  };
+  std::vector<int> covered(static_cast<size_t>(world_size), 0);
+  int64_t total = 0;
+  for (const auto& g : groups) {
+    if (g.sp_size < 1 || g.first_rank < 0 || g.first_rank + g.sp_size > world_size) {
+      fail(fmt::format("group [{}, {}) is outside world_size {}", g.first_rank, g.first_rank + g.sp_size, world_size));
+    }
+    if (g.first_rank % g.sp_size != 0) {
+      fail(fmt::format("group at rank {} with sp_size {} is not aligned", g.first_rank, g.sp_size));
+    }
+    for (int64_t r = g.first_rank; r < g.first_rank + g.sp_size; ++r) {
+      if (covered[static_cast<size_t>(r)]++) fail(fmt::format("rank {} is in more than one group", r));
+    }
+    for (const auto& mb : g.micro_batches) {
+      if (mb.sample_ids.empty()) fail("a micro_batch has no samples");
+      int64_t tokens = 0;
+      for (int64_t id : mb.sample_ids) {
+        if (id < 0 || id >= static_cast<int64_t>(samples.size())) fail(fmt::format("unknown sample id {}", id));
+        tokens += samples[static_cast<size_t>(id)].length;
+      }
+      if (tokens != mb.num_tokens) {
+        fail(fmt::format("micro_batch num_tokens {} but its samples hold {} tokens", mb.num_tokens, tokens));
+      }
+      if (mb.recompute_layers < 0 || mb.recompute_layers > n_layers) {
+        fail(fmt::format("recompute_layers {} outside [0, {}]", mb.recompute_layers, n_layers));
+      }
+      total += tokens;
+    }
+  }
+  for (int64_t r = 0; r < world_size; ++r) {
+    if (!covered[static_cast<size_t>(r)]) fail(fmt::format("rank {} is in no group", r));
+  }
+  if (total != global_num_tokens) {
+    fail(fmt::format("global_num_tokens {} but micro_batches hold {} tokens", global_num_tokens, total));
+  }
+}
+
+std::string StepPlan::to_json() const { return to_json_value(*this).dump(); }
+
+StepPlan StepPlan::from_json(const std::string& text) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(fmt::format("step plan: not valid JSON: {}", e.what()));
+  }
+  return from_json_value(j);
+}
+
+int64_t StepPlan::hash() const {
+  return static_cast<int64_t>(fnv1a64(to_json()) >> 2);
+}
+
+std::vector<StepPlan> load_plans(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(fmt::format("plan file '{}' cannot be opened", path));
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(fmt::format("plan file '{}' is not valid JSON: {}", path, e.what()));
+  }
+  std::vector<StepPlan> plans;
+  try {
+    if (j.is_array()) {
+      for (const auto& x : j) plans.push_back(from_json_value(x));
+    } else {
+      plans.push_back(from_json_value(j));
+    }
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error(fmt::format("plan file '{}': {}", path, e.what()));
+  }
+  return plans;
+}
+
+void save_plans(const std::string& path, const std::vector<StepPlan>& plans) {
+  json j = json::array();
+  for (const auto& p : plans) j.push_back(to_json_value(p));
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error(fmt::format("plan file '{}' cannot be written", path));
+  out << j.dump(1) << "\n";
+}
+
+}  // namespace dcp

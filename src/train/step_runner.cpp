@@ -1,0 +1,80 @@
+#include <fmt/format.h>
+
+#include <chrono>
+
+#include "dcp/train.h"
+
+namespace dcp {
+namespace {
+
+// Every rank must execute the same plan; a mismatch would silently mix gradients of different steps.
+void check_same_plan(const StepPlan& plan, const Communicator& world) {
+  int64_t h = plan.hash();
+  auto t = torch::tensor({h, -h}, torch::kInt64);
+  world.allreduce_max(t);
+  int64_t max_h = t[0].item<int64_t>(), min_h = -t[1].item<int64_t>();
+  if (max_h != h || min_h != h) {
+    throw std::runtime_error(fmt::format(
+        "step plan mismatch at epoch {} step {}: rank {} holds plan hash {}, ranks hold hashes in [{}, {}]",
+        plan.epoch, plan.index, world.rank(), h, min_h, max_h));
+  }
+}
+
+}  // namespace
+
+StepResult compute_step_gradients(Transformer& model, const Corpus& corpus, const StepPlan& plan,
+                                  const ProcessGroups& groups) {
+  const Communicator& world = groups.world();
+  check_same_plan(plan, world);
+  if (plan.global_num_tokens <= 0) {
+    throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}) has no tokens", plan.epoch, plan.index));
+  }
+  const GroupPlan& group = plan.group_of(world.rank());
+  if (group.sp_size != 1) {
+    throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}): sp_size {} is not supported yet",
+                                            plan.epoch, plan.index, group.sp_size));
+  }
+  auto params = model->parameters();
+  for (auto& p : params) p.mutable_grad() = torch::Tensor();
+
+  auto start = std::chrono::steady_clock::now();
+  double loss_sum = 0;
+  const double scale = 1.0 / static_cast<double>(plan.global_num_tokens);
+  for (const auto& mb : group.micro_batches) {
+    PackedBatch batch = make_batch(corpus, mb.sample_ids);
+    torch::Tensor loss = model->loss_sum(batch, mb.recompute_layers);
+    (loss * scale).backward();
+    loss_sum += loss.item<double>();
+  }
+  double busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  // One reduction per step: all gradients, then the loss and each rank's busy time in its own slot.
+  const int64_t world_size = world.size();
+  std::vector<torch::Tensor> parts;
+  parts.reserve(params.size() + 1);
+  for (auto& p : params) {
+    parts.push_back(p.grad().defined() ? p.grad().reshape(-1) : torch::zeros({p.numel()}, p.options()));
+  }
+  auto extra = torch::zeros({1 + world_size}, torch::kFloat32);
+  extra[0] = loss_sum;
+  extra[1 + world.rank()] = busy;
+  parts.push_back(extra);
+  torch::Tensor flat = torch::cat(parts);
+  world.allreduce_sum(flat);
+
+  int64_t offset = 0;
+  for (auto& p : params) {
+    p.mutable_grad() = flat.slice(0, offset, offset + p.numel()).view(p.sizes()).clone();
+    offset += p.numel();
+  }
+  StepResult r;
+  r.loss = flat[offset].item<double>() * scale;
+  r.tokens = plan.global_num_tokens;
+  for (const auto& g : plan.groups) {
+    for (const auto& mb : g.micro_batches) r.samples += static_cast<int64_t>(mb.sample_ids.size());
+  }
+  for (int64_t i = 0; i < world_size; ++i) r.rank_busy_s.push_back(flat[offset + 1 + i].item<double>());
+  return r;
+}
+
+}  // namespace dcp

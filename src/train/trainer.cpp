@@ -1,0 +1,234 @@
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "dcp/train.h"
+#include "train/checkpoint.h"
+#include "train/progress.h"
+#include "util/logging.h"
+
+namespace dcp {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Identical seeds give identical initial weights on every rank; check it rather than trust it.
+void check_same_weights(Transformer& model, const Communicator& world) {
+  double sum = 0;
+  for (const auto& p : model->parameters()) sum += p.to(torch::kFloat64).sum().item<double>();
+  auto t = torch::tensor({sum, -sum}, torch::kFloat64);
+  world.allreduce_max(t);
+  if (t[0].item<double>() != sum || -t[1].item<double>() != sum) {
+    throw std::runtime_error(fmt::format("rank {} starts from different weights than its peers (checksum {})",
+                                         world.rank(), sum));
+  }
+}
+
+std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const TrainConfig& cfg) {
+  // Decay matrices only; norms' gains are left alone, as in GPT-style training.
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  auto opts = [&](double wd) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(cfg.lr).betas({cfg.beta1, cfg.beta2}).weight_decay(wd));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> param_groups;
+  param_groups.emplace_back(decay, opts(cfg.weight_decay));
+  param_groups.emplace_back(no_decay, opts(0.0));
+  return std::make_unique<torch::optim::AdamW>(param_groups, torch::optim::AdamWOptions(cfg.lr));
+}
+
+// On resume, lines past the checkpoint belong to steps that will run again.
+void truncate_metrics(const fs::path& path, int64_t keep_through_step) {
+  std::vector<std::string> kept;
+  if (keep_through_step > 0) {
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) {
+      if (line.empty()) continue;
+      if (json::parse(line).value("step", int64_t{0}) <= keep_through_step) kept.push_back(line);
+    }
+  }
+  std::ofstream out(path, std::ios::trunc);
+  for (const auto& l : kept) out << l << "\n";
+}
+
+void write_file(const fs::path& path, const std::string& text) {
+  fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << text;
+    if (!out) throw std::runtime_error(fmt::format("cannot write '{}'", tmp.string()));
+  }
+  fs::rename(tmp, path);
+}
+
+}  // namespace
+
+int train(const Config& cfg, const ProcessGroups& groups, bool resume) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  const DistEnv& env = groups.env();
+  const Communicator& world = groups.world();
+  const bool lead = env.rank == 0;
+  const fs::path run_dir = cfg.run.dir;
+  fs::create_directories(run_dir);
+  init_logging(run_dir.string(), env.rank, cfg.run.log_level);
+
+  int64_t threads = cfg.train.threads > 0
+                        ? cfg.train.threads
+                        : std::max<int64_t>(1, std::thread::hardware_concurrency() / env.local_world_size);
+  torch::set_num_threads(static_cast<int>(threads));
+  spdlog::info("world_size {} (launcher: {}), {} threads per rank, process groups ready in {:.2f} s", env.world_size,
+               env.launcher, threads, groups.creation_seconds());
+
+  Corpus corpus = Corpus::load(cfg.data);
+  spdlog::info("corpus {}: {} documents kept, {} train samples, {} held-out samples, {} documents skipped",
+               cfg.data.path, corpus.num_documents(), corpus.train_ids().size(), corpus.heldout_ids().size(),
+               corpus.skipped().total());
+  for (const auto& [reason, n] : corpus.skipped().by_reason) {
+    std::string examples;
+    for (const auto& e : corpus.skipped().examples.at(reason)) examples += " " + e;
+    spdlog::warn("skipped {} document(s) as {}: e.g.{}", n, reason, examples);
+  }
+
+  torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
+  Transformer model(cfg.model, cfg.attention);
+  auto optimizer = make_optimizer(model, cfg.train);
+  int64_t n_params = 0;
+  for (const auto& p : model->parameters()) n_params += p.numel();
+  spdlog::info("model: {} parameters, d_model {}, {} layers, {} heads, d_ff {}", n_params, cfg.model.d_model,
+               cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_ff);
+
+  const fs::path ckpt_dir = run_dir / "checkpoint";
+  TrainState state;
+  if (resume) {
+    state = load_checkpoint(ckpt_dir.string(), model, optimizer.get());
+    spdlog::info("resumed from {} at step {} (epoch {}, step {} of the epoch)", ckpt_dir.string(), state.step,
+                 state.epoch, state.index_in_epoch);
+  }
+  check_same_weights(model, world);
+
+  const fs::path metrics_path = run_dir / "metrics.jsonl";
+  if (lead) {
+    write_file(run_dir / "config.yaml", cfg.to_yaml());
+    truncate_metrics(metrics_path, resume ? state.step : 0);
+  }
+  std::ofstream metrics;
+  if (lead) metrics.open(metrics_path, std::ios::app);
+
+  if (!resume) {
+    state.heldout_bits_per_byte_initial = heldout_bits_per_byte(model, corpus, cfg, groups);
+    spdlog::info("held-out bits per byte before training: {:.4f}", state.heldout_bits_per_byte_initial);
+  }
+
+  DataParallelOptions dp{env.world_size, cfg.train.global_batch_tokens, cfg.train.micro_batch_tokens,
+                         cfg.model.recompute_layers};
+  auto plans_for = [&](int64_t epoch) {
+    auto order = epoch_order(corpus.train_ids(), static_cast<uint64_t>(cfg.run.seed), epoch);
+    return plan_data_parallel(corpus.samples(), order, epoch, dp);
+  };
+  std::vector<StepPlan> plans = plans_for(state.epoch);
+
+  const auto train_start = std::chrono::steady_clock::now();
+  const int64_t first_step = state.step;
+  Progress progress(cfg.train.max_steps, first_step, lead);
+  while (state.step < cfg.train.max_steps &&
+         (cfg.train.stop_after_steps == 0 || state.step - first_step < cfg.train.stop_after_steps)) {
+    if (state.index_in_epoch >= static_cast<int64_t>(plans.size())) {
+      ++state.epoch;
+      state.index_in_epoch = 0;
+      plans = plans_for(state.epoch);
+      spdlog::info("epoch {} begins ({} steps)", state.epoch, plans.size());
+    }
+    const StepPlan& plan = plans[static_cast<size_t>(state.index_in_epoch)];
+    const auto step_start = std::chrono::steady_clock::now();
+    StepResult r = compute_step_gradients(model, corpus, plan, groups);
+    double grad_norm = 0;
+    if (cfg.train.grad_clip > 0) {
+      grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), cfg.train.grad_clip);
+    }
+    double lr = lr_at(state.step, cfg.train);
+    for (auto& g : optimizer->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+    optimizer->step();
+    double step_time = seconds_since(step_start);
+
+    ++state.step;
+    ++state.index_in_epoch;
+    state.tokens_trained += r.tokens;
+    state.samples_trained += r.samples;
+    double max_busy = *std::max_element(r.rank_busy_s.begin(), r.rank_busy_s.end());
+    double mean_busy = 0;
+    for (double b : r.rank_busy_s) mean_busy += b / static_cast<double>(r.rank_busy_s.size());
+    std::vector<int64_t> sp_sizes;
+    for (const auto& g : plan.groups) sp_sizes.push_back(g.sp_size);
+    double tokens_per_s = static_cast<double>(r.tokens) / step_time;
+    if (lead) {
+      json line = {{"step", state.step},
+                   {"epoch", state.epoch},
+                   {"loss", r.loss},
+                   {"tokens", r.tokens},
+                   {"samples", r.samples},
+                   {"step_time_s", step_time},
+                   {"tokens_per_s", tokens_per_s},
+                   {"lr", lr},
+                   {"grad_norm", grad_norm},
+                   {"rank_busy_s", r.rank_busy_s},
+                   {"imbalance", max_busy > 0 ? 1.0 - mean_busy / max_busy : 0.0},
+                   {"sp_sizes", sp_sizes}};
+      metrics << line.dump() << "\n";
+      metrics.flush();
+    }
+    progress.update(state.step, r.loss, tokens_per_s, lr);
+    if (cfg.train.checkpoint_every > 0 && state.step % cfg.train.checkpoint_every == 0 &&
+        state.step < cfg.train.max_steps) {
+      if (lead) {
+        TrainState snapshot = state;
+        snapshot.wall_time_s += seconds_since(wall_start);
+        save_checkpoint(ckpt_dir.string(), model, *optimizer, snapshot, cfg);
+      }
+      world.barrier();
+    }
+  }
+  progress.finish();
+  const double train_time = seconds_since(train_start);
+
+  state.wall_time_s += seconds_since(wall_start);
+  if (lead) save_checkpoint(ckpt_dir.string(), model, *optimizer, state, cfg);
+  world.barrier();
+
+  double final_bpb = heldout_bits_per_byte(model, corpus, cfg, groups);
+  spdlog::info("held-out bits per byte: {:.4f} before training, {:.4f} after {} steps", state.heldout_bits_per_byte_initial,
+               final_bpb, state.step);
+  if (lead) {
+    json summary = {{"heldout_bits_per_byte_initial", state.heldout_bits_per_byte_initial},
+                    {"heldout_bits_per_byte_final", final_bpb},
+                    {"steps", state.step},
+                    {"epochs_started", state.epoch + 1},
+                    {"tokens_trained", state.tokens_trained},
+                    {"samples_trained", state.samples_trained},
+                    {"samples_skipped", corpus.skipped().by_reason},
+                    {"documents_skipped", corpus.skipped().total()},
+                    {"documents_kept", corpus.num_documents()},
+                    {"train_samples_per_epoch", corpus.train_ids().size()},
+                    {"heldout_samples", corpus.heldout_ids().size()},
+                    {"wall_time_s", state.wall_time_s},
+                    {"train_time_s_this_run", train_time},
+                    {"world_size", env.world_size},
+                    {"threads_per_rank", threads},
+                    {"parameters", n_params}};
+    write_file(run_dir / "summary.json", summary.dump(2) + "\n");
+    spdlog::info("wrote {}/summary.json, metrics.jsonl, config.yaml and checkpoint/", run_dir.string());
+  }
+  return 0;
+}
+
+}  // namespace dcp

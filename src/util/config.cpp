@@ -6,7 +6,6 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
-#include <sstream>
 
 namespace dcp {
 namespace {
@@ -51,6 +50,7 @@ void visit(C& c, F&& f) {
   f("train.beta2", c.train.beta2, RealRule{0.0, 0.999999});
   f("train.grad_clip", c.train.grad_clip, RealRule{0.0});
   f("train.checkpoint_every", c.train.checkpoint_every, IntRule{0});
+  f("train.stop_after_steps", c.train.stop_after_steps, IntRule{0});
   f("train.threads", c.train.threads, IntRule{0, 1024});
   f("eval.max_tokens", c.eval.max_tokens, IntRule{0});
   f("dist.timeout_s", c.dist.timeout_s, RealRule{0.1, 86400.0});
@@ -107,11 +107,13 @@ void parse_into(const std::string& key, const std::string& text, std::string& ou
 
 std::string to_text(int64_t v) { return std::to_string(v); }
 std::string to_text(const std::string& v) { return v; }
+// Shortest text that reads back as the same double, so config.yaml shows 0.1 rather than 0.10000000000000001.
 std::string to_text(double v) {
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  return os.str();
+  for (int precision = 6; precision < 17; ++precision) {
+    std::string s = fmt::format("{:.{}g}", v, precision);
+    if (std::stod(s) == v) return s;
+  }
+  return fmt::format("{:.17g}", v);
 }
 
 std::vector<std::string> known_keys() {

@@ -1,0 +1,78 @@
+// Launcher environment, rendezvous and the process groups of a run (c10d underneath, kept out of this header).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dcp {
+
+/// Where this process sits in the job, read from the launcher's variables.
+struct DistEnv {
+  int64_t rank = 0;
+  int64_t world_size = 1;
+  int64_t local_rank = 0;
+  int64_t local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int64_t master_port = 29500;
+  std::string launcher = "none";  ///< torchrun | openmpi | slurm | none
+
+  /// Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, else Open MPI's OMPI_COMM_WORLD_*, else
+  /// Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; MASTER_ADDR and MASTER_PORT in all cases. Without any of
+  /// them: a single process. Throws std::runtime_error naming the variable and its value when one is malformed
+  /// or inconsistent (rank >= world_size).
+  static DistEnv from_environment();
+};
+
+/// One process group. With a single member every collective is a no-op.
+/// Every collective waits at most the timeout given at creation and throws std::runtime_error (naming the
+/// group and the operation) when a peer died or did not answer in time.
+class Communicator {
+ public:
+  struct Impl;
+  Communicator(std::string name, int64_t rank, int64_t size, std::shared_ptr<Impl> impl);
+
+  int64_t rank() const { return rank_; }
+  int64_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+  void allreduce_sum(at::Tensor& t) const;  ///< in place, any shape, CPU float/int
+  void allreduce_max(at::Tensor& t) const;  ///< in place
+  /// Splits `input` [size * n, ...] into `size` equal chunks along dim 0, sends chunk j to member j, and
+  /// returns the chunks received, concatenated in member order (same shape as input).
+  at::Tensor all_to_all(const at::Tensor& input) const;
+  void barrier() const;
+
+ private:
+  std::string name_;
+  int64_t rank_, size_;
+  std::shared_ptr<Impl> impl_;
+};
+
+/// The run's process groups, created once at start-up: the world, and for each SP size s the aligned block
+/// of ranks [k*s, (k+1)*s) that holds this rank. group(s) is a map look-up, no communication.
+class ProcessGroups {
+ public:
+  /// Rendezvous over a c10d TCPStore at env.master_addr:env.master_port (rank 0 serves it) and Gloo groups.
+  /// `sp_sizes` must divide env.world_size. Throws std::runtime_error when a peer does not join within
+  /// `timeout_s` seconds, or std::invalid_argument for an SP size that does not divide world_size.
+  ProcessGroups(const DistEnv& env, double timeout_s, const std::vector<int64_t>& sp_sizes = {});
+
+  const DistEnv& env() const { return env_; }
+  const Communicator& world() const { return *world_; }
+  /// Throws std::out_of_range naming the size when no group of that size was created.
+  const Communicator& group(int64_t sp_size) const;
+  double creation_seconds() const { return creation_seconds_; }
+
+ private:
+  DistEnv env_;
+  std::shared_ptr<Communicator> world_;
+  std::map<int64_t, std::shared_ptr<Communicator>> groups_;
+  double creation_seconds_ = 0;
+};
+
+}  // namespace dcp

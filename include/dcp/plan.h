@@ -1,0 +1,77 @@
+// StepPlan: what every rank does in one global step. Pure data, no tensors; see docs/step_plan.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dcp/data.h"
+
+namespace dcp {
+
+/// One forward+backward on one group of ranks: the samples packed into one token stream.
+struct MicroBatch {
+  std::vector<int64_t> sample_ids;
+  int64_t num_tokens = 0;        ///< sum of the samples' lengths, tokens
+  int64_t recompute_layers = 0;  ///< the first N layers recompute activations in backward
+};
+
+/// A block of consecutive ranks [first_rank, first_rank + sp_size) that runs its micro-batches in order with
+/// the sequence split over its sp_size ranks.
+struct GroupPlan {
+  int64_t first_rank = 0;
+  int64_t sp_size = 1;
+  std::vector<MicroBatch> micro_batches;  ///< grad_accum_steps = micro_batches.size(); may be empty
+};
+
+/// One global step: groups that partition the ranks, and the number of target tokens of the whole step, by
+/// which every token loss is divided so the step gradient is that of the mean token loss.
+struct StepPlan {
+  int64_t epoch = 0;
+  int64_t index = 0;                  ///< step index inside the epoch
+  std::vector<GroupPlan> groups;
+  int64_t global_num_tokens = 0;      ///< tokens, = sum over all micro-batches of num_tokens
+
+  /// The group that holds `rank`; throws std::out_of_range naming the rank when none does.
+  const GroupPlan& group_of(int64_t rank) const;
+
+  /// Checks that groups partition [0, world_size) into aligned blocks (first_rank % sp_size == 0), that
+  /// token counts add up against `samples`, and that recompute_layers is within [0, n_layers]. Throws
+  /// std::invalid_argument describing the first violation.
+  void validate(int64_t world_size, const std::vector<Sample>& samples, int64_t n_layers) const;
+
+  /// Canonical JSON text (schema in docs/step_plan.md) and its inverse; from_json throws
+  /// std::invalid_argument naming the missing or malformed field.
+  std::string to_json() const;
+  static StepPlan from_json(const std::string& text);
+
+  /// 62-bit FNV-1a hash of the canonical JSON; ranks compare it before executing the step.
+  int64_t hash() const;
+};
+
+/// Reads a JSON list of StepPlans (or one StepPlan) from a file; throws std::runtime_error naming the file.
+std::vector<StepPlan> load_plans(const std::string& path);
+/// Writes a JSON list of StepPlans.
+void save_plans(const std::string& path, const std::vector<StepPlan>& plans);
+
+/// The epoch's training order: a Fisher-Yates shuffle of `ids` driven by a SplitMix64 stream seeded with
+/// (seed, epoch); identical on every platform and rank.
+std::vector<int64_t> epoch_order(const std::vector<int64_t>& ids, uint64_t seed, int64_t epoch);
+
+/// Options of the static data-parallel planner.
+struct DataParallelOptions {
+  int64_t world_size = 1;
+  int64_t global_batch_tokens = 16384;  ///< a step takes samples in order while its token sum stays within this
+  int64_t micro_batch_tokens = 4096;    ///< packing capacity of one micro-batch
+  int64_t recompute_layers = 0;
+};
+
+/// Static data-parallel plans for one epoch (sp_size 1 everywhere): consecutive samples of `order` form a step
+/// (at least one sample, at most global_batch_tokens unless one sample alone is longer); the step's samples go
+/// to ranks longest-first onto the least-loaded rank (LPT), and each rank packs its samples first-fit decreasing
+/// into micro-batches of at most micro_batch_tokens. Every sample of `order` appears in exactly one step.
+/// Throws std::invalid_argument when a sample is longer than micro_batch_tokens or an option is not positive.
+std::vector<StepPlan> plan_data_parallel(const std::vector<Sample>& samples, const std::vector<int64_t>& order,
+                                         int64_t epoch, const DataParallelOptions& opt);
+
+}  // namespace dcp

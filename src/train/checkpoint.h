@@ -1,0 +1,37 @@
+// Atomic checkpoints: model, optimizer, training position and the resolved config.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <string>
+
+#include "dcp/config.h"
+#include "dcp/model.h"
+
+namespace dcp {
+
+/// Where training stands; with the config's seed this fixes the data order, so resuming repeats no sample.
+struct TrainState {
+  int64_t step = 0;            ///< optimizer steps done
+  int64_t epoch = 0;
+  int64_t index_in_epoch = 0;  ///< next step of the epoch's plan list
+  int64_t tokens_trained = 0;
+  int64_t samples_trained = 0;
+  double heldout_bits_per_byte_initial = 0;
+  double wall_time_s = 0;      ///< training wall time of all earlier invocations
+};
+
+/// Writes `dir` atomically: into `dir`.tmp first, then renamed over `dir`. Throws std::runtime_error naming
+/// the path when writing fails.
+void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer& optimizer,
+                     const TrainState& state, const Config& cfg);
+
+/// Reads the config stored in checkpoint `dir` (its config.yaml). Throws std::runtime_error naming the path
+/// when the directory or file is missing.
+Config load_checkpoint_config(const std::string& dir);
+
+/// Loads model weights (and optimizer state when `optimizer` is non-null) and returns the state. Throws
+/// std::runtime_error naming the path when files are missing or the model shape differs.
+TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer* optimizer);
+
+}  // namespace dcp

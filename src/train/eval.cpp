@@ -1,0 +1,44 @@
+#include <cmath>
+
+#include "dcp/train.h"
+
+namespace dcp {
+
+double heldout_bits_per_byte(Transformer& model, const Corpus& corpus, const Config& cfg, const ProcessGroups& groups) {
+  const Communicator& world = groups.world();
+  torch::NoGradGuard no_grad;
+  // The same prefix of held-out samples on every rank, sharded round-robin.
+  std::vector<int64_t> mine;
+  int64_t taken = 0;
+  const auto& ids = corpus.heldout_ids();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (cfg.eval.max_tokens > 0 && taken >= cfg.eval.max_tokens) break;
+    taken += corpus.samples()[static_cast<size_t>(ids[i])].length;
+    if (static_cast<int64_t>(i) % world.size() == world.rank()) mine.push_back(ids[i]);
+  }
+  double loss = 0, tokens = 0;
+  std::vector<int64_t> chunk;
+  int64_t chunk_tokens = 0;
+  auto flush = [&] {
+    if (chunk.empty()) return;
+    PackedBatch batch = make_batch(corpus, chunk);
+    loss += model->loss_sum(batch).item<double>();
+    tokens += static_cast<double>(batch.num_tokens());
+    chunk.clear();
+    chunk_tokens = 0;
+  };
+  for (int64_t id : mine) {
+    int64_t len = corpus.samples()[static_cast<size_t>(id)].length;
+    if (chunk_tokens + len > cfg.train.micro_batch_tokens) flush();
+    chunk.push_back(id);
+    chunk_tokens += len;
+  }
+  flush();
+  auto t = torch::tensor({loss, tokens}, torch::kFloat64);
+  world.allreduce_sum(t);
+  double total_tokens = t[1].item<double>();
+  if (total_tokens == 0) return std::nan("");
+  return t[0].item<double>() / total_tokens / std::log(2.0);
+}
+
+}  // namespace dcp

@@ -1,0 +1,291 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "dcp/model.h"
+
+using namespace dcp;
+
+namespace {
+
+ModelConfig tiny_config() {
+  ModelConfig cfg;
+  cfg.d_model = 32;
+  cfg.n_layers = 3;
+  cfg.n_heads = 4;
+  cfg.d_ff = 64;
+  return cfg;
+}
+
+// Built directly rather than through Corpus so the model is testable on its own; uses the global torch RNG.
+PackedBatch random_batch(const std::vector<int64_t>& lengths) {
+  std::vector<int64_t> cu{0};
+  std::vector<torch::Tensor> positions;
+  for (int64_t len : lengths) {
+    cu.push_back(cu.back() + len);
+    positions.push_back(torch::arange(len, torch::kInt64));
+  }
+  PackedBatch b;
+  b.tokens = torch::randint(0, kVocabSize, {cu.back()}, torch::kInt64);
+  b.targets = torch::randint(0, 256, {cu.back()}, torch::kInt64);
+  b.positions = torch::cat(positions);
+  b.cu_seqlens = torch::tensor(cu, torch::kInt64);
+  for (size_t i = 0; i < lengths.size(); ++i) b.sample_ids.push_back(static_cast<int64_t>(i));
+  return b;
+}
+
+PackedBatch sample_of(const PackedBatch& b, int64_t i) {
+  const int64_t start = b.cu_seqlens[i].item<int64_t>(), end = b.cu_seqlens[i + 1].item<int64_t>();
+  PackedBatch s;
+  s.tokens = b.tokens.slice(0, start, end);
+  s.targets = b.targets.slice(0, start, end);
+  s.positions = b.positions.slice(0, start, end);
+  s.cu_seqlens = torch::tensor(std::vector<int64_t>{0, end - start}, torch::kInt64);
+  s.sample_ids = {b.sample_ids[static_cast<size_t>(i)]};
+  return s;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> grads_of(const Transformer& model) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& p : model->named_parameters()) out.emplace_back(p.key(), p.value().grad().clone());
+  return out;
+}
+
+void expect_grads_close(const std::vector<std::pair<std::string, torch::Tensor>>& a,
+                        const std::vector<std::pair<std::string, torch::Tensor>>& b, double rtol, double atol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_TRUE(torch::allclose(a[i].second, b[i].second, rtol, atol))
+        << a[i].first << ": max abs diff " << (a[i].second - b[i].second).abs().max().item<double>();
+  }
+}
+
+// Block-diagonal causal mask over the whole packed stream: [T, T], true where query t may attend to key s.
+torch::Tensor packed_causal_mask(const std::vector<int64_t>& lengths) {
+  std::vector<int64_t> owner;
+  for (size_t i = 0; i < lengths.size(); ++i) owner.insert(owner.end(), static_cast<size_t>(lengths[i]), static_cast<int64_t>(i));
+  auto doc = torch::tensor(owner, torch::kInt64);
+  const int64_t total = doc.numel();
+  auto same_doc = doc.unsqueeze(1) == doc.unsqueeze(0);
+  auto causal = torch::ones({total, total}, torch::kBool).tril();
+  return same_doc & causal;
+}
+
+}  // namespace
+
+TEST(Packing, SameLogitsAndGradientsAsOneSampleAtATime) {
+  torch::manual_seed(1);
+  Transformer model(tiny_config());
+  const std::vector<int64_t> lengths{5, 17, 9};
+  PackedBatch batch = random_batch(lengths);
+
+  model->zero_grad();
+  auto packed_logits = model->forward(batch);
+  model->loss_sum(batch).backward();
+  auto packed_grads = grads_of(model);
+
+  model->zero_grad();
+  std::vector<torch::Tensor> single_logits;
+  for (int64_t i = 0; i < static_cast<int64_t>(lengths.size()); ++i) {
+    PackedBatch one = sample_of(batch, i);
+    single_logits.push_back(model->forward(one));
+    model->loss_sum(one).backward();
+  }
+  auto one_by_one = torch::cat(single_logits);
+  EXPECT_TRUE(torch::allclose(packed_logits, one_by_one, 1e-5, 1e-5))
+      << "max abs diff " << (packed_logits - one_by_one).abs().max().item<double>();
+  expect_grads_close(packed_grads, grads_of(model), 1e-5, 1e-6);
+}
+
+TEST(Recompute, SameLossAndGradientsForAnyNumberOfLayers) {
+  torch::manual_seed(2);
+  Transformer model(tiny_config());
+  PackedBatch batch = random_batch({5, 17, 9});
+
+  std::vector<double> losses;
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> grads;
+  for (int64_t layers : {0, 1, 3}) {
+    model->zero_grad();
+    auto loss = model->loss_sum(batch, layers);
+    loss.backward();
+    losses.push_back(loss.item<double>());
+    grads.push_back(grads_of(model));
+  }
+  for (size_t i = 1; i < losses.size(); ++i) {
+    EXPECT_NEAR(losses[i], losses[0], 1e-6 * std::abs(losses[0]));
+    expect_grads_close(grads[i], grads[0], 1e-6, 1e-9);
+  }
+}
+
+TEST(Recompute, NoGradForwardMatches) {
+  torch::manual_seed(3);
+  Transformer model(tiny_config());
+  PackedBatch batch = random_batch({7, 4});
+  auto expected = model->forward(batch).detach();
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::allclose(model->forward(batch, 3), expected, 1e-6, 1e-7));
+}
+
+TEST(Recompute, MatchesPlainAutogradIncludingNestedRecompute) {
+  torch::manual_seed(4);
+  auto w = torch::randn({6}, torch::requires_grad());
+  auto x0 = torch::randn({3, 6});
+  auto inner_calls = std::make_shared<int>(0);
+  auto inner = [w, inner_calls](const torch::Tensor& h) {
+    ++*inner_calls;
+    return torch::tanh(h * w);
+  };
+  // The inner recompute runs while the outer one is being recomputed inside backward.
+  auto outer = [w, inner](const torch::Tensor& h) { return recompute(inner, h * w).sin(); };
+  auto plain = [w, inner](const torch::Tensor& h) { return inner(h * w).sin(); };
+
+  auto run = [&](const std::function<torch::Tensor(const torch::Tensor&)>& f, bool checkpoint) {
+    if (w.grad().defined()) w.mutable_grad().zero_();
+    auto x = x0.clone().requires_grad_(true);
+    auto y = checkpoint ? recompute(f, x * 2) : f(x * 2);
+    (y * y).sum().backward();
+    return std::make_pair(x.grad().clone(), w.grad().clone());
+  };
+  auto expected = run(plain, false);
+  *inner_calls = 0;
+  auto got = run(outer, true);
+  // Once in the outer forward, once when backward reruns the outer fn, once when it reruns the inner one.
+  EXPECT_EQ(*inner_calls, 3);
+  EXPECT_TRUE(torch::allclose(got.first, expected.first, 1e-6, 1e-8));
+  EXPECT_TRUE(torch::allclose(got.second, expected.second, 1e-6, 1e-8));
+}
+
+TEST(Model, CausalInsideSampleAndNothingAcrossSamples) {
+  torch::manual_seed(5);
+  Transformer model(tiny_config());
+  PackedBatch batch = random_batch({5, 17, 9});
+  torch::NoGradGuard no_grad;
+  auto before = model->forward(batch);
+
+  const int64_t start = 5, p = 6, changed = start + p;  // position 6 of the second sample
+  PackedBatch edited = batch;
+  edited.tokens = batch.tokens.clone();
+  edited.tokens[changed] = (batch.tokens[changed].item<int64_t>() + 1) % kVocabSize;
+  auto after = model->forward(edited);
+
+  EXPECT_TRUE(torch::allclose(after.slice(0, 0, changed), before.slice(0, 0, changed), 0.0, 1e-6))
+      << "first sample or earlier positions of the edited sample changed";
+  EXPECT_TRUE(torch::allclose(after.slice(0, 22), before.slice(0, 22), 0.0, 1e-6)) << "third sample changed";
+  EXPECT_FALSE(torch::allclose(after.slice(0, changed, 22), before.slice(0, changed, 22), 0.0, 1e-6))
+      << "the edit did not reach its own and later positions";
+}
+
+TEST(Model, ParameterNamesAndInit) {
+  torch::manual_seed(6);
+  ModelConfig cfg = tiny_config();
+  Transformer model(cfg);
+  auto params = model->named_parameters();
+  for (const char* name : {"embed.weight", "blocks.0.wqkv.weight", "blocks.0.attn_norm.weight", "blocks.2.wo.weight",
+                           "blocks.2.w_gate.weight", "blocks.2.w_up.weight", "blocks.2.w_down.weight",
+                           "blocks.1.mlp_norm.weight", "final_norm.weight", "head.weight"}) {
+    EXPECT_NE(params.find(name), nullptr) << name;
+  }
+  EXPECT_EQ(params.size(), 3 + 7 * static_cast<size_t>(cfg.n_layers));
+  EXPECT_TRUE(torch::equal(params["final_norm.weight"], torch::ones({cfg.d_model})));
+  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(cfg.n_layers));
+  EXPECT_NEAR(params["blocks.0.w_down.weight"].std().item<double>(), residual_std, 0.15 * residual_std);
+  EXPECT_NEAR(params["head.weight"].std().item<double>(), 0.02, 0.1 * 0.02);
+}
+
+TEST(Attention, SoftmaxMatchesDenseBlockDiagonalReference) {
+  torch::manual_seed(7);
+  const std::vector<int64_t> lengths{5, 17, 9};
+  const int64_t total = 31, heads = 4, head_dim = 8;
+  auto q = torch::randn({total, heads, head_dim});
+  auto k = torch::randn({total, heads, head_dim});
+  auto v = torch::randn({total, heads, head_dim});
+  auto cu = torch::tensor(std::vector<int64_t>{0, 5, 22, 31}, torch::kInt64);
+
+  auto scores = torch::matmul(q.transpose(0, 1), k.transpose(0, 1).transpose(1, 2)) / std::sqrt(double(head_dim));
+  scores = scores.masked_fill(packed_causal_mask(lengths).logical_not(), -INFINITY);  // [H, T, T]
+  auto expected = torch::matmul(torch::softmax(scores, -1), v.transpose(0, 1)).transpose(0, 1);
+
+  auto got = SoftmaxAttention().forward(q, k, v, cu);
+  ASSERT_EQ(got.sizes(), q.sizes());
+  EXPECT_TRUE(torch::allclose(got, expected, 1e-5, 1e-6));
+}
+
+TEST(Attention, UnknownBackendThrowsConfigError) {
+  AttentionConfig attn;
+  EXPECT_NE(std::dynamic_pointer_cast<SoftmaxAttention>(make_attention_backend(attn)), nullptr);
+  attn.backend = "bogus";
+  EXPECT_THROW(make_attention_backend(attn), ConfigError);
+  EXPECT_THROW(Transformer(tiny_config(), attn), ConfigError);
+}
+
+TEST(Rotary, HalfSplitPairsAndFrequencies) {
+  const double theta = 10000.0;
+  const int64_t p = 3;
+  auto x = torch::zeros({1, 1, 4});
+  x[0][0][1] = 1.0;  // dimension 1 rotates with dimension 3 at frequency theta^(-2/4)
+  auto out = apply_rotary(x, torch::tensor(std::vector<int64_t>{p}, torch::kInt64), theta);
+  const double angle = p * std::pow(theta, -0.5);
+  EXPECT_NEAR(out[0][0][1].item<double>(), std::cos(angle), 1e-6);
+  EXPECT_NEAR(out[0][0][3].item<double>(), std::sin(angle), 1e-6);
+  EXPECT_NEAR(out[0][0][0].item<double>(), 0.0, 1e-7);
+  EXPECT_NEAR(out[0][0][2].item<double>(), 0.0, 1e-7);
+  EXPECT_THROW(apply_rotary(torch::zeros({1, 1, 3}), torch::zeros({1}, torch::kInt64), theta), std::invalid_argument);
+}
+
+TEST(Rotary, PreservesNormAndDependsOnlyOnRelativePosition) {
+  torch::manual_seed(8);
+  const double theta = 10000.0;
+  const int64_t heads = 4, head_dim = 8;
+  auto positions = torch::tensor(std::vector<int64_t>{0, 1, 5, 17, 40, 1000}, torch::kInt64);
+  auto x = torch::randn({positions.numel(), heads, head_dim});
+  auto rotated = apply_rotary(x, positions, theta);
+  EXPECT_TRUE(torch::allclose(rotated.norm(2, -1), x.norm(2, -1), 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(rotated[0], x[0])) << "position 0 must be the identity";
+
+  auto q = torch::randn({1, heads, head_dim});
+  auto k = torch::randn({1, heads, head_dim});
+  auto at = [&](const torch::Tensor& t, int64_t pos) {
+    return apply_rotary(t, torch::tensor(std::vector<int64_t>{pos}, torch::kInt64), theta);
+  };
+  auto dot = [&](int64_t m, int64_t n) { return (at(q, m) * at(k, n)).sum(-1); };  // [1, heads]
+  for (int64_t offset : {0, 3, -2, 11}) {
+    auto reference = dot(20 + offset, 20);
+    for (int64_t n : {2, 9, 33}) {
+      EXPECT_TRUE(torch::allclose(dot(n + offset, n), reference, 1e-4, 1e-4)) << "offset " << offset << " n " << n;
+    }
+  }
+  EXPECT_FALSE(torch::allclose(dot(3, 0), dot(0, 0), 1e-4, 1e-4)) << "scores must change with the offset";
+}
+
+TEST(Model, RecomputeLayersOutOfRangeThrows) {
+  torch::manual_seed(9);
+  Transformer model(tiny_config());
+  PackedBatch batch = random_batch({4});
+  EXPECT_THROW(model->forward(batch, -1), std::invalid_argument);
+  try {
+    model->forward(batch, 4);
+    FAIL() << "recompute_layers 4 > n_layers 3 was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("4"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Model, AdamReducesLossOnFixedBatch) {
+  torch::manual_seed(10);
+  Transformer model(tiny_config());
+  PackedBatch batch = random_batch({5, 17, 9});
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+  double first = 0, last = 0;
+  for (int step = 0; step < 30; ++step) {
+    opt.zero_grad();
+    auto loss = model->loss_sum(batch, step % 2);  // alternate recompute so training also goes through it
+    loss.backward();
+    opt.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_NEAR(first, 31 * std::log(double(kVocabSize)), 0.1 * first) << "initial loss should be near uniform";
+  EXPECT_LT(last, 0.5 * first);
+}

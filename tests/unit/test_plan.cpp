@@ -1,0 +1,101 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+#include "dcp/plan.h"
+
+using namespace dcp;
+
+namespace {
+
+std::vector<Sample> random_samples(int n, int max_len, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<Sample> s;
+  for (int i = 0; i < n; ++i) s.push_back(Sample{i, 1 + static_cast<int64_t>(rng() % max_len), "s"});
+  return s;
+}
+
+std::vector<int64_t> all_ids(const std::vector<Sample>& s) {
+  std::vector<int64_t> ids;
+  for (const auto& x : s) ids.push_back(x.id);
+  return ids;
+}
+
+}  // namespace
+
+TEST(DataParallelPlanner, EverySampleExactlyOnceAndPlansValid) {
+  for (int64_t world : {1, 2, 3, 5}) {
+    auto samples = random_samples(200, 500, static_cast<uint32_t>(world));
+    auto order = epoch_order(all_ids(samples), 7, 0);
+    auto plans = plan_data_parallel(samples, order, 0, {world, 2000, 600, 1});
+    std::vector<int> seen(samples.size(), 0);
+    for (const auto& p : plans) {
+      p.validate(world, samples, 4);
+      int64_t tokens = 0;
+      for (const auto& g : p.groups) {
+        for (const auto& mb : g.micro_batches) {
+          EXPECT_LE(mb.num_tokens, 600);
+          EXPECT_EQ(mb.recompute_layers, 1);
+          for (auto id : mb.sample_ids) ++seen[static_cast<size_t>(id)];
+          tokens += mb.num_tokens;
+        }
+      }
+      EXPECT_LE(tokens, 2000);
+    }
+    for (int c : seen) EXPECT_EQ(c, 1);
+  }
+}
+
+TEST(DataParallelPlanner, BalancesTokensAcrossRanks) {
+  auto samples = random_samples(64, 100, 3);
+  auto plans = plan_data_parallel(samples, all_ids(samples), 0, {4, 1 << 20, 1 << 20, 0});
+  ASSERT_EQ(plans.size(), 1u);
+  std::vector<int64_t> load;
+  for (const auto& g : plans[0].groups) {
+    int64_t t = 0;
+    for (const auto& mb : g.micro_batches) t += mb.num_tokens;
+    load.push_back(t);
+  }
+  auto [mn, mx] = std::minmax_element(load.begin(), load.end());
+  EXPECT_LE(*mx - *mn, 100);  // LPT: within one sample of each other
+}
+
+TEST(DataParallelPlanner, RejectsSampleLongerThanMicroBatch) {
+  std::vector<Sample> samples{{0, 10, "a"}, {1, 700, "b"}};
+  EXPECT_THROW(plan_data_parallel(samples, {0, 1}, 0, {2, 1000, 600, 0}), std::invalid_argument);
+}
+
+TEST(EpochOrder, IsAPermutationAndDependsOnSeedAndEpoch) {
+  std::vector<int64_t> ids(100);
+  for (int i = 0; i < 100; ++i) ids[static_cast<size_t>(i)] = i;
+  auto a = epoch_order(ids, 1, 0);
+  auto sorted = a;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, ids);
+  EXPECT_EQ(a, epoch_order(ids, 1, 0));
+  EXPECT_NE(a, epoch_order(ids, 1, 1));
+  EXPECT_NE(a, epoch_order(ids, 2, 0));
+}
+
+TEST(StepPlan, JsonRoundTripHashAndValidation) {
+  auto samples = random_samples(20, 50, 9);
+  auto plans = plan_data_parallel(samples, all_ids(samples), 3, {2, 300, 120, 2});
+  for (const auto& p : plans) {
+    StepPlan q = StepPlan::from_json(p.to_json());
+    EXPECT_EQ(q.to_json(), p.to_json());
+    EXPECT_EQ(q.hash(), p.hash());
+  }
+  StepPlan bad = plans[0];
+  bad.global_num_tokens += 1;
+  EXPECT_NE(bad.hash(), plans[0].hash());
+  EXPECT_THROW(bad.validate(2, samples, 4), std::invalid_argument);
+  StepPlan overlap = plans[0];
+  overlap.groups[1].first_rank = 0;
+  EXPECT_THROW(overlap.validate(2, samples, 4), std::invalid_argument);
+  StepPlan unaligned = plans[0];
+  unaligned.groups = {GroupPlan{1, 2, {}}};
+  EXPECT_THROW(unaligned.validate(3, samples, 4), std::invalid_argument);
+  EXPECT_THROW(StepPlan::from_json("{\"epoch\": 0}"), std::invalid_argument);
+  EXPECT_THROW(StepPlan::from_json("not json"), std::invalid_argument);
+}
