@@ -25,7 +25,7 @@ struct DataConfig {
   std::string path = "/usr/share/doc/python3.11/html/_sources";  ///< folder of text files or a .jsonl file
   std::string format = "auto";       ///< auto | text_dir | jsonl
   std::string glob = "*.txt";        ///< file-name pattern for text_dir (fnmatch, matched on the base name)
-  int64_t max_seq_len = 1024;        ///< tokens per sample; longer documents are split into chunks
+  int64_t max_seq_len = 512;         ///< tokens per sample; longer documents are split into chunks
   double heldout_fraction = 0.05;    ///< share of documents (by hash of path) held out for evaluation
 };
 
@@ -45,17 +45,22 @@ struct AttentionConfig {
 struct TrainConfig {
   int64_t global_batch_tokens = 16384;  ///< tokens per global step, summed over ranks
   int64_t micro_batch_tokens = 4096;    ///< packing budget of one micro-batch on one rank
-  int64_t max_steps = 300;
+  int64_t max_steps = 120;
   double lr = 3e-3;
   double min_lr_ratio = 0.1;            ///< cosine decays to lr * min_lr_ratio
-  int64_t warmup_steps = 20;
+  int64_t warmup_steps = 10;
   double weight_decay = 0.1;
   double beta1 = 0.9;
   double beta2 = 0.95;
   double grad_clip = 1.0;               ///< max global gradient L2 norm; 0 disables clipping
-  int64_t checkpoint_every = 0;         ///< steps between checkpoints; 0 = only at the end
+  int64_t checkpoint_every = 50;        ///< steps between checkpoints; 0 = only at the end
   int64_t stop_after_steps = 0;         ///< end this invocation after N steps (checkpointed; --resume goes on); 0 = off
   int64_t threads = 0;                  ///< intra-op threads per rank; 0 = cores / local ranks
+};
+
+struct ParallelConfig {
+  int64_t sp_size = 1;              ///< static sequence-parallel size of every micro-batch (divides world_size)
+  std::string sp_sizes = "pow2";    ///< SP sizes to create groups for: pow2 | all (every divisor) | "1,2,3"
 };
 
 struct EvalConfig {
@@ -72,6 +77,7 @@ struct Config {
   ModelConfig model;
   AttentionConfig attention;
   TrainConfig train;
+  ParallelConfig parallel;
   EvalConfig eval;
   DistConfig dist;
 

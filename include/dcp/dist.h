@@ -53,6 +53,11 @@ class Communicator {
   std::shared_ptr<Impl> impl_;
 };
 
+/// The SP sizes named by `spec` for `world_size`, ascending, always including 1 and world_size:
+/// "pow2" = powers of two dividing world_size, "all" = every divisor, or a comma list such as "1,2,3".
+/// Throws std::invalid_argument naming the spec when it is malformed or a size does not divide world_size.
+std::vector<int64_t> resolve_sp_sizes(const std::string& spec, int64_t world_size);
+
 /// The run's process groups, created once at start-up: the world, and for each SP size s the aligned block
 /// of ranks [k*s, (k+1)*s) that holds this rank. group(s) is a map look-up, no communication.
 class ProcessGroups {

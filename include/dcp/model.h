@@ -16,20 +16,34 @@
 
 namespace dcp {
 
+class AttentionBackend;
+
 /// Several samples packed as one flat token stream; sample i occupies [cu_seqlens[i], cu_seqlens[i+1]).
-/// T = total tokens.
+/// Under sequence parallelism a rank holds one contiguous shard of the stream: T_local = T_padded / sp_size
+/// tokens, while cu_seqlens still describes the whole padded stream (padding is one extra segment at the end,
+/// fewer than sp_size tokens, with target -100 so it never reaches the loss).
 struct PackedBatch {
-  torch::Tensor tokens;      ///< [T] int64 input token ids
-  torch::Tensor targets;     ///< [T] int64 next-token targets
-  torch::Tensor positions;   ///< [T] int64 position inside its sample (restarts at 0 for every sample)
-  torch::Tensor cu_seqlens;  ///< [n_samples + 1] int64 cumulative sample lengths, cu_seqlens[0] = 0
+  torch::Tensor tokens;      ///< [T_local] int64 input token ids
+  torch::Tensor targets;     ///< [T_local] int64 next-token targets; -100 = padding, ignored by the loss
+  torch::Tensor positions;   ///< [T_local] int64 position inside its sample (restarts at 0 for every sample)
+  torch::Tensor cu_seqlens;  ///< [segments + 1] int64 cumulative lengths of the whole stream, cu_seqlens[0] = 0
   std::vector<int64_t> sample_ids;
+  /// Replaces the model's attention for this batch: a sequence-parallel shard carries the attention that
+  /// exchanges q, k, v across its group. Null: the model's own backend.
+  std::shared_ptr<const AttentionBackend> attention;
   int64_t num_tokens() const { return tokens.numel(); }
 };
 
 /// Packs the given samples in order (CPU tensors). Throws std::invalid_argument for an empty id list and
 /// std::out_of_range for an id outside corpus.samples().
 PackedBatch make_batch(const Corpus& corpus, const std::vector<int64_t>& sample_ids);
+
+/// Shard `sp_rank` of `sp_size` of the packed stream of `sample_ids`: the stream is padded to a multiple of
+/// sp_size and this rank reads only its own tokens from the corpus; make_batch is make_shard(..., 0, 1).
+/// Throws std::invalid_argument for empty ids or sp_rank outside [0, sp_size), std::out_of_range for an
+/// unknown id.
+PackedBatch make_shard(const Corpus& corpus, const std::vector<int64_t>& sample_ids, int64_t sp_rank,
+                       int64_t sp_size);
 
 /// Attention over a packed stream: causal inside each sample, nothing across samples.
 class AttentionBackend {
@@ -75,7 +89,9 @@ struct BlockImpl : torch::nn::Module {
   /// Throws std::invalid_argument unless d_model is divisible by n_heads. wqkv's output is [q | k | v].
   BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention);
   /// x: [T, d_model]; positions: [T] int64; cu_seqlens: [n+1] int64. Returns [T, d_model].
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens);
+  /// `attention` null = the block's own backend.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
+                        const AttentionBackend* attention = nullptr);
 
   int64_t n_heads, head_dim;
   double rope_theta;
@@ -99,6 +115,7 @@ struct TransformerImpl : torch::nn::Module {
   torch::Tensor loss_sum(const PackedBatch& batch, int64_t recompute_layers = 0);
 
   ModelConfig cfg;
+  std::shared_ptr<AttentionBackend> attention;  ///< shared by all blocks
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   RMSNorm final_norm{nullptr};

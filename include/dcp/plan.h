@@ -64,13 +64,15 @@ struct DataParallelOptions {
   int64_t global_batch_tokens = 16384;  ///< a step takes samples in order while its token sum stays within this
   int64_t micro_batch_tokens = 4096;    ///< packing capacity of one micro-batch
   int64_t recompute_layers = 0;
+  int64_t sp_size = 1;                  ///< every group has this many ranks; must divide world_size
 };
 
-/// Static data-parallel plans for one epoch (sp_size 1 everywhere): consecutive samples of `order` form a step
-/// (at least one sample, at most global_batch_tokens unless one sample alone is longer); the step's samples go
-/// to ranks longest-first onto the least-loaded rank (LPT), and each rank packs its samples first-fit decreasing
-/// into micro-batches of at most micro_batch_tokens. Every sample of `order` appears in exactly one step.
-/// Throws std::invalid_argument when a sample is longer than micro_batch_tokens or an option is not positive.
+/// Static plans for one epoch, world_size / sp_size groups of sp_size ranks each: consecutive samples of
+/// `order` form a step (at least one sample, at most global_batch_tokens unless one sample alone is longer);
+/// the step's samples go longest-first onto the least-loaded group (LPT), and each group packs its samples
+/// first-fit decreasing into micro-batches of at most micro_batch_tokens * sp_size tokens. Every sample of `order` appears in exactly one step.
+/// Throws std::invalid_argument when a sample does not fit one micro-batch, an option is not positive, or
+/// sp_size does not divide world_size.
 std::vector<StepPlan> plan_data_parallel(const std::vector<Sample>& samples, const std::vector<int64_t>& order,
                                          int64_t epoch, const DataParallelOptions& opt);
 

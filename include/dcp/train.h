@@ -22,12 +22,28 @@ struct StepResult {
 };
 
 /// Runs this rank's micro-batches of `plan` (forward, backward with every token loss divided by
-/// plan.global_num_tokens), then one SUM all-reduce over the world of all parameter gradients together with
+/// plan.global_num_tokens; in a group of sp_size > 1 each rank holds one shard of every micro-batch and
+/// attention exchanges across the group), then one SUM all-reduce over the world of all parameter gradients together with
 /// the loss and the per-rank busy times. Afterwards every rank holds the gradient of the step's mean token
 /// loss. Gradients are overwritten, not accumulated. Throws std::runtime_error when the ranks' plans differ
-/// (hash check, naming the step) or a peer fails.
+/// (hash check, naming the step) or a peer fails, std::out_of_range when no process group of a plan's
+/// sp_size exists, std::invalid_argument when n_heads is not divisible by an sp_size.
 StepResult compute_step_gradients(Transformer& model, const Corpus& corpus, const StepPlan& plan,
                                   const ProcessGroups& groups);
+
+/// The plain single-process reference of a step: loads every sample of `plan` into one packed stream on this
+/// process, no communication, and sets each parameter's .grad to the gradient of
+/// (1 / plan.global_num_tokens) * (sum of token losses). Returns the mean token loss (nats).
+double reference_step_gradients(Transformer& model, const Corpus& corpus, const StepPlan& plan);
+
+/// How far `model`'s parameter gradients are from `reference` (same parameter order).
+struct GradientComparison {
+  double max_abs_err = 0;  ///< max over all elements of |g - g_ref|
+  double max_abs_ref = 0;  ///< max over all elements of |g_ref|
+  double max_rel_err = 0;  ///< max_abs_err / max_abs_ref: scale-free, well defined where g_ref is near 0
+};
+/// Throws std::invalid_argument when the parameter lists differ in length or shape.
+GradientComparison compare_gradients(Transformer& model, Transformer& reference);
 
 /// Learning rate at `step` (0-based): linear warm-up over warmup_steps, then cosine decay to
 /// lr * min_lr_ratio at max_steps (Loshchilov & Hutter 2017, SGDR without restarts).
@@ -37,10 +53,11 @@ double lr_at(int64_t step, const TrainConfig& cfg);
 /// evaluated in shards over all ranks and summed with one all-reduce.
 double heldout_bits_per_byte(Transformer& model, const Corpus& corpus, const Config& cfg, const ProcessGroups& groups);
 
-/// Trains `cfg` on `corpus` following static data-parallel plans (or `plan_file`), writing run_dir outputs:
-/// config.yaml, metrics.jsonl, summary.json, checkpoint/, logs/. With `resume`, continues from
-/// run_dir/checkpoint exactly (same data order, optimizer state and LR schedule).
-/// Returns the process exit code (0 on success); throws on errors that every rank sees.
-int train(const Config& cfg, const ProcessGroups& groups, bool resume);
+/// Trains `cfg` on the corpus of cfg.data, writing run_dir outputs: config.yaml, metrics.jsonl, summary.json,
+/// checkpoint/, logs/. Steps follow static plans (groups of parallel.sp_size ranks), or, when `plans` is
+/// non-empty, the given plans in order, repeated as epochs. With `resume`, continues from run_dir/checkpoint
+/// exactly (same data order, optimizer state and LR schedule). `groups` must hold every SP size the plans use.
+/// Throws std::runtime_error (bad data, a failed peer) or std::invalid_argument (a plan that does not fit).
+void train(const Config& cfg, const ProcessGroups& groups, bool resume, const std::vector<StepPlan>& plans = {});
 
 }  // namespace dcp

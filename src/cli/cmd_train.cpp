@@ -1,24 +1,39 @@
 #include <spdlog/spdlog.h>
 
+#include <set>
+
 #include "cli/commands.h"
 #include "dcp/train.h"
 
 namespace dcp {
 
+std::vector<int64_t> sp_sizes_for(const Config& cfg, int64_t world_size, const std::vector<StepPlan>& plans) {
+  std::vector<int64_t> sizes = resolve_sp_sizes(cfg.parallel.sp_sizes, world_size);
+  std::set<int64_t> all(sizes.begin(), sizes.end());
+  all.insert(cfg.parallel.sp_size);
+  for (const auto& p : plans) {
+    for (const auto& g : p.groups) all.insert(g.sp_size);
+  }
+  return {all.begin(), all.end()};
+}
+
 void add_train_command(CLI::App& app) {
   auto* sub = app.add_subcommand("train", "Train a model (defaults: small byte-level LM on the Python docs)");
   auto config_path = std::make_shared<std::string>();
+  auto plan_file = std::make_shared<std::string>();
   auto resume = std::make_shared<bool>(false);
   sub->add_option("--config", *config_path, "YAML config file (see configs/)")->check(CLI::ExistingFile);
+  sub->add_option("--plan-file", *plan_file, "execute these StepPlans (JSON, docs/step_plan.md) instead of planning")
+      ->check(CLI::ExistingFile);
   sub->add_flag("--resume", *resume, "continue from run_dir/checkpoint");
   sub->allow_extras();
   sub->footer("Any config key can be overridden as --section.key=value, e.g. --train.max_steps=100.");
-  sub->callback([sub, config_path, resume] {
+  sub->callback([sub, config_path, plan_file, resume] {
     Config cfg = Config::load(*config_path, config_overrides(*sub));
+    std::vector<StepPlan> plans = plan_file->empty() ? std::vector<StepPlan>{} : load_plans(*plan_file);
     DistEnv env = DistEnv::from_environment();
-    ProcessGroups groups(env, cfg.dist.timeout_s);
-    int code = train(cfg, groups, *resume);
-    if (code != 0) throw CLI::RuntimeError(code);
+    ProcessGroups groups(env, cfg.dist.timeout_s, sp_sizes_for(cfg, env.world_size, plans));
+    train(cfg, groups, *resume, plans);
   });
 }
 

@@ -3,11 +3,19 @@
 
 #include <CLI/CLI.hpp>
 
+#include "dcp/config.h"
+#include "dcp/plan.h"
+
 namespace dcp {
 
 void add_train_command(CLI::App& app);
 void add_launch_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
+void add_verify_plan_command(CLI::App& app);
+
+/// SP sizes to create groups for: parallel.sp_sizes, parallel.sp_size and every size `plans` use.
+/// Throws std::invalid_argument when one does not divide world_size.
+std::vector<int64_t> sp_sizes_for(const Config& cfg, int64_t world_size, const std::vector<StepPlan>& plans);
 
 /// Arguments CLI11 left over on `sub`, which must all be --section.key=value config overrides.
 /// Throws CLI::ValidationError for anything else.

@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   dcp::add_train_command(app);
   dcp::add_launch_command(app);
   dcp::add_generate_command(app);
+  dcp::add_verify_plan_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,11 +1,42 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <set>
+#include <sstream>
 
 #include "dcp/dist.h"
 #include "dist/c10d_compat.h"
 
 namespace dcp {
+
+std::vector<int64_t> resolve_sp_sizes(const std::string& spec, int64_t world_size) {
+  std::set<int64_t> sizes{1, world_size};
+  if (spec == "pow2" || spec == "all") {
+    for (int64_t s = 1; s <= world_size; ++s) {
+      bool pow2 = (s & (s - 1)) == 0;
+      if (world_size % s == 0 && (spec == "all" || pow2)) sizes.insert(s);
+    }
+  } else {
+    std::stringstream in(spec);
+    for (std::string item; std::getline(in, item, ',');) {
+      size_t used = 0;
+      int64_t s = 0;
+      try {
+        s = std::stoll(item, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != item.size() || s < 1 || world_size % s != 0) {
+        throw std::invalid_argument(fmt::format(
+            "config key 'parallel.sp_sizes': bad value '{}' (allowed: pow2, all, or a comma list of divisors of "
+            "world_size {}; '{}' is not one)",
+            spec, world_size, item));
+      }
+      sizes.insert(s);
+    }
+  }
+  return {sizes.begin(), sizes.end()};
+}
 
 ProcessGroups::ProcessGroups(const DistEnv& env, double timeout_s, const std::vector<int64_t>& sp_sizes) : env_(env) {
   auto start = std::chrono::steady_clock::now();

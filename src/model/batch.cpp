@@ -6,10 +6,19 @@
 namespace dcp {
 
 PackedBatch make_batch(const Corpus& corpus, const std::vector<int64_t>& sample_ids) {
+  return make_shard(corpus, sample_ids, 0, 1);
+}
+
+PackedBatch make_shard(const Corpus& corpus, const std::vector<int64_t>& sample_ids, int64_t sp_rank,
+                       int64_t sp_size) {
   if (sample_ids.empty()) throw std::invalid_argument("make_batch: empty sample id list");
+  if (sp_size < 1 || sp_rank < 0 || sp_rank >= sp_size) {
+    throw std::invalid_argument("make_shard: sp_rank " + std::to_string(sp_rank) + " outside [0, sp_size " +
+                                std::to_string(sp_size) + ")");
+  }
   const auto& samples = corpus.samples();
   std::vector<int64_t> cu{0};
-  cu.reserve(sample_ids.size() + 1);
+  cu.reserve(sample_ids.size() + 2);
   for (int64_t id : sample_ids) {
     if (id < 0 || id >= static_cast<int64_t>(samples.size())) {
       throw std::out_of_range("make_batch: unknown sample id " + std::to_string(id));
@@ -17,19 +26,30 @@ PackedBatch make_batch(const Corpus& corpus, const std::vector<int64_t>& sample_
     cu.push_back(cu.back() + samples[static_cast<size_t>(id)].length);
   }
   const int64_t total = cu.back();
+  const int64_t padded = (total + sp_size - 1) / sp_size * sp_size;
+  if (padded > total) cu.push_back(padded);  // the padding is a segment of its own: nothing attends across it
+  const int64_t local = padded / sp_size, begin = sp_rank * local, end = begin + local;
 
   PackedBatch b;
-  b.tokens = torch::empty({total}, torch::kInt64);
-  b.targets = torch::empty({total}, torch::kInt64);
-  b.positions = torch::empty({total}, torch::kInt64);
+  b.tokens = torch::zeros({local}, torch::kInt64);
+  b.targets = torch::full({local}, int64_t{-100}, torch::kInt64);
+  b.positions = torch::zeros({local}, torch::kInt64);
   b.cu_seqlens = torch::tensor(cu, torch::kInt64);
   b.sample_ids = sample_ids;
   int64_t* tokens = b.tokens.data_ptr<int64_t>();
   int64_t* targets = b.targets.data_ptr<int64_t>();
   int64_t* positions = b.positions.data_ptr<int64_t>();
+  // Only the overlap of each sample with [begin, end) is read: a rank never loads its peers' shards.
   for (size_t i = 0; i < sample_ids.size(); ++i) {
-    corpus.tokens(sample_ids[i], tokens + cu[i], targets + cu[i]);
-    for (int64_t p = 0; p < cu[i + 1] - cu[i]; ++p) positions[cu[i] + p] = p;
+    const int64_t lo = std::max(cu[i], begin), hi = std::min(cu[i + 1], end);
+    if (lo >= hi) continue;
+    std::string_view bytes = corpus.bytes(sample_ids[i]);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t p = t - cu[i];
+      tokens[t - begin] = p == 0 ? kBosToken : static_cast<unsigned char>(bytes[static_cast<size_t>(p - 1)]);
+      targets[t - begin] = static_cast<unsigned char>(bytes[static_cast<size_t>(p)]);
+      positions[t - begin] = p;
+    }
   }
   return b;
 }

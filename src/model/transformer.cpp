@@ -75,23 +75,24 @@ BlockImpl::BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> a
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
-                                 const torch::Tensor& cu_seqlens) {
+                                 const torch::Tensor& cu_seqlens, const AttentionBackend* attention_override) {
   const int64_t tokens = x.size(0);
   // wqkv's output is laid out as [q | k | v], each [heads, head_dim].
   auto qkv = wqkv(attn_norm(x)).view({tokens, 3, n_heads, head_dim}).unbind(1);
   auto q = apply_rotary(qkv[0], positions, rope_theta);
   auto k = apply_rotary(qkv[1], positions, rope_theta);
-  auto attn = attention->forward(q, k, qkv[2], cu_seqlens).reshape({tokens, n_heads * head_dim});
+  const AttentionBackend& backend = attention_override ? *attention_override : *attention;
+  auto attn = backend.forward(q, k, qkv[2], cu_seqlens).reshape({tokens, n_heads * head_dim});
   auto h = x + wo(attn);
   auto m = mlp_norm(h);
   return h + w_down(torch::silu(w_gate(m)) * w_up(m));
 }
 
-TransformerImpl::TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn) : cfg(cfg) {
-  auto backend = make_attention_backend(attn);
+TransformerImpl::TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn)
+    : cfg(cfg), attention(make_attention_backend(attn)) {
   embed = register_module("embed", torch::nn::Embedding(kVocabSize, cfg.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < cfg.n_layers; ++i) blocks->push_back(Block(cfg, backend));
+  for (int64_t i = 0; i < cfg.n_layers; ++i) blocks->push_back(Block(cfg, attention));
   final_norm = register_module("final_norm", RMSNorm(cfg.d_model));
   head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(cfg.d_model, kVocabSize).bias(false)));
   init_normal(embed->weight, kInitStd);
@@ -106,15 +107,19 @@ torch::Tensor TransformerImpl::forward(const PackedBatch& batch, int64_t recompu
   const auto device = embed->weight.device();
   const torch::Tensor positions = batch.positions.to(device);
   const torch::Tensor cu_seqlens = batch.cu_seqlens;
+  const std::shared_ptr<const AttentionBackend> attention_override = batch.attention;
   torch::Tensor x = embed(batch.tokens.to(device));  // [T, d_model]
   for (int64_t i = 0; i < cfg.n_layers; ++i) {
     std::shared_ptr<BlockImpl> block = blocks->ptr<BlockImpl>(static_cast<size_t>(i));
     if (i < recompute_layers) {
       // Captured by value: the closure is kept until backward reruns it, after this frame is gone.
-      x = recompute([block, positions, cu_seqlens](const torch::Tensor& h) { return block->forward(h, positions, cu_seqlens); },
-                    x);
+      x = recompute(
+          [block, positions, cu_seqlens, attention_override](const torch::Tensor& h) {
+            return block->forward(h, positions, cu_seqlens, attention_override.get());
+          },
+          x);
     } else {
-      x = block->forward(x, positions, cu_seqlens);
+      x = block->forward(x, positions, cu_seqlens, attention_override.get());
     }
   }
   return head(final_norm(x));

@@ -21,23 +21,23 @@ std::vector<int64_t> epoch_order(const std::vector<int64_t>& ids, uint64_t seed,
 
 namespace {
 
-// Longest first onto the least-loaded rank; ties go to the lower rank so that every rank computes the same.
+// Longest first onto the least-loaded group; ties go to the lower group so that every rank computes the same.
 std::vector<std::vector<int64_t>> assign_lpt(const std::vector<Sample>& samples, std::vector<int64_t> ids,
-                                             int64_t world_size) {
+                                             int64_t n_groups) {
   std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) {
     return samples[static_cast<size_t>(a)].length > samples[static_cast<size_t>(b)].length;
   });
-  std::vector<std::vector<int64_t>> per_rank(static_cast<size_t>(world_size));
-  std::vector<int64_t> load(static_cast<size_t>(world_size), 0);
+  std::vector<std::vector<int64_t>> per_group(static_cast<size_t>(n_groups));
+  std::vector<int64_t> load(static_cast<size_t>(n_groups), 0);
   for (int64_t id : ids) {
     size_t r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    per_rank[r].push_back(id);
+    per_group[r].push_back(id);
     load[r] += samples[static_cast<size_t>(id)].length;
   }
-  return per_rank;
+  return per_group;
 }
 
-// First-fit decreasing bin packing of one rank's samples into micro-batches of bounded token count.
+// First-fit decreasing bin packing of one group's samples into micro-batches of bounded token count.
 std::vector<MicroBatch> pack_first_fit(const std::vector<Sample>& samples, const std::vector<int64_t>& ids,
                                        int64_t capacity, int64_t recompute_layers) {
   std::vector<MicroBatch> bins;
@@ -58,11 +58,16 @@ std::vector<MicroBatch> pack_first_fit(const std::vector<Sample>& samples, const
 
 std::vector<StepPlan> plan_data_parallel(const std::vector<Sample>& samples, const std::vector<int64_t>& order,
                                          int64_t epoch, const DataParallelOptions& opt) {
-  if (opt.world_size < 1 || opt.global_batch_tokens < 1 || opt.micro_batch_tokens < 1) {
+  if (opt.world_size < 1 || opt.global_batch_tokens < 1 || opt.micro_batch_tokens < 1 || opt.sp_size < 1) {
     throw std::invalid_argument(fmt::format(
-        "data-parallel planner: world_size {}, global_batch_tokens {}, micro_batch_tokens {} must all be positive",
-        opt.world_size, opt.global_batch_tokens, opt.micro_batch_tokens));
+        "static planner: world_size {}, global_batch_tokens {}, micro_batch_tokens {}, sp_size {} must all be positive",
+        opt.world_size, opt.global_batch_tokens, opt.micro_batch_tokens, opt.sp_size));
   }
+  if (opt.world_size % opt.sp_size != 0) {
+    throw std::invalid_argument(
+        fmt::format("static planner: sp_size {} does not divide world_size {}", opt.sp_size, opt.world_size));
+  }
+  const int64_t n_groups = opt.world_size / opt.sp_size, capacity = opt.micro_batch_tokens * opt.sp_size;
   std::vector<StepPlan> plans;
   size_t next = 0;
   while (next < order.size()) {
@@ -70,9 +75,9 @@ std::vector<StepPlan> plan_data_parallel(const std::vector<Sample>& samples, con
     int64_t tokens = 0;
     while (next < order.size()) {
       const Sample& s = samples.at(static_cast<size_t>(order[next]));
-      if (s.length > opt.micro_batch_tokens) {
-        throw std::invalid_argument(fmt::format("sample {} ({}) has {} tokens, more than micro_batch_tokens {}", s.id,
-                                                s.source, s.length, opt.micro_batch_tokens));
+      if (s.length > capacity) {
+        throw std::invalid_argument(fmt::format("sample {} ({}) has {} tokens, more than micro_batch_tokens {} x sp_size {}",
+                                                s.id, s.source, s.length, opt.micro_batch_tokens, opt.sp_size));
       }
       if (!step_ids.empty() && tokens + s.length > opt.global_batch_tokens) break;
       step_ids.push_back(s.id);
@@ -83,10 +88,11 @@ std::vector<StepPlan> plan_data_parallel(const std::vector<Sample>& samples, con
     plan.epoch = epoch;
     plan.index = static_cast<int64_t>(plans.size());
     plan.global_num_tokens = tokens;
-    auto per_rank = assign_lpt(samples, step_ids, opt.world_size);
-    for (int64_t r = 0; r < opt.world_size; ++r) {
-      plan.groups.push_back(GroupPlan{
-          r, 1, pack_first_fit(samples, per_rank[static_cast<size_t>(r)], opt.micro_batch_tokens, opt.recompute_layers)});
+    auto per_group = assign_lpt(samples, step_ids, n_groups);
+    for (int64_t g = 0; g < n_groups; ++g) {
+      plan.groups.push_back(GroupPlan{g * opt.sp_size, opt.sp_size,
+                                      pack_first_fit(samples, per_group[static_cast<size_t>(g)], capacity,
+                                                     opt.recompute_layers)});
     }
     plans.push_back(std::move(plan));
   }

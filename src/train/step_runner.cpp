@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "dcp/sequence_parallel.h"
 #include "dcp/train.h"
 
 namespace dcp {
@@ -29,11 +30,17 @@ StepResult compute_step_gradients(Transformer& model, const Corpus& corpus, cons
   if (plan.global_num_tokens <= 0) {
     throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}) has no tokens", plan.epoch, plan.index));
   }
-  const GroupPlan& group = plan.group_of(world.rank());
-  if (group.sp_size != 1) {
-    throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}): sp_size {} is not supported yet",
-                                            plan.epoch, plan.index, group.sp_size));
+  for (const auto& g : plan.groups) {  // checked on every rank before any work, so all ranks fail alike
+    if (model->cfg.n_heads % g.sp_size != 0) {
+      throw std::invalid_argument(fmt::format(
+          "step plan (epoch {}, index {}): sp_size {} does not divide model.n_heads {} (Ulysses shards heads)",
+          plan.epoch, plan.index, g.sp_size, model->cfg.n_heads));
+    }
   }
+  const GroupPlan& group = plan.group_of(world.rank());
+  const Communicator& sp_group = groups.group(group.sp_size);
+  std::shared_ptr<const AttentionBackend> sp_attention;
+  if (group.sp_size > 1) sp_attention = std::make_shared<SequenceParallelAttention>(model->attention, sp_group);
   auto params = model->parameters();
   for (auto& p : params) p.mutable_grad() = torch::Tensor();
 
@@ -41,7 +48,9 @@ StepResult compute_step_gradients(Transformer& model, const Corpus& corpus, cons
   double loss_sum = 0;
   const double scale = 1.0 / static_cast<double>(plan.global_num_tokens);
   for (const auto& mb : group.micro_batches) {
-    PackedBatch batch = make_batch(corpus, mb.sample_ids);
+    // Each rank of the group reads and computes only its shard of the stream, and the loss of its shard.
+    PackedBatch batch = make_shard(corpus, mb.sample_ids, sp_group.rank(), group.sp_size);
+    batch.attention = sp_attention;
     torch::Tensor loss = model->loss_sum(batch, mb.recompute_layers);
     (loss * scale).backward();
     loss_sum += loss.item<double>();

@@ -74,7 +74,7 @@ void write_file(const fs::path& path, const std::string& text) {
 
 }  // namespace
 
-int train(const Config& cfg, const ProcessGroups& groups, bool resume) {
+void train(const Config& cfg, const ProcessGroups& groups, bool resume, const std::vector<StepPlan>& file_plans) {
   const auto wall_start = std::chrono::steady_clock::now();
   const DistEnv& env = groups.env();
   const Communicator& world = groups.world();
@@ -130,9 +130,11 @@ int train(const Config& cfg, const ProcessGroups& groups, bool resume) {
     spdlog::info("held-out bits per byte before training: {:.4f}", state.heldout_bits_per_byte_initial);
   }
 
+  for (const auto& p : file_plans) p.validate(env.world_size, corpus.samples(), cfg.model.n_layers);
   DataParallelOptions dp{env.world_size, cfg.train.global_batch_tokens, cfg.train.micro_batch_tokens,
-                         cfg.model.recompute_layers};
+                         cfg.model.recompute_layers, cfg.parallel.sp_size};
   auto plans_for = [&](int64_t epoch) {
+    if (!file_plans.empty()) return file_plans;
     auto order = epoch_order(corpus.train_ids(), static_cast<uint64_t>(cfg.run.seed), epoch);
     return plan_data_parallel(corpus.samples(), order, epoch, dp);
   };
@@ -228,7 +230,6 @@ int train(const Config& cfg, const ProcessGroups& groups, bool resume) {
     write_file(run_dir / "summary.json", summary.dump(2) + "\n");
     spdlog::info("wrote {}/summary.json, metrics.jsonl, config.yaml and checkpoint/", run_dir.string());
   }
-  return 0;
 }
 
 }  // namespace dcp

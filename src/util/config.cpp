@@ -52,6 +52,8 @@ void visit(C& c, F&& f) {
   f("train.checkpoint_every", c.train.checkpoint_every, IntRule{0});
   f("train.stop_after_steps", c.train.stop_after_steps, IntRule{0});
   f("train.threads", c.train.threads, IntRule{0, 1024});
+  f("parallel.sp_size", c.parallel.sp_size, IntRule{1, 1 << 20});
+  f("parallel.sp_sizes", c.parallel.sp_sizes, Choices{});
   f("eval.max_tokens", c.eval.max_tokens, IntRule{0});
   f("dist.timeout_s", c.dist.timeout_s, RealRule{0.1, 86400.0});
 }

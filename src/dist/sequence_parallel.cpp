@@ -1,0 +1,58 @@
+#include "dcp/sequence_parallel.h"
+
+#include <fmt/format.h>
+
+namespace dcp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// AutogradContext stores IValues only; the group travels as a capsule.
+struct GroupHolder : torch::CustomClassHolder {
+  explicit GroupHolder(const Communicator& g) : group(g) {}
+  const Communicator& group;
+};
+
+struct AllToAllFunction : torch::autograd::Function<AllToAllFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const Communicator& group) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(group));
+    return group.all_to_all(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto holder = c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule());
+    return {holder->group.all_to_all(grad_outputs[0]), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor all_to_all(const torch::Tensor& x, const Communicator& group) {
+  if (group.size() == 1) return x;
+  return AllToAllFunction::apply(x, group);
+}
+
+SequenceParallelAttention::SequenceParallelAttention(std::shared_ptr<const AttentionBackend> inner,
+                                                     const Communicator& group)
+    : inner_(std::move(inner)), group_(group) {}
+
+torch::Tensor SequenceParallelAttention::forward(const torch::Tensor& q, const torch::Tensor& k,
+                                                 const torch::Tensor& v, const torch::Tensor& cu_seqlens) const {
+  const int64_t sp = group_.size(), local = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  if (heads % sp != 0) {
+    throw std::invalid_argument(fmt::format(
+        "sequence parallelism: n_heads {} is not divisible by sp_size {} (Ulysses shards attention by heads)", heads,
+        sp));
+  }
+  const int64_t part = heads / sp;
+  // [T_local, 3, sp, H/sp, D] -> [sp, T_local, 3, H/sp, D]: chunk j holds the heads member j attends over.
+  auto qkv = torch::stack({q, k, v}, 1).view({local, 3, sp, part, head_dim}).permute({2, 0, 1, 3, 4});
+  // Received chunk j is member j's shard of the sequence, so the result is the whole stream in order.
+  auto full = all_to_all(qkv.contiguous(), group_).view({sp * local, 3, part, head_dim}).unbind(1);
+  auto out = inner_->forward(full[0], full[1], full[2], cu_seqlens);  // [T_padded, H/sp, D]
+  // Back: chunk j = member j's tokens; received chunk i = head slice i of this rank's tokens.
+  auto back = all_to_all(out.contiguous(), group_).view({sp, local, part, head_dim});
+  return back.permute({1, 0, 2, 3}).reshape({local, heads, head_dim});
+}
+
+}  // namespace dcp

@@ -1,0 +1,84 @@
+// Run under `dcp launch --nproc 4 -- test_dist_sp`: sequence parallelism and heterogeneous plans.
+#include <gtest/gtest.h>
+
+#include "dcp/sequence_parallel.h"
+#include "distributed/fixtures.h"
+
+using namespace dcp;
+using namespace dcp::test;
+
+namespace {
+
+MicroBatch micro_batch(const Corpus& corpus, std::vector<int64_t> ids, int64_t recompute_layers) {
+  MicroBatch mb{std::move(ids), 0, recompute_layers};
+  for (int64_t id : mb.sample_ids) mb.num_tokens += corpus.samples()[static_cast<size_t>(id)].length;
+  return mb;
+}
+
+StepPlan make_plan(std::vector<GroupPlan> groups) {
+  StepPlan p;
+  p.groups = std::move(groups);
+  for (const auto& g : p.groups)
+    for (const auto& mb : g.micro_batches) p.global_num_tokens += mb.num_tokens;
+  return p;
+}
+
+}  // namespace
+
+TEST(SequenceParallel, ForwardLogitsEqualSingleRank) {
+  ASSERT_EQ(groups().world().size(), 4);
+  Config cfg = tiny_config();
+  Corpus corpus = tiny_corpus(cfg);
+  const std::vector<int64_t> ids = {1, 5, 2, 9};  // lengths 20, 11, 33, 37: a stream of 101 tokens
+  Transformer model = fresh_model(cfg);
+  torch::NoGradGuard no_grad;
+  torch::Tensor full = model->forward(make_batch(corpus, ids));  // [T, vocab]
+  const int64_t total = full.size(0);
+  for (int64_t sp : {2, 4}) {
+    const Communicator& group = groups().group(sp);
+    PackedBatch shard = make_shard(corpus, ids, group.rank(), sp);
+    shard.attention = std::make_shared<SequenceParallelAttention>(model->attention, group);
+    torch::Tensor local = model->forward(shard);
+    const int64_t begin = group.rank() * shard.num_tokens();
+    const int64_t real = std::max<int64_t>(0, std::min(total - begin, shard.num_tokens()));
+    ASSERT_GT(real, 0);
+    EXPECT_TRUE(torch::allclose(local.slice(0, 0, real), full.slice(0, begin, begin + real), 1e-5, 1e-5))
+        << "sp " << sp << " rank " << group.rank();
+    EXPECT_TRUE((shard.targets.slice(0, real) == -100).all().item<bool>());  // padding never reaches the loss
+  }
+}
+
+TEST(SequenceParallel, MixedPlanGradientEqualsSingleProcess) {
+  Config cfg = tiny_config();
+  Corpus corpus = tiny_corpus(cfg);
+  // One group of 2 ranks with two micro-batches, two groups of 1 rank with one and three micro-batches,
+  // different recompute layers, and token counts that are odd (not divisible by 2).
+  StepPlan plan = make_plan({
+      GroupPlan{0, 2, {micro_batch(corpus, {0, 3}, 1), micro_batch(corpus, {6}, 3)}},
+      GroupPlan{2, 1, {micro_batch(corpus, {2, 1}, 0)}},
+      GroupPlan{3, 1, {micro_batch(corpus, {4}, 2), micro_batch(corpus, {5, 8}, 0), micro_batch(corpus, {7}, 1)}},
+  });
+  plan.validate(4, corpus.samples(), cfg.model.n_layers);
+  ASSERT_EQ(plan.groups[0].micro_batches[0].num_tokens % 2, 1);
+  expect_step_matches_reference(cfg, corpus, plan);
+}
+
+TEST(SequenceParallel, OneGroupOfFourGradientEqualsSingleProcess) {
+  Config cfg = tiny_config();
+  Corpus corpus = tiny_corpus(cfg);
+  StepPlan plan = make_plan({GroupPlan{0, 4, {micro_batch(corpus, {1, 2, 3}, 2), micro_batch(corpus, {10}, 0)}}});
+  expect_step_matches_reference(cfg, corpus, plan);
+}
+
+TEST(SequenceParallel, HeadsNotDivisibleBySpSizeIsAClearError) {
+  Config cfg = tiny_config({"--model.n_heads=2", "--model.d_model=32"});
+  Corpus corpus = tiny_corpus(cfg);
+  StepPlan plan = make_plan({GroupPlan{0, 4, {micro_batch(corpus, {1}, 0)}}});
+  Transformer model = fresh_model(cfg);
+  try {
+    compute_step_gradients(model, corpus, plan, groups());
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("sp_size 4 does not divide model.n_heads 2"), std::string::npos) << e.what();
+  }
+}
