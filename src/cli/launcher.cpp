@@ -93,8 +93,16 @@ int launch_local(const LaunchOptions& opt) {
   int result = 0;
   bool stopping = false;
   std::chrono::steady_clock::time_point kill_deadline;
-  auto stop_all = [&](int sig) {
+  auto signal_all = [&](int sig) {
     for (const auto& [pid, rank] : running) kill(pid, sig);
+  };
+  auto begin_stop = [&](int code) {
+    stopping = true;
+    if (result == 0) result = code;
+    kill_deadline = std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(opt.grace_s));
+    signal_all(SIGTERM);
   };
   while (!running.empty()) {
     int status = 0;
@@ -103,32 +111,21 @@ int launch_local(const LaunchOptions& opt) {
       int rank = running.at(pid);
       running.erase(pid);
       bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-      if (failed && result == 0) result = exit_code(status);
       if (failed && !stopping) {
         fmt::print(stderr, "dcp launch: rank {} (pid {}) {}; stopping the other {} rank(s)\n", rank, pid,
                    describe(status), running.size());
-        stopping = true;
-        kill_deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                               std::chrono::duration<double>(opt.grace_s));
-        stop_all(SIGTERM);
+        begin_stop(exit_code(status));
       }
       continue;
     }
     if (g_stop_signal != 0 && !stopping) {
       fmt::print(stderr, "dcp launch: got signal {}; stopping {} rank(s)\n", static_cast<int>(g_stop_signal),
                  running.size());
-      stopping = true;
-      if (result == 0) result = 128 + g_stop_signal;
-      kill_deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                             std::chrono::duration<double>(opt.grace_s));
-      stop_all(SIGTERM);
+      begin_stop(128 + g_stop_signal);
       continue;
     }
     if (stopping) {
-      if (std::chrono::steady_clock::now() > kill_deadline) {
-        stop_all(SIGKILL);
-        stop_all(SIGCONT);  // a stopped (hung) rank must run to die
-      }
+      if (std::chrono::steady_clock::now() > kill_deadline) signal_all(SIGKILL);  // also ends a stopped (hung) rank
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   }

@@ -225,6 +225,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                     {"wall_time_s", state.wall_time_s},
                     {"train_time_s_this_run", train_time},
                     {"world_size", env.world_size},
+                    {"process_group_creation_s", groups.creation_seconds()},
                     {"threads_per_rank", threads},
                     {"parameters", n_params}};
     write_file(run_dir / "summary.json", summary.dump(2) + "\n");
