@@ -17,6 +17,7 @@ std::vector<int64_t> resolve_sp_sizes(const std::string& spec, int64_t world_siz
       if (world_size % s == 0 && (spec == "all" || pow2)) sizes.insert(s);
     }
   } else {
+    if (spec.empty()) throw std::invalid_argument("config key 'parallel.sp_sizes': empty value (allowed: pow2, all, or a comma list)");
     std::stringstream in(spec);
     for (std::string item; std::getline(in, item, ',');) {
       size_t used = 0;

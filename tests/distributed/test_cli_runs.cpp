@@ -74,6 +74,19 @@ std::map<std::string, std::string> rank_env(int rank, int world, int port) {
 
 int test_port() { return 20000 + static_cast<int>(getpid() % 20000); }
 
+// Starts ranks 0 and 1 of a training run by hand (no launcher) and waits until two steps are logged.
+std::pair<Child, Child> start_two_ranks(const fs::path& dir, const std::vector<std::string>& extra, int port) {
+  auto args = train_args(dir, extra);
+  args.insert(args.begin(), DCP_BINARY);
+  Child r0 = Child::spawn(args, rank_env(0, 2, port), (dir / "r0.log").string());
+  Child r1 = Child::spawn(args, rank_env(1, 2, port), (dir / "r1.log").string());
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (count_lines(dir / "run" / "metrics.jsonl") < 2 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return {std::move(r0), std::move(r1)};
+}
+
 }  // namespace
 
 TEST(CliRuns, TrainWritesOutputsAndResumeReproducesLosses) {
@@ -106,15 +119,7 @@ TEST(CliRuns, TrainWritesOutputsAndResumeReproducesLosses) {
 
 TEST(CliRuns, KilledRankStopsThePeerWithAnError) {
   fs::path dir = make_workdir("kill");
-  int port = test_port();
-  auto args = train_args(dir, {"--train.max_steps=100000"});
-  args.insert(args.begin(), DCP_BINARY);
-  Child r0 = Child::spawn(args, rank_env(0, 2, port), (dir / "r0.log").string());
-  Child r1 = Child::spawn(args, rank_env(1, 2, port), (dir / "r1.log").string());
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (count_lines(dir / "run" / "metrics.jsonl") < 2 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  auto [r0, r1] = start_two_ranks(dir, {"--train.max_steps=100000"}, test_port());
   ASSERT_GE(count_lines(dir / "run" / "metrics.jsonl"), 2) << r0.log();
   r1.kill_now();
   int status = r0.wait(30);
@@ -126,15 +131,7 @@ TEST(CliRuns, KilledRankStopsThePeerWithAnError) {
 
 TEST(CliRuns, HungRankMakesThePeerFailWithinTheTimeout) {
   fs::path dir = make_workdir("hang");
-  int port = test_port() + 1;
-  auto args = train_args(dir, {"--train.max_steps=100000", "--dist.timeout_s=4"});
-  args.insert(args.begin(), DCP_BINARY);
-  Child r0 = Child::spawn(args, rank_env(0, 2, port), (dir / "r0.log").string());
-  Child r1 = Child::spawn(args, rank_env(1, 2, port), (dir / "r1.log").string());
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (count_lines(dir / "run" / "metrics.jsonl") < 2 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  auto [r0, r1] = start_two_ranks(dir, {"--train.max_steps=100000", "--dist.timeout_s=4"}, test_port() + 1);
   ASSERT_GE(count_lines(dir / "run" / "metrics.jsonl"), 2) << r0.log();
   kill(r1.pid, SIGSTOP);
   int status = r0.wait(40);

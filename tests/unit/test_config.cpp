@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include "unit/error_of.h"
+
 #include <filesystem>
 #include <fstream>
 
@@ -8,21 +10,14 @@
 using dcp::Config;
 using dcp::ConfigError;
 
+using dcp::test::error_of;
+
 namespace {
 
 std::string write_temp(const std::string& name, const std::string& text) {
   auto path = std::filesystem::temp_directory_path() / name;
   std::ofstream(path) << text;
   return path.string();
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

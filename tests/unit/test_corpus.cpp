@@ -1,4 +1,6 @@
 #include <gtest/gtest.h>
+
+#include "unit/error_of.h"
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,6 +16,8 @@
 
 using namespace dcp;
 namespace fs = std::filesystem;
+
+using dcp::test::error_of;
 
 namespace {
 
@@ -65,17 +69,6 @@ std::set<std::string> heldout_sources(const Corpus& c) {
   std::set<std::string> s;
   for (auto id : c.heldout_ids()) s.insert(c.samples()[static_cast<size_t>(id)].source);
   return s;
-}
-
-// The message of the std::runtime_error that `f` throws, or "" when it throws none.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::runtime_error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace
