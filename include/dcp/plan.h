@@ -49,7 +49,8 @@ struct StepPlan {
   int64_t hash() const;
 };
 
-/// Reads a JSON list of StepPlans (or one StepPlan) from a file; throws std::runtime_error naming the file.
+/// Reads a JSON list of StepPlans (or one StepPlan) from a file; throws std::runtime_error naming the file when
+/// it is unreadable, malformed or holds no step.
 std::vector<StepPlan> load_plans(const std::string& path);
 /// Writes a JSON list of StepPlans.
 void save_plans(const std::string& path, const std::vector<StepPlan>& plans);

@@ -59,7 +59,7 @@ void verify_as_rank(const VerifyArgs& a, const std::vector<std::string>& overrid
                         {"tolerance", a.tolerance},
                         {"pass", pass}};
   fmt::print("{}\n", out.dump(2));
-  if (!pass) throw CLI::RuntimeError(2);
+  if (!pass) throw CLI::RuntimeError(3);
 }
 
 }  // namespace
@@ -72,10 +72,10 @@ void add_verify_plan_command(CLI::App& app) {
   sub->add_option("--nproc", a->nproc, "ranks to start (the plan's world_size)")->check(CLI::Range(1, 1024));
   sub->add_option("--config", a->config_path, "YAML config (model shape, corpus)")->check(CLI::ExistingFile);
   sub->add_option("--step", a->step, "which step of the plan file (0-based)");
-  sub->add_option("--tolerance", a->tolerance, "pass when max_rel_err <= this")->check(CLI::PositiveNumber);
+  sub->add_option("--tolerance", a->tolerance, "pass when max_rel_err <= this")->check(CLI::Range(1e-12, 1.0));
   sub->allow_extras();
   sub->footer("Prints JSON with max_abs_err, max_rel_err (= max_abs_err / max |reference gradient|) and pass; "
-              "exits 2 when the check fails.");
+              "exits 3 when the check fails.");
   sub->callback([sub, a] {
     // Results go to stdout as JSON; keep log lines on stderr.
     spdlog::set_default_logger(spdlog::stderr_color_mt("verify-plan"));

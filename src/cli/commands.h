@@ -12,10 +12,15 @@ void add_train_command(CLI::App& app);
 void add_launch_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_verify_plan_command(CLI::App& app);
+void add_simulate_command(CLI::App& app);
 
 /// SP sizes to create groups for: parallel.sp_sizes, parallel.sp_size and every size `plans` use.
 /// Throws std::invalid_argument when one does not divide world_size.
 std::vector<int64_t> sp_sizes_for(const Config& cfg, int64_t world_size, const std::vector<StepPlan>& plans);
+
+/// Prints a fatal error: to the run's log (and, on rank 0, the terminal) once logging is set up, else to
+/// stderr with the rank.
+void report_error(const std::string& message);
 
 /// Arguments CLI11 left over on `sub`, which must all be --section.key=value config overrides.
 /// Throws CLI::ValidationError for anything else.

@@ -112,8 +112,8 @@ int launch_local(const LaunchOptions& opt) {
       running.erase(pid);
       bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
       if (failed && !stopping) {
-        fmt::print(stderr, "dcp launch: rank {} (pid {}) {}; stopping the other {} rank(s)\n", rank, pid,
-                   describe(status), running.size());
+        fmt::print(stderr, "dcp launch: rank {} (pid {}) {}{}\n", rank, pid, describe(status),
+                   running.empty() ? "" : fmt::format("; stopping the other {} rank(s)", running.size()));
         begin_stop(exit_code(status));
       }
       continue;

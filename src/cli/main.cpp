@@ -1,7 +1,13 @@
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdlib>
 
 #include "cli/commands.h"
 #include "dcp/config.h"
+#include "util/error_message.h"
 
 namespace dcp {
 
@@ -18,21 +24,48 @@ std::vector<std::string> config_overrides(const CLI::App& sub) {
   return out;
 }
 
+void report_error(const std::string& message) {
+  // Once a run has its logger, the error also lands in the rank's log file, not only on the terminal.
+  if (spdlog::default_logger()->name() == "dcp") {
+    spdlog::error("{}", message);
+  } else {
+    const char* rank = std::getenv("RANK");
+    fmt::print(stderr, "dcp{}: error: {}\n", rank ? fmt::format(" [rank {}]", rank) : "", message);
+  }
+}
+
 }  // namespace dcp
 
+// Exit codes: 0 success, 1 a runtime error (bad data, failed peer, ...), 2 a usage error (bad flags or
+// config), 3 verify-plan found gradients that differ.
 int main(int argc, char** argv) {
-  CLI::App app{"dcp: Data-Centric Parallel training, Flexformer attention and KV-cache compression"};
+  CLI::App app{"dcp: Data-Centric Parallel training of transformers on variable-length sequences"};
   app.require_subcommand(1);
   dcp::add_train_command(app);
   dcp::add_launch_command(app);
   dcp::add_generate_command(app);
   dcp::add_verify_plan_command(app);
+  dcp::add_simulate_command(app);
+  if (argc > 1 && argv[1][0] != '-') {
+    std::vector<std::string> known;
+    for (const auto* sub : app.get_subcommands({})) known.push_back(sub->get_name());
+    if (std::find(known.begin(), known.end(), argv[1]) == known.end()) {
+      fmt::print(stderr, "dcp: error: unknown subcommand '{}' (known: {})\n", argv[1], fmt::join(known, ", "));
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
+  } catch (const CLI::RuntimeError& e) {  // a subcommand's own non-zero exit code
+    return e.get_exit_code();
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  } catch (const dcp::ConfigError& e) {
+    dcp::report_error(e.what());
+    return 2;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "dcp: error: {}\n", e.what());
+    dcp::report_error(dcp::error_message(e));
     return 1;
   }
   return 0;

@@ -8,6 +8,7 @@
 
 #include "dcp/dist.h"
 #include "dist/c10d_compat.h"
+#include "util/error_message.h"
 
 namespace dcp {
 
@@ -23,7 +24,7 @@ void wait(const Communicator& c, const c10::intrusive_ptr<c10d::Work>& work, con
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format("{} on process group '{}' (rank {} of {}) failed: a peer died or did not "
                                          "answer within the timeout ({})",
-                                         op, c.name(), c.rank(), c.size(), e.what()));
+                                         op, c.name(), c.rank(), c.size(), error_message(e)));
   }
 }
 
@@ -82,7 +83,7 @@ c10::intrusive_ptr<c10d::Store> make_tcp_store(const DistEnv& env, double timeou
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format(
         "rendezvous at {}:{} failed for rank {} of {} within {} s (is every rank started, and is the port free?): {}",
-        env.master_addr, env.master_port, env.rank, env.world_size, timeout_s, e.what()));
+        env.master_addr, env.master_port, env.rank, env.world_size, timeout_s, error_message(e)));
   }
 }
 
@@ -100,7 +101,7 @@ std::shared_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c1
                                                            opts);
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format("creating process group '{}' (rank {} of {}) failed within {} s: {}", name,
-                                         rank, size, timeout_s, e.what()));
+                                         rank, size, timeout_s, error_message(e)));
   }
   return std::make_shared<Communicator>(name, rank, size, std::move(impl));
 }

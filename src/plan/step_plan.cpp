@@ -94,7 +94,9 @@ void StepPlan::validate(int64_t world_size, const std::vector<Sample>& samples, 
         tokens += samples[static_cast<size_t>(id)].length;
       }
       if (tokens != mb.num_tokens) {
-        fail(fmt::format("micro_batch num_tokens {} but its samples hold {} tokens", mb.num_tokens, tokens));
+        fail(fmt::format("micro_batch num_tokens {} but its samples hold {} tokens (do the sample ids refer to this "
+                         "corpus and data.max_seq_len?)",
+                         mb.num_tokens, tokens));
       }
       if (mb.recompute_layers < 0 || mb.recompute_layers > n_layers) {
         fail(fmt::format("recompute_layers {} outside [0, {}]", mb.recompute_layers, n_layers));
@@ -145,6 +147,7 @@ std::vector<StepPlan> load_plans(const std::string& path) {
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error(fmt::format("plan file '{}': {}", path, e.what()));
   }
+  if (plans.empty()) throw std::runtime_error(fmt::format("plan file '{}' holds no step", path));
   return plans;
 }
 

@@ -1,8 +1,11 @@
 #include "train/checkpoint.h"
 
+#include "util/error_message.h"
+
 #include <fmt/format.h>
 #include <torch/serialize.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -20,7 +23,34 @@ fs::path existing_dir(const std::string& dir) {
   throw std::runtime_error(fmt::format("checkpoint '{}' not found (no state.json)", dir));
 }
 
+// JSON has no NaN: an undefined metric (no held-out data) is stored as null.
+nlohmann::json number_or_null(double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); }
+double number_or_nan(const nlohmann::json& j) { return j.is_null() ? std::nan("") : j.get<double>(); }
+
+bool fixes_model_or_data_order(const std::string& key) {
+  static const char* kPrefixes[] = {"model.", "data.", "run.seed", "train.global_batch_tokens",
+                                    "train.micro_batch_tokens", "parallel.sp_size"};
+  for (const char* p : kPrefixes) {
+    if (key.rfind(p, 0) == 0 && key != "parallel.sp_sizes") return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+void check_resumable(const std::string& dir, const Config& current) {
+  Config stored = load_checkpoint_config(dir);
+  auto now = current.items();
+  auto then = stored.items();
+  for (size_t i = 0; i < now.size(); ++i) {
+    if (fixes_model_or_data_order(now[i].first) && now[i].second != then[i].second) {
+      throw std::runtime_error(fmt::format(
+          "cannot resume from '{}': config key '{}' is '{}' there but '{}' now (it fixes the model or the data "
+          "order); use the checkpoint's value or start a new run_dir",
+          dir, now[i].first, then[i].second, now[i].second));
+    }
+  }
+}
 
 void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer& optimizer,
                      const TrainState& state, const Config& cfg) {
@@ -31,14 +61,14 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
     torch::save(model, (tmp / "model.pt").string());
     torch::save(optimizer, (tmp / "optimizer.pt").string());
   } catch (const std::exception& e) {
-    throw std::runtime_error(fmt::format("writing checkpoint to '{}' failed: {}", tmp.string(), e.what()));
+    throw std::runtime_error(fmt::format("writing checkpoint to '{}' failed: {}", tmp.string(), error_message(e)));
   }
   nlohmann::json j = {{"step", state.step},
                       {"epoch", state.epoch},
                       {"index_in_epoch", state.index_in_epoch},
                       {"tokens_trained", state.tokens_trained},
                       {"samples_trained", state.samples_trained},
-                      {"heldout_bits_per_byte_initial", state.heldout_bits_per_byte_initial},
+                      {"heldout_bits_per_byte_initial", number_or_null(state.heldout_bits_per_byte_initial)},
                       {"wall_time_s", state.wall_time_s}};
   std::ofstream(tmp / "state.json") << j.dump(1) << "\n";
   std::ofstream cfg_out(tmp / "config.yaml");
@@ -62,15 +92,15 @@ TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::op
     torch::load(model, (d / "model.pt").string());
     if (optimizer) torch::load(*optimizer, (d / "optimizer.pt").string());
   } catch (const std::exception& e) {
-    throw std::runtime_error(fmt::format("loading checkpoint '{}' failed (does the model config match?): {}",
-                                         d.string(), e.what()));
+    throw std::runtime_error(fmt::format("loading checkpoint '{}' failed (is it complete, and written for this model config?): {}",
+                                         d.string(), error_message(e)));
   }
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(std::ifstream(d / "state.json"));
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format("checkpoint state '{}' is unreadable: {}", (d / "state.json").string(),
-                                         e.what()));
+                                         error_message(e)));
   }
   TrainState s;
   s.step = j.at("step");
@@ -78,7 +108,7 @@ TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::op
   s.index_in_epoch = j.at("index_in_epoch");
   s.tokens_trained = j.at("tokens_trained");
   s.samples_trained = j.at("samples_trained");
-  s.heldout_bits_per_byte_initial = j.at("heldout_bits_per_byte_initial");
+  s.heldout_bits_per_byte_initial = number_or_nan(j.at("heldout_bits_per_byte_initial"));
   s.wall_time_s = j.at("wall_time_s");
   return s;
 }

@@ -17,7 +17,7 @@ struct TrainState {
   int64_t index_in_epoch = 0;  ///< next step of the epoch's plan list
   int64_t tokens_trained = 0;
   int64_t samples_trained = 0;
-  double heldout_bits_per_byte_initial = 0;
+  double heldout_bits_per_byte_initial = 0;  ///< NaN when there is no held-out sample (null in JSON)
   double wall_time_s = 0;      ///< training wall time of all earlier invocations
 };
 
@@ -30,8 +30,14 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
 /// when the directory or file is missing.
 Config load_checkpoint_config(const std::string& dir);
 
+/// Throws std::runtime_error naming the first key whose value differs between `current` and the config stored
+/// in checkpoint `dir`, among the model shape and everything that fixes the data order (data.*, run.seed,
+/// train batch sizes, parallel.sp_size): resuming across such a change would load mismatched weights or
+/// repeat and skip samples.
+void check_resumable(const std::string& dir, const Config& current);
+
 /// Loads model weights (and optimizer state when `optimizer` is non-null) and returns the state. Throws
-/// std::runtime_error naming the path when files are missing or the model shape differs.
+/// std::runtime_error naming the path when files are missing, unreadable or of another model shape.
 TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer* optimizer);
 
 }  // namespace dcp

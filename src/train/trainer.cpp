@@ -80,14 +80,16 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   const Communicator& world = groups.world();
   const bool lead = env.rank == 0;
   const fs::path run_dir = cfg.run.dir;
-  fs::create_directories(run_dir);
+  std::error_code ec;
+  fs::create_directories(run_dir, ec);
+  if (ec) throw std::runtime_error(fmt::format("cannot create run.dir '{}': {}", run_dir.string(), ec.message()));
   init_logging(run_dir.string(), env.rank, cfg.run.log_level);
 
   int64_t threads = cfg.train.threads > 0
                         ? cfg.train.threads
                         : std::max<int64_t>(1, std::thread::hardware_concurrency() / env.local_world_size);
   torch::set_num_threads(static_cast<int>(threads));
-  spdlog::info("world_size {} (launcher: {}), {} threads per rank, process groups ready in {:.2f} s", env.world_size,
+  spdlog::info("world_size {} ({} variables), {} threads per rank, process groups ready in {:.2f} s", env.world_size,
                env.launcher, threads, groups.creation_seconds());
 
   Corpus corpus = Corpus::load(cfg.data);
@@ -110,7 +112,12 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
 
   const fs::path ckpt_dir = run_dir / "checkpoint";
   TrainState state;
+  if (!resume && fs::exists(ckpt_dir)) {
+    spdlog::warn("run_dir {} already holds a checkpoint; this run starts fresh and replaces it (--resume continues it)",
+                 run_dir.string());
+  }
   if (resume) {
+    check_resumable(ckpt_dir.string(), cfg);
     state = load_checkpoint(ckpt_dir.string(), model, optimizer.get());
     spdlog::info("resumed from {} at step {} (epoch {}, step {} of the epoch)", ckpt_dir.string(), state.step,
                  state.epoch, state.index_in_epoch);
@@ -125,6 +132,10 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   std::ofstream metrics;
   if (lead) metrics.open(metrics_path, std::ios::app);
 
+  if (corpus.heldout_ids().empty()) {
+    spdlog::warn("no held-out samples (data.heldout_fraction={}): held-out evaluation skipped, reported as null",
+                 cfg.data.heldout_fraction);
+  }
   if (!resume) {
     state.heldout_bits_per_byte_initial = heldout_bits_per_byte(model, corpus, cfg, groups);
     spdlog::info("held-out bits per byte before training: {:.4f}", state.heldout_bits_per_byte_initial);

@@ -168,6 +168,11 @@ void Config::validate() const {
         "embeddings; d_model={})",
         model.n_heads, model.d_model));
   }
+  if (model.n_heads % parallel.sp_size != 0) {
+    throw ConfigError(fmt::format(
+        "config key 'parallel.sp_size': bad value '{}' (allowed: a divisor of model.n_heads={}; Ulysses shards heads)",
+        parallel.sp_size, model.n_heads));
+  }
   if (model.recompute_layers > model.n_layers) {
     throw ConfigError(fmt::format("config key 'model.recompute_layers': bad value '{}' (allowed: 0..model.n_layers={})",
                                   model.recompute_layers, model.n_layers));

@@ -117,6 +117,28 @@ TEST(CliRuns, TrainWritesOutputsAndResumeReproducesLosses) {
   fs::remove_all(dir);
 }
 
+TEST(CliRuns, ResumeWithoutHeldOutDataAndRefusesAChangedModel) {
+  fs::path dir = make_workdir("resume_checks");
+  auto run = [&](const std::vector<std::string>& extra, const std::string& log) {
+    auto args = train_args(dir, {"--data.heldout_fraction=0", "--train.max_steps=2", "--train.stop_after_steps=1"});
+    args.insert(args.begin(), DCP_BINARY);
+    args.insert(args.end(), extra.begin(), extra.end());
+    Child c = Child::spawn(args, {}, (dir / log).string());
+    int status = c.wait(120);
+    return std::make_pair(status, c.log());
+  };
+  auto [s1, log1] = run({}, "first.log");
+  ASSERT_TRUE(exited_ok(s1)) << log1;
+  EXPECT_NE(log1.find("no held-out samples"), std::string::npos) << log1;
+  auto [s2, log2] = run({"--resume", "--model.d_model=64"}, "changed.log");
+  EXPECT_FALSE(exited_ok(s2));
+  EXPECT_NE(log2.find("'model.d_model' is '32' there but '64' now"), std::string::npos) << log2;
+  auto [s3, log3] = run({"--resume"}, "resumed.log");
+  ASSERT_TRUE(exited_ok(s3)) << log3;
+  EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 2);
+  fs::remove_all(dir);
+}
+
 TEST(CliRuns, KilledRankStopsThePeerWithAnError) {
   fs::path dir = make_workdir("kill");
   auto [r0, r1] = start_two_ranks(dir, {"--train.max_steps=100000"}, test_port());

@@ -1,0 +1,138 @@
+// Analytic time and memory models of one micro-batch of a decoder transformer on a named device.
+// Torch-free: planners and the simulator use them without a GPU. Sources of every formula are given next to
+// it; ../shared/specs/anchors-parallel-training.md section 2 collects them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dcp {
+
+/// Shape of a dense decoder-only transformer (multi-head attention, two-matrix GELU MLP unless
+/// `mlp_matrices` says otherwise). The default is a 1.3B-parameter GPT-style decoder.
+struct ModelShape {
+  int64_t hidden = 2048;
+  int64_t layers = 24;
+  int64_t heads = 16;
+  int64_t ffn = 8192;            ///< MLP inner width
+  int64_t mlp_matrices = 2;      ///< 2 for GELU (fc1, fc2), 3 for SwiGLU (gate, up, down)
+  int64_t vocab = 50304;
+  int64_t bytes_per_element = 2; ///< bf16 activations, weights and gradients
+
+  /// Weight parameters of one layer: 4*h^2 (Q, K, V, O) + mlp_matrices*h*ffn; biases and norms neglected.
+  double params_per_layer() const;
+  /// All parameters: layers * params_per_layer + vocab * hidden (tied input/output embedding).
+  double params() const;
+  /// Throws std::invalid_argument naming the first non-positive field.
+  void validate() const;
+};
+
+/// A device and its interconnect.
+struct DeviceSpec {
+  std::string name = "h200";
+  double memory_bytes = 141e9;        ///< HBM capacity, bytes
+  double peak_flops = 989e12;         ///< published dense bf16 peak, FLOP/s (H100/H200 SXM datasheet)
+  double mfu = 0.5;                   ///< achieved fraction of peak on the model's matmuls and attention
+  double intra_node_bw = 450e9;       ///< NVLink 4 per direction per GPU, bytes/s (18 links x 25 GB/s)
+  double inter_node_bw = 50e9;        ///< InfiniBand NDR 400 Gb/s per GPU, bytes/s
+  int64_t gpus_per_node = 8;
+  double collective_latency_s = 10e-6;   ///< fixed latency of one all-to-all / all-reduce, seconds
+  double micro_batch_overhead_s = 2e-3;  ///< kernel launches, data loading, loss: seconds per micro-batch
+
+  /// The named device: "h200" (the defaults above). Throws std::invalid_argument naming the known devices.
+  static DeviceSpec named(const std::string& name);
+};
+
+/// Predicted seconds of micro-batches and steps (Ulysses sequence parallelism, FlashAttention-style kernels).
+///
+/// A micro-batch holds packed samples of lengths s_1..s_n (tokens, T = sum s_j, no attention across samples),
+/// runs on a group of `sp` ranks, and recomputes the activations of `r` of the L layers in backward. Its time is
+///   seconds = fixed(sp, r) + sum_j work(s_j, sp, r)
+/// where fixed(sp, r) = micro_batch_overhead_s + collective_latency_s * (12 L + 4 r) when sp > 1
+/// [the all-to-alls, see comm]
+/// and work(s, sp, r) = compute(s, sp, r) + comm(s, sp, r):
+///   compute = [L (6 P_l s + 6 h s^2) + r (2 P_l s + 2 h s^2) + 6 h V s] / (sp * peak_flops * mfu)
+///     - 6 P_l s: matmul FLOPs forward (2 per parameter per token) plus backward (4) (Narayanan et al.,
+///       arXiv 2104.04473, Eq. 3; Korthikanti et al., arXiv 2205.05198, App. A);
+///     - 6 h s^2: causal attention; forward QK^T and AV cost 4 s^2 h without a mask, FlashAttention skips the
+///       masked upper triangle so 2 s^2 h remain, backward is 2x forward (same sources; Megatron-LM
+///       context_parallel.rst for the causal halving);
+///     - a recomputed layer repeats its forward: 2 P_l s + 2 h s^2 (arXiv 2205.05198);
+///     - 6 h V s: the output projection to the vocabulary, forward and backward, not recomputed.
+///     Ulysses splits tokens (linear layers) and heads (attention) evenly over the sp ranks, hence the /sp.
+///   comm = (12 L + 4 r) * s * h * b * (sp - 1) / sp^2 / bw(sp)
+///     - per layer forward, Ulysses runs 4 all-to-alls (Q, K, V in, O out); backward runs the 8 transposed ones;
+///       a recomputed layer repeats the 4 forward ones (DeepSpeed-Ulysses blog: aggregate 4 N h per layer);
+///     - each all-to-all moves a rank's s/sp tokens x h x b bytes, of which (sp-1)/sp leave the rank;
+///     - bw = intra_node_bw when the aligned group fits in a node (sp <= gpus_per_node), else inter_node_bw.
+///     comm is not overlapped with compute (conservative).
+/// A step adds step_seconds: the data-parallel gradient all-reduce of 2 (W-1)/W * params * b bytes per rank
+/// (ring all-reduce) plus 2 collective latencies; the optimizer update is neglected.
+class CostModel {
+ public:
+  /// Throws std::invalid_argument when the shape is invalid or a device rate is not positive.
+  CostModel(ModelShape shape, DeviceSpec device);
+
+  const ModelShape& shape() const { return shape_; }
+  const DeviceSpec& device() const { return device_; }
+
+  /// Seconds of one micro-batch with these sample lengths (tokens each) on sp ranks with r recomputed layers.
+  /// Throws std::invalid_argument when lengths is empty, a length or sp is not positive, or r is outside [0, L].
+  double seconds(const std::vector<int64_t>& lengths, int64_t sp_size, int64_t recompute_layers) const;
+  /// The part of seconds() a sample of `length` tokens adds (compute + communication), seconds.
+  double work_seconds(int64_t length, int64_t sp_size, int64_t recompute_layers) const;
+  /// The part of seconds() that does not depend on the samples, seconds.
+  double fixed_seconds(int64_t sp_size, int64_t recompute_layers) const;
+  /// Per global step: gradient all-reduce over `world_size` ranks, seconds (0 for one rank).
+  double step_seconds(int64_t world_size) const;
+  /// Bytes/s of an all-to-all in an aligned group of sp ranks (NVLink inside a node, InfiniBand across).
+  double all_to_all_bandwidth(int64_t sp_size) const;
+
+ private:
+  void check(int64_t sp_size, int64_t recompute_layers) const;
+
+  ModelShape shape_;
+  DeviceSpec device_;
+};
+
+/// Predicted peak bytes on one rank of a group running one micro-batch of `tokens` tokens:
+///   bytes = states + workspace + (L - r) * full + r * input + full + logits
+///   - states = 16 * params: mixed-precision Adam, unsharded (every rank holds bf16 weights 2 B, bf16 gradients
+///     2 B, fp32 master weights, m and v 12 B per parameter; Rajbhandari et al. ZeRO, arXiv 1910.02054, Sec. 3.1).
+///     Unsharded is the conservative choice: the trainer replicates states over data-parallel ranks.
+///   - full = (10 h + 6 ffn) * (b / 2) * tokens / sp: activations a layer keeps for backward without recompute.
+///     Korthikanti et al. (arXiv 2205.05198, Table 2) give 34 s b h bytes in 16-bit with FlashAttention or
+///     selective recompute (no s^2 score matrix), of which 10 s b h is attention and 24 s b h the 4h-wide MLP;
+///     the MLP share is scaled here to the actual width (24 h = 6 * 4h). Ulysses divides by sp (each rank
+///     holds s/sp tokens outside attention and s tokens of h/sp heads inside).
+///   - input = h * b * tokens / sp: a recomputed layer keeps only its input (same source, full recompute 2 s b h).
+///   - one extra `full`: the working set of the layer being recomputed or back-propagated.
+///   - logits = vocab * (b + 4) * tokens / sp: 16-bit logits plus their fp32 softmax for the loss (no chunking).
+///   - workspace: a fixed reserve for kernels, communication buffers and fragmentation.
+/// The budget is memory_fraction * device memory.
+class MemoryModel {
+ public:
+  /// Throws std::invalid_argument when the shape is invalid or memory_fraction is outside (0, 1].
+  MemoryModel(ModelShape shape, DeviceSpec device, double memory_fraction = 0.9, double workspace_bytes = 4e9);
+
+  /// Peak bytes on a rank for a micro-batch of `tokens` tokens on sp ranks with r recomputed layers.
+  /// Throws std::invalid_argument when tokens or sp is not positive or r is outside [0, L].
+  double bytes(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const;
+  /// Per-rank memory budget, bytes.
+  double budget_bytes() const { return budget_; }
+  /// The fewest recomputed layers with which `tokens` fit the budget on sp ranks, or nullopt when even full
+  /// recompute does not fit. Memory falls linearly in r and time rises with r, so the cheapest feasible choice
+  /// is this closed form; with identical layers no knapsack is needed (the reference's PAC knapsack is over
+  /// heterogeneous block types, dcp-reference.md section 2.4).
+  std::optional<int64_t> min_recompute_layers(int64_t tokens, int64_t sp_size) const;
+  /// The most tokens one micro-batch on sp ranks may hold with r recomputed layers (0 when none fit).
+  int64_t max_tokens(int64_t sp_size, int64_t recompute_layers) const;
+
+ private:
+  ModelShape shape_;
+  double budget_, workspace_;
+};
+
+}  // namespace dcp

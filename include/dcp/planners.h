@@ -1,0 +1,145 @@
+// Planners: pure, deterministic functions (samples, world_size, CostModel, MemoryModel, options) -> step plans,
+// their predicted cost and lower bound, and the synthetic workloads the simulator plans.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dcp/cost_model.h"
+#include "dcp/data.h"
+#include "dcp/plan.h"
+
+namespace dcp {
+
+/// How an epoch is cut into steps; shared by every planner so that all of them plan the same steps.
+struct PlannerOptions {
+  uint64_t seed = 1234;
+  int64_t epoch = 0;
+  /// > 0: a step takes this many consecutive samples of the epoch order.
+  int64_t samples_per_step = 0;
+  /// Used when samples_per_step is 0: a step takes consecutive samples while their token sum stays within
+  /// this (at least one sample per step).
+  int64_t tokens_per_step = 1 << 20;
+  /// `packed` and `bucket` only: > 0 fixes their SP size (it must divide world_size and the heads; samples
+  /// that do not fit it are skipped); 0 takes the smallest size at which the longest sample fits.
+  int64_t static_sp_size = 0;
+};
+
+/// A planner's output: the steps of one epoch, and the samples it could not place (no allowed SP size holds
+/// them even with every layer recomputed), which are counted, never silently dropped.
+struct PlanSet {
+  std::vector<StepPlan> steps;
+  std::vector<int64_t> skipped_ids;
+};
+
+using Planner = std::function<PlanSet(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                                      const MemoryModel& memory, const PlannerOptions& options)>;
+
+/// The epoch order (epoch_order of all ids with options.seed and options.epoch) cut into steps of sample ids.
+/// Throws std::invalid_argument when a sample's id is not its index or both step sizes are non-positive.
+std::vector<std::vector<int64_t>> split_steps(const std::vector<Sample>& samples, const PlannerOptions& options);
+
+/// SP sizes a group may have: s <= world_size with heads % s == 0 (Ulysses splits the heads over the group).
+std::vector<int64_t> sp_sizes_allowed(int64_t world_size, const ModelShape& shape);
+
+/// `packed`: one static SP size for the epoch, the smallest allowed divisor of world_size at which the longest
+/// sample fits memory with full recompute, and one static recompute count, the fewest layers with which that
+/// longest sample fits; world_size / sp groups. Per step, samples go longest-predicted-time first onto the
+/// least-loaded group (LPT), then each group packs its samples first-fit decreasing into micro-batches of at
+/// most MemoryModel::max_tokens(sp, recompute) tokens. Samples that fit no allowed divisor are skipped.
+/// options.static_sp_size > 0 fixes the SP size instead. Throws std::invalid_argument as split_steps does,
+/// when world_size < 1, or when static_sp_size is not an allowed divisor of world_size.
+PlanSet plan_packed(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                    const MemoryModel& memory, const PlannerOptions& options);
+
+/// `bucket`: the reference baseline (dcp-reference.md section 3.6) on the same steps as the other planners:
+/// static SP size and recompute as in `packed`; samples are put in length buckets of a quarter octave
+/// (upper edges 2^(k/4) tokens); each bucket is cut into micro-batches of bs samples, bs = the most samples of
+/// the bucket's longest length that fit memory; the step's micro-batches are shuffled (seeded by seed, epoch
+/// and step) and dealt round-robin to the data-parallel groups. Unlike the reference, bucket tails are kept
+/// and nothing is dropped. Throws as plan_packed.
+PlanSet plan_bucket(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                    const MemoryModel& memory, const PlannerOptions& options);
+
+/// `dcp-opt`: per step, chooses the groups (power-of-two SP sizes placed largest first, so every group is an
+/// aligned block, for any world_size), assigns samples to groups and packs micro-batches, each with the fewest
+/// recompute layers that fit memory, to minimise the step makespan (the largest group time). Heuristic:
+///  1. each sample's time t(s) at every allowed size s, with its fewest feasible recompute layers; the fixed
+///     per-micro-batch cost is charged in proportion to the share of a no-recompute micro-batch it fills;
+///  2. fill(T, floor): each sample prefers, among sizes >= floor, the least GPU-seconds s * t(s) with
+///     t(s) <= T (else its fastest); samples go by preferred size then time, both descending, into an open
+///     group where they finish by T (least GPU-seconds, then best fit), else open a group of their preferred
+///     size while ranks remain; the fill fails when a sample finds no place;
+///  3. for every floor, a bisection finds the smallest T the fill meets; ranks left over become more groups;
+///     local search then moves or swaps samples of the makespan group while that lowers the pair's maximum;
+///     the best floor is retried at a few looser targets (1.02 T .. 1.5 T) and the best layout kept;
+///  4. each group packs its samples first-fit decreasing, merging a sample into a micro-batch only when that is
+///     not slower than running it alone.
+/// No approximation factor is proven; a unit test checks the makespan against brute force (every power-of-two
+/// layout and assignment) on tiny cases. Throws as plan_packed.
+PlanSet plan_dcp_opt(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                     const MemoryModel& memory, const PlannerOptions& options);
+
+/// Planner names in table order: "bucket", "packed", "dcp-opt".
+std::vector<std::string> planner_names();
+/// The planner called `name`; throws std::invalid_argument listing the known names.
+Planner planner_by_name(const std::string& name);
+
+/// Predicted cost of one step; a group's time is the sum of its micro-batches' CostModel::seconds.
+struct StepCost {
+  double makespan_s = 0;    ///< largest group time, seconds
+  double mean_rank_s = 0;   ///< mean over ranks of their group's time, seconds
+  double step_s = 0;        ///< makespan_s + CostModel::step_seconds(world_size)
+  double peak_bytes = 0;    ///< largest MemoryModel::bytes over the micro-batches
+};
+StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples, int64_t world_size,
+                       const CostModel& cost, const MemoryModel& memory);
+
+/// Lower bound on the seconds of any plan of these samples as one step on world_size ranks with SP sizes from
+/// sp_sizes_allowed:  max( sum_i g_i / world_size, max_i f_i ) + step_seconds(world_size), where
+///   g_i = min over feasible s of s * (work_seconds(len_i, s, r_i(s)) + overhead * len_i / c(s)),
+///   f_i = min over feasible s of seconds({len_i}, s, r_i(s)),
+/// r_i(s) = MemoryModel::min_recompute_layers, overhead = DeviceSpec::micro_batch_overhead_s and
+/// c(s) = MemoryModel::max_tokens(s, layers), the most tokens any micro-batch on s ranks holds (so a group
+/// pays at least one overhead per c(s) of its tokens). It holds because time is additive over the samples of
+/// a micro-batch, packing never lowers a sample's recompute count, and a group of s ranks for t seconds
+/// spends s * t GPU-seconds, at most world_size * makespan in all.
+/// Samples that fit no size are left out. Throws std::invalid_argument for an unknown id.
+double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, int64_t world_size,
+                        const CostModel& cost, const MemoryModel& memory);
+
+/// Built-in workloads, lengths in tokens.
+struct WorkloadOptions {
+  std::string name = "opensora-zipf";  ///< opensora-zipf | lognormal | uniform
+  int64_t num_samples = 8000;          ///< lognormal and uniform
+  uint64_t seed = 1234;
+  int64_t min_tokens = 1024;           ///< lognormal (clip) and uniform
+  int64_t max_tokens = 262144;
+  double lognormal_median = 8192;      ///< tokens; exp(mu)
+  double lognormal_sigma = 1.2;
+  int64_t zipf_data_size = 4000;       ///< opensora-zipf: videos; images = zipf_image_frac * data size
+  int64_t zipf_image_frac = 1;
+  double zipf_alpha = 1.05;            ///< the 32-GPU runs of the reference (dcp-reference.md section 1.4)
+  int64_t zipf_offset = 15;
+};
+
+/// opensora-zipf: the 20 video buckets (144p..720p x 51/102/204/408 frames) sorted ascending by frames x height
+/// (ties keep resolution-then-frames order) and the 5 image buckets sorted by height, with the patch-token
+/// counts of dcp-reference.md section 1.2; count_i = round_half_even(n (i+1+offset)^-alpha / sum_j ...), the
+/// rounding remainder added to bucket 0, n = data size for videos and frac * data size for images. Lengths come
+/// in bucket order (the planners shuffle). lognormal: exp(N(ln median, sigma)) rounded and clipped to
+/// [min, max]; uniform: integers uniform in [min, max]; both from a SplitMix64 stream of `seed`.
+/// Throws std::invalid_argument for an unknown name or non-positive sizes.
+std::vector<int64_t> workload_lengths(const WorkloadOptions& options);
+
+/// One positive integer per line (surrounding blanks allowed, empty lines skipped). Throws std::runtime_error
+/// naming the file (and the line number and text of a bad line) when it cannot be read, a line is not a
+/// positive integer, or no length is found.
+std::vector<int64_t> read_lengths_file(const std::string& path);
+
+/// Samples with ids 0..n-1, the given lengths and source "<prefix>#<id>".
+std::vector<Sample> samples_from_lengths(const std::vector<int64_t>& lengths, const std::string& prefix);
+
+}  // namespace dcp

@@ -1,0 +1,193 @@
+// `dcp simulate`: plan an epoch with each planner under the analytic cost model and compare predicted times.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <chrono>
+#include <set>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "dcp/planners.h"
+
+namespace dcp {
+namespace {
+
+struct SimulateArgs {
+  std::string lengths_file, workload, planners = "all", cost_model = "h200";
+  int64_t world_size = 0, samples_per_step = 0, tokens_per_step = 0, num_samples = 8000, static_sp = 0;
+  uint64_t seed = 1234;
+  double mfu = DeviceSpec{}.mfu;
+  bool json = false;
+};
+
+struct Row {
+  std::string planner;
+  double epoch_s = 0, lower_bound_s = 0, mean_imbalance = 0, plan_ms_per_step = 0, peak_gb = 0;
+  int64_t steps = 0, trained = 0, skipped = 0;
+  std::set<int64_t> sp_sizes;  // of groups that ran micro-batches
+};
+
+std::vector<std::string> split_names(const std::string& list) {
+  if (list == "all") return planner_names();
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t comma = std::min(list.find(',', start), list.size());
+    out.push_back(list.substr(start, comma - start));
+    planner_by_name(out.back());  // throws for an unknown name
+    start = comma + 1;
+  }
+  return out;
+}
+
+// Plans with one planner, checks every step against the samples, and predicts its epoch.
+Row simulate(const std::string& name, const std::vector<Sample>& samples, int64_t world, const CostModel& cost,
+             const MemoryModel& memory, const PlannerOptions& opt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const PlanSet set = planner_by_name(name)(samples, world, cost, memory, opt);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  Row row;
+  row.planner = name;
+  row.steps = static_cast<int64_t>(set.steps.size());
+  row.skipped = static_cast<int64_t>(set.skipped_ids.size());
+  row.plan_ms_per_step = row.steps > 0 ? ms / static_cast<double>(row.steps) : 0.0;
+  std::vector<int> seen(samples.size(), 0);
+  double imbalance = 0;
+  for (const auto& step : set.steps) {
+    step.validate(world, samples, cost.shape().layers);
+    std::vector<int64_t> ids;
+    for (const auto& g : step.groups) {
+      if (!g.micro_batches.empty()) row.sp_sizes.insert(g.sp_size);
+      for (const auto& mb : g.micro_batches) ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
+    }
+    for (int64_t id : ids) ++seen[static_cast<size_t>(id)];
+    const StepCost c = evaluate_step(step, samples, world, cost, memory);
+    if (c.peak_bytes > memory.budget_bytes()) {
+      throw std::runtime_error(fmt::format("planner {} step {}: predicted peak {:.1f} GB exceeds the budget {:.1f} GB",
+                                           name, step.index, c.peak_bytes / 1e9, memory.budget_bytes() / 1e9));
+    }
+    row.epoch_s += c.step_s;
+    row.lower_bound_s += step_lower_bound(ids, samples, world, cost, memory);
+    row.peak_gb = std::max(row.peak_gb, c.peak_bytes / 1e9);
+    imbalance += c.makespan_s > 0 ? 1.0 - c.mean_rank_s / c.makespan_s : 0.0;
+  }
+  for (int64_t id : set.skipped_ids) ++seen[static_cast<size_t>(id)];
+  for (size_t i = 0; i < seen.size(); ++i) {
+    if (seen[i] != 1) {
+      throw std::runtime_error(fmt::format("planner {}: sample {} is planned {} times", name, i, seen[i]));
+    }
+  }
+  row.trained = static_cast<int64_t>(samples.size()) - row.skipped;
+  row.mean_imbalance = row.steps > 0 ? imbalance / static_cast<double>(row.steps) : 0.0;
+  return row;
+}
+
+void run_simulate(const SimulateArgs& a) {
+  std::vector<int64_t> lengths;
+  std::string source;
+  if (!a.lengths_file.empty()) {
+    lengths = read_lengths_file(a.lengths_file);
+    source = a.lengths_file;
+  } else {
+    WorkloadOptions w;
+    w.name = a.workload;
+    w.num_samples = a.num_samples;
+    w.seed = a.seed;
+    lengths = workload_lengths(w);
+    source = a.workload;
+  }
+  const auto samples = samples_from_lengths(lengths, source);
+  DeviceSpec device = DeviceSpec::named(a.cost_model);
+  device.mfu = a.mfu;
+  const ModelShape shape;
+  const CostModel cost(shape, device);
+  const MemoryModel memory(shape, device);
+  PlannerOptions opt;
+  opt.seed = a.seed;
+  opt.samples_per_step = a.samples_per_step;
+  opt.tokens_per_step = a.tokens_per_step > 0 ? a.tokens_per_step : a.world_size * 131072;
+  opt.static_sp_size = a.static_sp;
+
+  std::vector<Row> rows;
+  for (const auto& name : split_names(a.planners)) {
+    rows.push_back(simulate(name, samples, a.world_size, cost, memory, opt));
+  }
+  double bucket_s = 0;
+  for (const auto& r : rows) {
+    if (r.planner == "bucket") bucket_s = r.epoch_s;
+  }
+  if (bucket_s == 0) bucket_s = simulate("bucket", samples, a.world_size, cost, memory, opt).epoch_s;
+
+  int64_t tokens = 0;
+  for (int64_t l : lengths) tokens += l;
+  if (a.json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& r : rows) {
+      out.push_back({{"planner", r.planner},
+                     {"predicted_epoch_s", r.epoch_s},
+                     {"lower_bound_s", r.lower_bound_s},
+                     {"mean_imbalance", r.mean_imbalance},
+                     {"speedup_vs_bucket", bucket_s / r.epoch_s},
+                     {"lower_bound_ratio", r.lower_bound_s / r.epoch_s},
+                     {"plan_ms_per_step", r.plan_ms_per_step},
+                     {"samples_trained", r.trained},
+                     {"samples_skipped", r.skipped},
+                     {"steps", r.steps},
+                     {"peak_memory_gb", r.peak_gb},
+                     {"sp_sizes", r.sp_sizes}});
+    }
+    fmt::print("{}\n", out.dump(2));
+    return;
+  }
+  fmt::print("workload {}: {} samples, {} tokens (max {}); world_size {}; cost model {} (1.3B decoder, mfu {}, "
+             "budget {:.1f} GB); steps of {}\n\n",
+             source, samples.size(), tokens, *std::max_element(lengths.begin(), lengths.end()), a.world_size,
+             device.name, device.mfu, memory.budget_bytes() / 1e9,
+             opt.samples_per_step > 0 ? fmt::format("{} samples", opt.samples_per_step)
+                                      : fmt::format("<= {} tokens", opt.tokens_per_step));
+  fmt::print("| planner | predicted_epoch_s | mean_imbalance | speedup_vs_bucket | lower_bound_ratio | "
+             "plan_ms_per_step | samples_trained | samples_skipped | steps | peak_memory_gb | sp_sizes |\n");
+  fmt::print("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto& r : rows) {
+    fmt::print("| {} | {:.1f} | {:.3f} | {:.2f} | {:.3f} | {:.2f} | {} | {} | {} | {:.1f} | {} |\n", r.planner,
+               r.epoch_s, r.mean_imbalance, bucket_s / r.epoch_s, r.lower_bound_s / r.epoch_s, r.plan_ms_per_step,
+               r.trained, r.skipped, r.steps, r.peak_gb, fmt::join(r.sp_sizes, ","));
+  }
+}
+
+}  // namespace
+
+void add_simulate_command(CLI::App& app) {
+  auto* sub = app.add_subcommand("simulate", "Plan an epoch with each planner and compare predicted epoch times");
+  auto a = std::make_shared<SimulateArgs>();
+  auto* lengths = sub->add_option("--lengths", a->lengths_file, "file of sample lengths, one integer (tokens) a line")
+                      ->check(CLI::ExistingFile);
+  auto* workload = sub->add_option("--workload", a->workload, "built-in workload: opensora-zipf, lognormal, uniform");
+  lengths->excludes(workload);
+  sub->add_option("--world-size", a->world_size, "ranks (GPUs)")->required()->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--planners", a->planners, "'all' or a comma-separated list of bucket, packed, dcp-opt");
+  sub->add_option("--cost-model", a->cost_model, "analytic device model: h200");
+  sub->add_option("--samples-per-step", a->samples_per_step, "samples per global step (0: use --tokens-per-step)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--tokens-per-step", a->tokens_per_step, "token budget of a global step (0: world_size x 131072)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--num-samples", a->num_samples, "samples of the lognormal and uniform workloads")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--static-sp", a->static_sp,
+                  "SP size of bucket and packed (0: the smallest at which the longest sample fits)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--mfu", a->mfu, "achieved fraction of the device's peak FLOP/s")->check(CLI::Range(1e-3, 1.0));
+  sub->add_option("--seed", a->seed, "seed of the epoch order and of the generated workload");
+  sub->add_flag("--json", a->json, "print a JSON list, one object per planner");
+  sub->footer("Every plan is validated (groups partition the ranks, every sample exactly once, memory within the "
+              "budget). speedup_vs_bucket = bucket's predicted epoch / this planner's; lower_bound_ratio = lower "
+              "bound / predicted epoch (1 is optimal).");
+  sub->callback([a] {
+    if (a->lengths_file.empty() == a->workload.empty()) {
+      throw CLI::ValidationError("simulate: give exactly one of --lengths FILE or --workload NAME");
+    }
+    run_simulate(*a);
+  });
+}
+
+}  // namespace dcp

@@ -1,0 +1,155 @@
+#include "dcp/cost_model.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace dcp {
+
+double ModelShape::params_per_layer() const {
+  const double h = static_cast<double>(hidden);
+  return 4.0 * h * h + static_cast<double>(mlp_matrices) * h * static_cast<double>(ffn);
+}
+
+double ModelShape::params() const {
+  return static_cast<double>(layers) * params_per_layer() + static_cast<double>(vocab) * static_cast<double>(hidden);
+}
+
+void ModelShape::validate() const {
+  const std::pair<const char*, int64_t> fields[] = {{"hidden", hidden}, {"layers", layers},
+                                                    {"heads", heads},   {"ffn", ffn},
+                                                    {"mlp_matrices", mlp_matrices}, {"vocab", vocab},
+                                                    {"bytes_per_element", bytes_per_element}};
+  for (const auto& [name, value] : fields) {
+    if (value < 1) throw std::invalid_argument(fmt::format("model shape: {} = {} must be positive", name, value));
+  }
+}
+
+DeviceSpec DeviceSpec::named(const std::string& name) {
+  if (name == "h200") return DeviceSpec{};
+  throw std::invalid_argument(fmt::format("unknown device '{}' (known: h200)", name));
+}
+
+CostModel::CostModel(ModelShape shape, DeviceSpec device) : shape_(shape), device_(std::move(device)) {
+  shape_.validate();
+  if (!(device_.peak_flops > 0) || !(device_.mfu > 0) || !(device_.intra_node_bw > 0) ||
+      !(device_.inter_node_bw > 0) || device_.gpus_per_node < 1 || device_.collective_latency_s < 0 ||
+      device_.micro_batch_overhead_s < 0) {
+    throw std::invalid_argument(fmt::format("device '{}': rates, bandwidths and gpus_per_node must be positive and "
+                                            "latencies non-negative",
+                                            device_.name));
+  }
+}
+
+void CostModel::check(int64_t sp_size, int64_t recompute_layers) const {
+  if (sp_size < 1) throw std::invalid_argument(fmt::format("cost model: sp_size {} must be positive", sp_size));
+  if (recompute_layers < 0 || recompute_layers > shape_.layers) {
+    throw std::invalid_argument(
+        fmt::format("cost model: recompute_layers {} outside [0, {}]", recompute_layers, shape_.layers));
+  }
+}
+
+double CostModel::all_to_all_bandwidth(int64_t sp_size) const {
+  return sp_size <= device_.gpus_per_node ? device_.intra_node_bw : device_.inter_node_bw;
+}
+
+double CostModel::work_seconds(int64_t length, int64_t sp_size, int64_t recompute_layers) const {
+  check(sp_size, recompute_layers);
+  if (length < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", length));
+  const double s = static_cast<double>(length), h = static_cast<double>(shape_.hidden);
+  const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
+  const double sp = static_cast<double>(sp_size), pl = shape_.params_per_layer();
+  const double flops = L * (6.0 * pl * s + 6.0 * h * s * s) + r * (2.0 * pl * s + 2.0 * h * s * s) +
+                       6.0 * h * static_cast<double>(shape_.vocab) * s;
+  const double compute = flops / (sp * device_.peak_flops * device_.mfu);
+  const double comm = (12.0 * L + 4.0 * r) * s * h * static_cast<double>(shape_.bytes_per_element) * (sp - 1.0) /
+                      (sp * sp) / all_to_all_bandwidth(sp_size);
+  return compute + comm;
+}
+
+double CostModel::fixed_seconds(int64_t sp_size, int64_t recompute_layers) const {
+  check(sp_size, recompute_layers);
+  const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
+  const double collectives = sp_size > 1 ? 12.0 * L + 4.0 * r : 0.0;
+  return device_.micro_batch_overhead_s + collectives * device_.collective_latency_s;
+}
+
+double CostModel::seconds(const std::vector<int64_t>& lengths, int64_t sp_size, int64_t recompute_layers) const {
+  if (lengths.empty()) throw std::invalid_argument("cost model: a micro-batch needs at least one sample");
+  double t = fixed_seconds(sp_size, recompute_layers);
+  for (int64_t len : lengths) t += work_seconds(len, sp_size, recompute_layers);
+  return t;
+}
+
+double CostModel::step_seconds(int64_t world_size) const {
+  if (world_size <= 1) return 0.0;
+  const double w = static_cast<double>(world_size);
+  const double bytes = 2.0 * (w - 1.0) / w * shape_.params() * static_cast<double>(shape_.bytes_per_element);
+  const double bw = world_size <= device_.gpus_per_node ? device_.intra_node_bw : device_.inter_node_bw;
+  return bytes / bw + 2.0 * device_.collective_latency_s;
+}
+
+MemoryModel::MemoryModel(ModelShape shape, DeviceSpec device, double memory_fraction, double workspace_bytes)
+    : shape_(shape), budget_(memory_fraction * device.memory_bytes), workspace_(workspace_bytes) {
+  shape_.validate();
+  if (!(memory_fraction > 0 && memory_fraction <= 1) || !(device.memory_bytes > 0) || workspace_bytes < 0) {
+    throw std::invalid_argument(fmt::format("memory model: memory_fraction {} must be in (0, 1], memory_bytes {} "
+                                            "positive and workspace_bytes {} non-negative",
+                                            memory_fraction, device.memory_bytes, workspace_bytes));
+  }
+}
+
+namespace {
+
+struct PerToken {
+  double full, input, logits;  // bytes per local token
+};
+
+PerToken per_token(const ModelShape& m) {
+  const double h = static_cast<double>(m.hidden), b = static_cast<double>(m.bytes_per_element);
+  return {(10.0 * h + 6.0 * static_cast<double>(m.ffn)) * b / 2.0, h * b,
+          static_cast<double>(m.vocab) * (b + 4.0)};
+}
+
+}  // namespace
+
+double MemoryModel::bytes(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const {
+  if (tokens < 1 || sp_size < 1 || recompute_layers < 0 || recompute_layers > shape_.layers) {
+    throw std::invalid_argument(fmt::format("memory model: tokens {} and sp_size {} must be positive and "
+                                            "recompute_layers {} within [0, {}]",
+                                            tokens, sp_size, recompute_layers, shape_.layers));
+  }
+  const PerToken p = per_token(shape_);
+  const double local = static_cast<double>(tokens) / static_cast<double>(sp_size);
+  const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
+  const double per_local_token = (L - r) * p.full + r * p.input + p.full + p.logits;
+  return 16.0 * shape_.params() + workspace_ + per_local_token * local;
+}
+
+std::optional<int64_t> MemoryModel::min_recompute_layers(int64_t tokens, int64_t sp_size) const {
+  const int64_t L = shape_.layers;
+  if (bytes(tokens, sp_size, L) > budget_) return std::nullopt;
+  const double over = bytes(tokens, sp_size, 0) - budget_;
+  if (over <= 0) return int64_t{0};
+  const PerToken p = per_token(shape_);
+  const double saved_per_layer = (p.full - p.input) * static_cast<double>(tokens) / static_cast<double>(sp_size);
+  int64_t r = std::min<int64_t>(L, static_cast<int64_t>(std::ceil(over / saved_per_layer)));
+  // Guard the rounding of the closed form against the exact test.
+  while (r > 0 && bytes(tokens, sp_size, r - 1) <= budget_) --r;
+  while (r < L && bytes(tokens, sp_size, r) > budget_) ++r;
+  return r;
+}
+
+int64_t MemoryModel::max_tokens(int64_t sp_size, int64_t recompute_layers) const {
+  const double base = bytes(1, sp_size, recompute_layers);
+  const double per_token_bytes = bytes(2, sp_size, recompute_layers) - base;
+  const double room = budget_ - (base - per_token_bytes);
+  if (room < per_token_bytes) return 0;
+  auto n = static_cast<int64_t>(std::floor(room / per_token_bytes));
+  while (n > 0 && bytes(n, sp_size, recompute_layers) > budget_) --n;
+  return n;
+}
+
+}  // namespace dcp

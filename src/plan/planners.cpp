@@ -1,0 +1,576 @@
+#include "dcp/planners.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <optional>
+#include <stdexcept>
+
+namespace dcp {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+int64_t length_of(const std::vector<Sample>& samples, int64_t id) { return samples[static_cast<size_t>(id)].length; }
+
+void check_world(int64_t world_size) {
+  if (world_size < 1) throw std::invalid_argument(fmt::format("planner: world_size {} must be positive", world_size));
+}
+
+// The static (sp, recompute) of `packed` and `bucket` for the whole epoch, and the samples it cannot hold.
+struct StaticSetting {
+  int64_t sp_size = 0;  // 0: no sample fits
+  int64_t recompute_layers = 0;
+  int64_t capacity = 0;  // tokens per micro-batch
+  std::vector<char> skipped;  // by sample id
+};
+
+StaticSetting static_setting(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                             const MemoryModel& memory, int64_t requested_sp) {
+  std::vector<int64_t> sizes;
+  for (int64_t s : sp_sizes_allowed(world_size, cost.shape())) {
+    if (world_size % s == 0 && (requested_sp == 0 || s == requested_sp)) sizes.push_back(s);
+  }
+  if (sizes.empty()) {
+    throw std::invalid_argument(fmt::format("planner: static_sp_size {} must divide world_size {} and the {} heads",
+                                            requested_sp, world_size, cost.shape().heads));
+  }
+  StaticSetting st;
+  st.skipped.assign(samples.size(), 0);
+  int64_t longest = 0;
+  for (const auto& s : samples) {
+    if (!memory.min_recompute_layers(s.length, sizes.back())) {
+      st.skipped[static_cast<size_t>(s.id)] = 1;
+    } else {
+      longest = std::max(longest, s.length);
+    }
+  }
+  if (longest == 0) return st;
+  for (int64_t s : sizes) {
+    if (auto r = memory.min_recompute_layers(longest, s)) {
+      st.sp_size = s;
+      st.recompute_layers = *r;
+      st.capacity = memory.max_tokens(s, *r);
+      break;
+    }
+  }
+  return st;
+}
+
+std::vector<int64_t> skipped_ids(const std::vector<char>& skipped) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < skipped.size(); ++i) {
+    if (skipped[i]) out.push_back(static_cast<int64_t>(i));
+  }
+  return out;
+}
+
+// The step's ids without the skipped ones.
+std::vector<int64_t> kept(const std::vector<int64_t>& ids, const std::vector<char>& skipped) {
+  std::vector<int64_t> out;
+  for (int64_t id : ids) {
+    if (!skipped[static_cast<size_t>(id)]) out.push_back(id);
+  }
+  return out;
+}
+
+StepPlan make_step(const PlannerOptions& opt, int64_t index, std::vector<GroupPlan> groups) {
+  StepPlan p;
+  p.epoch = opt.epoch;
+  p.index = index;
+  std::sort(groups.begin(), groups.end(),
+            [](const GroupPlan& a, const GroupPlan& b) { return a.first_rank < b.first_rank; });
+  for (const auto& g : groups) {
+    for (const auto& mb : g.micro_batches) p.global_num_tokens += mb.num_tokens;
+  }
+  p.groups = std::move(groups);
+  return p;
+}
+
+// First-fit decreasing into micro-batches of at most `capacity` tokens; `ids` must come longest first.
+std::vector<MicroBatch> pack_first_fit(const std::vector<Sample>& samples, const std::vector<int64_t>& ids,
+                                       int64_t capacity, int64_t recompute_layers) {
+  std::vector<MicroBatch> bins;
+  for (int64_t id : ids) {
+    const int64_t len = length_of(samples, id);
+    auto it = std::find_if(bins.begin(), bins.end(),
+                           [&](const MicroBatch& b) { return b.num_tokens + len <= capacity; });
+    if (it == bins.end()) {
+      bins.push_back(MicroBatch{{}, 0, recompute_layers});
+      it = bins.end() - 1;
+    }
+    it->sample_ids.push_back(id);
+    it->num_tokens += len;
+  }
+  return bins;
+}
+
+// ---------------------------------------------------------------------------------------------- dcp-opt
+
+// One step of dcp-opt: the samples' times at every power-of-two size and the search over group layouts.
+class OptStep {
+ public:
+  OptStep(const std::vector<Sample>& samples, std::vector<int64_t> ids, const std::vector<int64_t>& sizes,
+          int64_t world_size, const CostModel& cost, const MemoryModel& memory)
+      : samples_(samples), ids_(std::move(ids)), sizes_(sizes), world_(world_size), cost_(cost), memory_(memory) {
+    const size_t K = sizes_.size();
+    t_.assign(ids_.size(), std::vector<double>(K, kInf));
+    std::vector<double> cap0(K);
+    for (size_t k = 0; k < K; ++k) cap0[k] = static_cast<double>(memory_.max_tokens(sizes_[k], 0));
+    for (size_t i = 0; i < ids_.size(); ++i) {
+      const int64_t len = length_of(samples_, ids_[i]);
+      for (size_t k = 0; k < K; ++k) {
+        auto r = memory_.min_recompute_layers(len, sizes_[k]);
+        if (!r) continue;
+        const double share = cap0[k] > 0 ? std::min(1.0, static_cast<double>(len) / cap0[k]) : 1.0;
+        t_[i][k] = cost_.work_seconds(len, sizes_[k], *r) + cost_.fixed_seconds(sizes_[k], *r) * share;
+      }
+    }
+  }
+
+  std::vector<GroupPlan> plan() {
+    double lo = 0, sum_gpu_s = 0;
+    for (const auto& ti : t_) {
+      double fastest = kInf, cheapest = kInf;
+      for (size_t k = 0; k < sizes_.size(); ++k) {
+        fastest = std::min(fastest, ti[k]);
+        cheapest = std::min(cheapest, static_cast<double>(sizes_[k]) * ti[k]);
+      }
+      lo = std::max(lo, fastest);
+      sum_gpu_s += cheapest;
+    }
+    lo = std::max(lo, sum_gpu_s / static_cast<double>(world_));
+    // For every smallest allowed size (a floor that trades GPU-seconds for fewer, larger groups), the
+    // smallest target the fill meets, then a few looser targets for the best floor.
+    Layout best;
+    size_t best_floor = 0;
+    double best_target = 0;
+    for (size_t floor = 0; floor < sizes_.size(); ++floor) {
+      auto [target, layout] = smallest_target(lo, floor);
+      Layout cand = finish(std::move(layout));
+      if (best.groups.empty() || cand.makespan() < best.makespan()) {
+        best = std::move(cand), best_floor = floor, best_target = target;
+      }
+    }
+    for (double f : {1.02, 1.05, 1.1, 1.2, 1.35, 1.5}) {
+      if (auto l = fill(best_target * f, best_floor)) {
+        Layout cand = finish(std::move(*l));
+        if (cand.makespan() < best.makespan()) best = std::move(cand);
+      }
+    }
+    return pack(best);
+  }
+
+ private:
+  struct Layout {
+    std::vector<size_t> groups;                // size index of each group
+    std::vector<std::vector<size_t>> members;  // sample indices of each group
+    std::vector<double> loads;                 // predicted seconds of each group
+    double makespan() const { return loads.empty() ? kInf : *std::max_element(loads.begin(), loads.end()); }
+  };
+
+  // Bisection for the smallest target (from `lo` up) that fill meets with this floor. The doubling ends: once
+  // T exceeds the sum of all times, the first group opened (the largest preferred size, which holds every
+  // sample since memory falls with sp) takes every sample.
+  std::pair<double, Layout> smallest_target(double lo, size_t floor) const {
+    std::optional<Layout> found;
+    double hi = lo;
+    while (!(found = fill(hi, floor))) hi *= 2;
+    for (int i = 0; i < 30 && hi > lo * (1 + 1e-3); ++i) {
+      const double mid = 0.5 * (lo + hi);
+      if (auto l = fill(mid, floor)) {
+        hi = mid;
+        found = std::move(l);
+      } else {
+        lo = mid;
+      }
+    }
+    return {hi, std::move(*found)};
+  }
+
+  // The size a sample takes under target T: among sizes from index `floor` up, least GPU-seconds s * t(s)
+  // among those with t(s) <= T, else the fastest.
+  size_t preferred_size(size_t i, double T, size_t floor) const {
+    const auto& ti = t_[i];
+    size_t best = sizes_.size(), fastest = floor;
+    for (size_t k = floor; k < sizes_.size(); ++k) {
+      if (ti[k] < ti[fastest]) fastest = k;
+      if (ti[k] > T) continue;
+      const double gpu_s = static_cast<double>(sizes_[k]) * ti[k];
+      if (best == sizes_.size() || gpu_s < static_cast<double>(sizes_[best]) * ti[best]) best = k;
+    }
+    return best == sizes_.size() ? fastest : best;
+  }
+
+  // Samples by preferred size (from `floor` up), then time, both descending, each into an open group where it
+  // finishes by T (least GPU-seconds, then least slack left), else into a new group of its preferred size
+  // while ranks remain. nullopt when a sample finds no place.
+  std::optional<Layout> fill(double T, size_t floor) const {
+    std::vector<size_t> pref(ids_.size()), order(ids_.size());
+    for (size_t i = 0; i < ids_.size(); ++i) pref[i] = preferred_size(i, T, floor), order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      if (pref[a] != pref[b]) return pref[a] > pref[b];
+      return t_[a][pref[a]] > t_[b][pref[b]];
+    });
+    Layout l;
+    int64_t ranks = 0;
+    for (size_t i : order) {
+      size_t best = l.groups.size();
+      double best_cost = kInf, best_slack = kInf;
+      for (size_t g = 0; g < l.groups.size(); ++g) {
+        const double t = t_[i][l.groups[g]], slack = T - l.loads[g] - t;
+        if (slack < 0) continue;
+        const double c = static_cast<double>(sizes_[l.groups[g]]) * t;
+        if (c < best_cost || (c == best_cost && slack < best_slack)) best = g, best_cost = c, best_slack = slack;
+      }
+      if (best == l.groups.size()) {
+        if (ranks + sizes_[pref[i]] > world_) return std::nullopt;
+        ranks += sizes_[pref[i]];
+        l.groups.push_back(pref[i]);
+        l.members.emplace_back();
+        l.loads.push_back(0.0);
+      }
+      l.members[best].push_back(i);
+      l.loads[best] += t_[i][l.groups[best]];
+    }
+    return l;
+  }
+
+  // Ranks left over become groups (largest power of two that fits first), groups are ordered largest first
+  // for aligned placement, and local search balances the result.
+  Layout finish(Layout l) const {
+    int64_t left = world_;
+    for (size_t k : l.groups) left -= sizes_[k];
+    while (left > 0) {
+      size_t k = sizes_.size() - 1;
+      while (sizes_[k] > left) --k;
+      l.groups.push_back(k);
+      l.members.emplace_back();
+      l.loads.push_back(0.0);
+      left -= sizes_[k];
+    }
+    std::vector<size_t> idx(l.groups.size());
+    for (size_t g = 0; g < idx.size(); ++g) idx[g] = g;
+    std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return l.groups[a] > l.groups[b]; });
+    Layout sorted;
+    for (size_t g : idx) {
+      sorted.groups.push_back(l.groups[g]);
+      sorted.members.push_back(std::move(l.members[g]));
+      sorted.loads.push_back(l.loads[g]);
+    }
+    improve(sorted);
+    return sorted;
+  }
+
+  // Local search: move or swap a sample of the makespan group while that lowers the pair's maximum.
+  void improve(Layout& l) const {
+    const size_t G = l.groups.size();
+    const size_t max_iters = 4 * ids_.size() + 100;
+    for (size_t it = 0; it < max_iters; ++it) {
+      const size_t m = static_cast<size_t>(std::max_element(l.loads.begin(), l.loads.end()) - l.loads.begin());
+      const double top = l.loads[m];
+      const double eps = 1e-12 * std::max(1.0, top);
+      double best = top - eps;
+      size_t bi = 0, bg = G, bj = SIZE_MAX;  // move member bi of m to bg, swapping with member bj when set
+      const auto& mm = l.members[m];
+      for (size_t a = 0; a < mm.size(); ++a) {
+        const size_t i = mm[a];
+        for (size_t g = 0; g < G; ++g) {
+          if (g == m) continue;
+          const double v = std::max(top - t_[i][l.groups[m]], l.loads[g] + t_[i][l.groups[g]]);
+          if (v < best) best = v, bi = a, bg = g, bj = SIZE_MAX;
+        }
+      }
+      if (bg == G) {
+        for (size_t a = 0; a < mm.size(); ++a) {
+          const size_t i = mm[a];
+          for (size_t g = 0; g < G; ++g) {
+            if (g == m) continue;
+            for (size_t b = 0; b < l.members[g].size(); ++b) {
+              const size_t j = l.members[g][b];
+              const double vm = top - t_[i][l.groups[m]] + t_[j][l.groups[m]];
+              const double vg = l.loads[g] - t_[j][l.groups[g]] + t_[i][l.groups[g]];
+              const double v = std::max(vm, vg);
+              if (v < best) best = v, bi = a, bg = g, bj = b;
+            }
+          }
+        }
+      }
+      if (bg == G) return;
+      const size_t i = mm[bi];
+      l.loads[m] -= t_[i][l.groups[m]];
+      l.loads[bg] += t_[i][l.groups[bg]];
+      if (bj == SIZE_MAX) {
+        l.members[m].erase(l.members[m].begin() + static_cast<std::ptrdiff_t>(bi));
+        l.members[bg].push_back(i);
+      } else {
+        const size_t j = l.members[bg][bj];
+        l.loads[m] += t_[j][l.groups[m]];
+        l.loads[bg] -= t_[j][l.groups[bg]];
+        l.members[m][bi] = j;
+        l.members[bg][bj] = i;
+      }
+    }
+  }
+
+  // Groups placed largest first (aligned: every offset is a sum of larger powers of two), each packing its
+  // samples longest first into micro-batches, merging only when that is not slower than running apart.
+  std::vector<GroupPlan> pack(const Layout& l) const {
+    std::vector<GroupPlan> out;
+    int64_t first = 0;
+    for (size_t g = 0; g < l.groups.size(); ++g) {
+      const int64_t sp = sizes_[l.groups[g]];
+      std::vector<int64_t> ids;
+      for (size_t i : l.members[g]) ids.push_back(ids_[i]);
+      std::stable_sort(ids.begin(), ids.end(),
+                       [&](int64_t a, int64_t b) { return length_of(samples_, a) > length_of(samples_, b); });
+      struct Bin {
+        MicroBatch mb;
+        std::vector<int64_t> lengths;
+        double seconds;
+      };
+      std::vector<Bin> bins;
+      for (int64_t id : ids) {
+        const int64_t len = length_of(samples_, id);
+        const int64_t r_alone = *memory_.min_recompute_layers(len, sp);
+        const double alone = cost_.seconds({len}, sp, r_alone);
+        bool placed = false;
+        for (auto& b : bins) {
+          auto r = memory_.min_recompute_layers(b.mb.num_tokens + len, sp);
+          if (!r) continue;
+          std::vector<int64_t> lengths = b.lengths;
+          lengths.push_back(len);
+          const double merged = cost_.seconds(lengths, sp, *r);
+          if (merged > b.seconds + alone) continue;
+          b.mb.sample_ids.push_back(id);
+          b.mb.num_tokens += len;
+          b.mb.recompute_layers = *r;
+          b.lengths = std::move(lengths);
+          b.seconds = merged;
+          placed = true;
+          break;
+        }
+        if (!placed) bins.push_back(Bin{MicroBatch{{id}, len, r_alone}, {len}, alone});
+      }
+      GroupPlan gp{first, sp, {}};
+      for (auto& b : bins) gp.micro_batches.push_back(std::move(b.mb));
+      out.push_back(std::move(gp));
+      first += sp;
+    }
+    return out;
+  }
+
+  const std::vector<Sample>& samples_;
+  std::vector<int64_t> ids_;
+  const std::vector<int64_t>& sizes_;
+  int64_t world_;
+  const CostModel& cost_;
+  const MemoryModel& memory_;
+  std::vector<std::vector<double>> t_;  // [sample index][size index] predicted seconds, inf when infeasible
+};
+
+}  // namespace
+
+std::vector<std::vector<int64_t>> split_steps(const std::vector<Sample>& samples, const PlannerOptions& options) {
+  if (options.samples_per_step <= 0 && options.tokens_per_step <= 0) {
+    throw std::invalid_argument("planner: samples_per_step or tokens_per_step must be positive");
+  }
+  std::vector<int64_t> ids;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    if (samples[i].id != static_cast<int64_t>(i)) {
+      throw std::invalid_argument(fmt::format("planner: sample at index {} has id {}; ids must be 0..n-1", i,
+                                              samples[i].id));
+    }
+    if (samples[i].length < 1) {
+      throw std::invalid_argument(fmt::format("planner: sample {} has length {}", i, samples[i].length));
+    }
+    ids.push_back(static_cast<int64_t>(i));
+  }
+  const auto order = epoch_order(ids, options.seed, options.epoch);
+  std::vector<std::vector<int64_t>> steps;
+  std::vector<int64_t> cur;
+  int64_t tokens = 0;
+  for (int64_t id : order) {
+    const int64_t len = length_of(samples, id);
+    const bool full = options.samples_per_step > 0 ? static_cast<int64_t>(cur.size()) >= options.samples_per_step
+                                                   : tokens + len > options.tokens_per_step;
+    if (!cur.empty() && full) {
+      steps.push_back(std::move(cur));
+      cur.clear();
+      tokens = 0;
+    }
+    cur.push_back(id);
+    tokens += len;
+  }
+  if (!cur.empty()) steps.push_back(std::move(cur));
+  return steps;
+}
+
+std::vector<int64_t> sp_sizes_allowed(int64_t world_size, const ModelShape& shape) {
+  std::vector<int64_t> out;
+  for (int64_t s = 1; s <= std::min(world_size, shape.heads); ++s) {
+    if (shape.heads % s == 0) out.push_back(s);
+  }
+  return out;
+}
+
+PlanSet plan_packed(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                    const MemoryModel& memory, const PlannerOptions& options) {
+  check_world(world_size);
+  const auto steps = split_steps(samples, options);
+  const StaticSetting st = static_setting(samples, world_size, cost, memory, options.static_sp_size);
+  PlanSet out;
+  out.skipped_ids = skipped_ids(st.skipped);
+  if (st.sp_size == 0) return out;
+  const int64_t n_groups = world_size / st.sp_size;
+  for (const auto& step : steps) {
+    auto ids = kept(step, st.skipped);
+    if (ids.empty()) continue;
+    std::stable_sort(ids.begin(), ids.end(),
+                     [&](int64_t a, int64_t b) { return length_of(samples, a) > length_of(samples, b); });
+    std::vector<std::vector<int64_t>> per_group(static_cast<size_t>(n_groups));
+    std::vector<double> load(static_cast<size_t>(n_groups), 0.0);
+    for (int64_t id : ids) {
+      const auto g = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      per_group[g].push_back(id);
+      load[g] += cost.seconds({length_of(samples, id)}, st.sp_size, st.recompute_layers);
+    }
+    std::vector<GroupPlan> groups;
+    for (int64_t g = 0; g < n_groups; ++g) {
+      groups.push_back(GroupPlan{g * st.sp_size, st.sp_size,
+                                 pack_first_fit(samples, per_group[static_cast<size_t>(g)], st.capacity,
+                                                st.recompute_layers)});
+    }
+    out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), std::move(groups)));
+  }
+  return out;
+}
+
+PlanSet plan_bucket(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                    const MemoryModel& memory, const PlannerOptions& options) {
+  check_world(world_size);
+  const auto steps = split_steps(samples, options);
+  const StaticSetting st = static_setting(samples, world_size, cost, memory, options.static_sp_size);
+  PlanSet out;
+  out.skipped_ids = skipped_ids(st.skipped);
+  if (st.sp_size == 0) return out;
+  const int64_t n_groups = world_size / st.sp_size;
+  for (const auto& step : steps) {
+    const auto ids = kept(step, st.skipped);
+    if (ids.empty()) continue;
+    std::map<int64_t, std::vector<int64_t>> buckets;  // quarter-octave index -> ids in step order
+    for (int64_t id : ids) {
+      const double octaves = std::log2(static_cast<double>(length_of(samples, id)));
+      const auto k = static_cast<int64_t>(std::ceil(4.0 * octaves - 1e-9));
+      buckets[k].push_back(id);
+    }
+    std::vector<MicroBatch> mbs;
+    for (const auto& [k, members] : buckets) {
+      int64_t longest = 0;
+      for (int64_t id : members) longest = std::max(longest, length_of(samples, id));
+      const size_t bs = static_cast<size_t>(std::max<int64_t>(1, st.capacity / longest));
+      for (size_t i = 0; i < members.size(); i += bs) {
+        MicroBatch mb{{}, 0, st.recompute_layers};
+        for (size_t j = i; j < std::min(members.size(), i + bs); ++j) {
+          mb.sample_ids.push_back(members[j]);
+          mb.num_tokens += length_of(samples, members[j]);
+        }
+        mbs.push_back(std::move(mb));
+      }
+    }
+    uint64_t state = sample_seed(options.seed, static_cast<uint64_t>(options.epoch),
+                                 static_cast<uint64_t>(out.steps.size()));
+    for (size_t i = mbs.size(); i > 1; --i) {
+      state = sample_seed(state, i, 1);
+      std::swap(mbs[i - 1], mbs[state % i]);
+    }
+    std::vector<GroupPlan> groups;
+    for (int64_t g = 0; g < n_groups; ++g) groups.push_back(GroupPlan{g * st.sp_size, st.sp_size, {}});
+    for (size_t i = 0; i < mbs.size(); ++i) {
+      groups[i % static_cast<size_t>(n_groups)].micro_batches.push_back(std::move(mbs[i]));
+    }
+    out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), std::move(groups)));
+  }
+  return out;
+}
+
+PlanSet plan_dcp_opt(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                     const MemoryModel& memory, const PlannerOptions& options) {
+  check_world(world_size);
+  const auto steps = split_steps(samples, options);
+  std::vector<int64_t> sizes;
+  for (int64_t s : sp_sizes_allowed(world_size, cost.shape())) {
+    if ((s & (s - 1)) == 0) sizes.push_back(s);
+  }
+  std::vector<char> skipped(samples.size(), 0);
+  for (const auto& s : samples) {
+    if (!memory.min_recompute_layers(s.length, sizes.back())) skipped[static_cast<size_t>(s.id)] = 1;
+  }
+  PlanSet out;
+  out.skipped_ids = skipped_ids(skipped);
+  for (const auto& step : steps) {
+    auto ids = kept(step, skipped);
+    if (ids.empty()) continue;
+    OptStep opt(samples, std::move(ids), sizes, world_size, cost, memory);
+    out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), opt.plan()));
+  }
+  return out;
+}
+
+std::vector<std::string> planner_names() { return {"bucket", "packed", "dcp-opt"}; }
+
+Planner planner_by_name(const std::string& name) {
+  if (name == "bucket") return plan_bucket;
+  if (name == "packed") return plan_packed;
+  if (name == "dcp-opt") return plan_dcp_opt;
+  throw std::invalid_argument(fmt::format("unknown planner '{}' (known: bucket, packed, dcp-opt)", name));
+}
+
+StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples, int64_t world_size,
+                       const CostModel& cost, const MemoryModel& memory) {
+  StepCost c;
+  double busy = 0;
+  for (const auto& g : plan.groups) {
+    double t = 0;
+    for (const auto& mb : g.micro_batches) {
+      std::vector<int64_t> lengths;
+      for (int64_t id : mb.sample_ids) lengths.push_back(samples.at(static_cast<size_t>(id)).length);
+      t += cost.seconds(lengths, g.sp_size, mb.recompute_layers);
+      c.peak_bytes = std::max(c.peak_bytes, memory.bytes(mb.num_tokens, g.sp_size, mb.recompute_layers));
+    }
+    c.makespan_s = std::max(c.makespan_s, t);
+    busy += t * static_cast<double>(g.sp_size);
+  }
+  c.mean_rank_s = busy / static_cast<double>(world_size);
+  c.step_s = c.makespan_s + cost.step_seconds(world_size);
+  return c;
+}
+
+double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, int64_t world_size,
+                        const CostModel& cost, const MemoryModel& memory) {
+  check_world(world_size);
+  const auto sizes = sp_sizes_allowed(world_size, cost.shape());
+  const int64_t L = cost.shape().layers;
+  const double overhead = cost.device().micro_batch_overhead_s;
+  double sum_gpu_s = 0, longest = 0;
+  for (int64_t id : ids) {
+    const int64_t len = samples.at(static_cast<size_t>(id)).length;
+    double g = kInf, f = kInf;
+    for (int64_t s : sizes) {
+      auto r = memory.min_recompute_layers(len, s);
+      if (!r) continue;
+      const double per_mb = overhead * static_cast<double>(len) / static_cast<double>(memory.max_tokens(s, L));
+      g = std::min(g, static_cast<double>(s) * (cost.work_seconds(len, s, *r) + per_mb));
+      f = std::min(f, cost.seconds({len}, s, *r));
+    }
+    if (g == kInf) continue;
+    sum_gpu_s += g;
+    longest = std::max(longest, f);
+  }
+  return std::max(sum_gpu_s / static_cast<double>(world_size), longest) + cost.step_seconds(world_size);
+}
+
+}  // namespace dcp

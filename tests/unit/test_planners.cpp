@@ -1,0 +1,365 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <cmath>
+#include <random>
+
+#include "dcp/planners.h"
+
+using namespace dcp;
+
+namespace {
+
+const ModelShape kShape;  // 1.3B decoder
+const DeviceSpec kH200 = DeviceSpec::named("h200");
+
+// Lengths from 100 to `max_len` tokens, log-uniform, so that short and very long samples mix.
+std::vector<Sample> random_samples(int n, int64_t max_len, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> u(std::log(100.0), std::log(static_cast<double>(max_len)));
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < n; ++i) lengths.push_back(static_cast<int64_t>(std::exp(u(rng))));
+  return samples_from_lengths(lengths, "rand");
+}
+
+std::vector<int64_t> step_ids(const StepPlan& p) {
+  std::vector<int64_t> ids;
+  for (const auto& g : p.groups) {
+    for (const auto& mb : g.micro_batches) ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
+  }
+  return ids;
+}
+
+// Smallest makespan over every layout of power-of-two groups (dividing the heads) summing to `world` and every
+// assignment of the samples to groups, each sample its own micro-batch with its fewest recompute layers.
+double brute_force_makespan(const std::vector<Sample>& s, int64_t world, const CostModel& cost,
+                            const MemoryModel& memory) {
+  std::vector<int64_t> sizes;
+  for (int64_t x : sp_sizes_allowed(world, cost.shape())) {
+    if ((x & (x - 1)) == 0) sizes.push_back(x);
+  }
+  double best = 1e300;
+  std::vector<int64_t> groups;
+  std::function<void(int64_t, size_t)> layouts = [&](int64_t left, size_t max_k) {
+    if (left == 0) {
+      const size_t G = groups.size(), n = s.size();
+      std::vector<size_t> a(n, 0);
+      while (true) {
+        std::vector<double> load(G, 0.0);
+        bool ok = true;
+        for (size_t i = 0; i < n && ok; ++i) {
+          auto r = memory.min_recompute_layers(s[i].length, groups[a[i]]);
+          if (!r) ok = false;
+          else load[a[i]] += cost.seconds({s[i].length}, groups[a[i]], *r);
+        }
+        if (ok) best = std::min(best, *std::max_element(load.begin(), load.end()));
+        size_t i = 0;
+        while (i < n && ++a[i] == G) a[i++] = 0;
+        if (i == n) break;
+      }
+      return;
+    }
+    for (size_t k = max_k + 1; k-- > 0;) {
+      if (sizes[k] > left) continue;
+      groups.push_back(sizes[k]);
+      layouts(left - sizes[k], k);
+      groups.pop_back();
+    }
+  };
+  layouts(world, sizes.size() - 1);
+  return best;
+}
+
+}  // namespace
+
+TEST(CostModel, ShapeIs1p3BParameters) {
+  EXPECT_NEAR(kShape.params(), 1.31e9, 0.02e9);
+  EXPECT_THROW(CostModel(ModelShape{0}, kH200), std::invalid_argument);
+  EXPECT_THROW(DeviceSpec::named("tpu"), std::invalid_argument);
+}
+
+TEST(CostModel, ComputeTermMatchesHandFormula) {
+  const CostModel cost(kShape, kH200);
+  const double s = 4096, h = 2048, pl = 4 * h * h + 2 * h * 8192;
+  const double flops = 24 * (6 * pl * s + 6 * h * s * s) + 6 * h * 50304 * s;
+  EXPECT_NEAR(cost.work_seconds(4096, 1, 0), flops / (989e12 * 0.5), 1e-12);
+  EXPECT_DOUBLE_EQ(cost.fixed_seconds(1, 0), kH200.micro_batch_overhead_s);
+  EXPECT_DOUBLE_EQ(cost.seconds({4096, 100}, 2, 3),
+                   cost.fixed_seconds(2, 3) + cost.work_seconds(4096, 2, 3) + cost.work_seconds(100, 2, 3));
+}
+
+TEST(CostModel, MonotoneInLengthAndRecompute) {
+  const CostModel cost(kShape, kH200);
+  for (int64_t sp : {1, 2, 8, 16}) {
+    double prev = 0;
+    for (int64_t len = 64; len <= (1 << 20); len *= 2) {
+      const double t = cost.seconds({len}, sp, 0);
+      EXPECT_GT(t, prev);
+      EXPECT_GT(cost.seconds({len}, sp, 5), t);
+      prev = t;
+    }
+  }
+}
+
+TEST(CostModel, AttentionTermIsQuadratic) {
+  const CostModel cost(kShape, kH200);
+  // Linear terms cancel in w(2s) - 2 w(s), leaving the quadratic part: 2 c s^2, so the ratio below is 4.
+  for (int64_t sp : {1, 4}) {
+    const int64_t s = 8192;
+    const double d1 = cost.work_seconds(2 * s, sp, 0) - 2 * cost.work_seconds(s, sp, 0);
+    const double d2 = cost.work_seconds(4 * s, sp, 0) - 2 * cost.work_seconds(2 * s, sp, 0);
+    EXPECT_GT(d1, 0);
+    EXPECT_NEAR(d2 / d1, 4.0, 1e-6);
+  }
+}
+
+TEST(CostModel, SequenceParallelReducesPerRankTimeOfLongSamples) {
+  const CostModel cost(kShape, kH200);
+  double prev = cost.seconds({131072}, 1, 0);
+  for (int64_t sp : {2, 4, 8, 16}) {
+    const double t = cost.seconds({131072}, sp, 0);
+    EXPECT_LT(t, prev) << sp;
+    prev = t;
+  }
+  // Communication makes GPU-seconds grow with sp, and crossing a node uses the slower InfiniBand.
+  EXPECT_GT(2 * cost.seconds({8192}, 2, 0), cost.seconds({8192}, 1, 0));
+  EXPECT_EQ(cost.all_to_all_bandwidth(8), kH200.intra_node_bw);
+  EXPECT_EQ(cost.all_to_all_bandwidth(16), kH200.inter_node_bw);
+  EXPECT_THROW(cost.seconds({}, 1, 0), std::invalid_argument);
+  EXPECT_THROW(cost.seconds({10}, 0, 0), std::invalid_argument);
+  EXPECT_THROW(cost.seconds({10}, 1, 25), std::invalid_argument);
+}
+
+TEST(CostModel, MemoryRecomputeMatchesExhaustiveSearch) {
+  const MemoryModel memory(kShape, kH200);
+  EXPECT_NEAR(memory.budget_bytes(), 0.9 * 141e9, 1);
+  for (int64_t sp : {1, 2, 4, 8}) {
+    for (int64_t tokens = 1000; tokens <= 4'000'000; tokens = tokens * 3 / 2) {
+      std::optional<int64_t> expect;
+      for (int64_t r = 0; r <= kShape.layers && !expect; ++r) {
+        if (memory.bytes(tokens, sp, r) <= memory.budget_bytes()) expect = r;
+      }
+      EXPECT_EQ(memory.min_recompute_layers(tokens, sp), expect) << tokens << " " << sp;
+      EXPECT_LT(memory.bytes(tokens, sp, kShape.layers), memory.bytes(tokens, sp, 0));
+    }
+    for (int64_t r : {0, 12, 24}) {
+      const int64_t n = memory.max_tokens(sp, r);
+      ASSERT_GT(n, 0);
+      EXPECT_LE(memory.bytes(n, sp, r), memory.budget_bytes());
+      EXPECT_GT(memory.bytes(n + 1, sp, r), memory.budget_bytes());
+    }
+  }
+  // Ulysses divides activations: twice the ranks hold (about) twice the tokens.
+  EXPECT_NEAR(static_cast<double>(memory.max_tokens(2, 0)) / memory.max_tokens(1, 0), 2.0, 1e-3);
+}
+
+TEST(Workload, OpenSoraZipfMatchesTheReferenceCounts) {
+  const auto lengths = workload_lengths(WorkloadOptions{});
+  ASSERT_EQ(lengths.size(), 8000u);
+  std::map<int64_t, int64_t> count;
+  for (int64_t l : lengths) ++count[l];
+  EXPECT_EQ(count.size(), 25u);
+  // dcp-reference.md 1.4: videos 306 (144p-51, 2160 tokens) down to 135 (720p-408, 432000 tokens);
+  // images 899 (144p, 144 tokens) down to 711 (720p, 3600 tokens).
+  EXPECT_EQ(count[2160], 306);
+  EXPECT_EQ(count[432000], 135);
+  EXPECT_EQ(count[144], 899);
+  EXPECT_EQ(count[3600], 711);
+}
+
+TEST(Workload, GeneratorsStayInRangeAndAreDeterministic) {
+  for (const char* name : {"lognormal", "uniform"}) {
+    WorkloadOptions o;
+    o.name = name;
+    o.num_samples = 5000;
+    const auto a = workload_lengths(o);
+    EXPECT_EQ(a, workload_lengths(o));
+    ASSERT_EQ(a.size(), 5000u);
+    EXPECT_GE(*std::min_element(a.begin(), a.end()), 1024);
+    EXPECT_LE(*std::max_element(a.begin(), a.end()), 262144);
+    o.seed = 99;
+    EXPECT_NE(a, workload_lengths(o));
+  }
+  WorkloadOptions o;
+  o.name = "lognormal";
+  o.num_samples = 20001;
+  auto v = workload_lengths(o);
+  std::nth_element(v.begin(), v.begin() + 10000, v.end());
+  EXPECT_NEAR(static_cast<double>(v[10000]), 8192.0, 400.0);  // the median
+  o.name = "zipf";
+  EXPECT_THROW(workload_lengths(o), std::invalid_argument);
+}
+
+TEST(Workload, LengthsFileReportsTheBadLine) {
+  const std::string path = ::testing::TempDir() + "dcp_lengths.txt";
+  {
+    std::ofstream f(path);
+    f << "100\n  2048 \n\n7x\n";
+  }
+  try {
+    read_lengths_file(path);
+    FAIL() << "no error for a bad line";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("line 4"), std::string::npos) << e.what();
+  }
+  {
+    std::ofstream f(path);
+    f << "100\n  2048 \n\n";
+  }
+  EXPECT_EQ(read_lengths_file(path), (std::vector<int64_t>{100, 2048}));
+  std::remove(path.c_str());
+  EXPECT_THROW(read_lengths_file(path), std::runtime_error);
+}
+
+TEST(Planner, EverySampleOnceValidGroupsMemoryAndLowerBound) {
+  const CostModel cost(kShape, kH200);
+  const MemoryModel memory(kShape, kH200);
+  for (int64_t world : {1, 3, 5, 8, 12, 24, 32}) {
+    const auto samples = random_samples(300, 1'500'000, static_cast<uint32_t>(world));
+    PlannerOptions opt;
+    opt.tokens_per_step = world * 200'000;
+    for (const auto& name : planner_names()) {
+      const PlanSet set = planner_by_name(name)(samples, world, cost, memory, opt);
+      std::vector<int> seen(samples.size(), 0);
+      for (int64_t id : set.skipped_ids) {
+        ++seen[static_cast<size_t>(id)];
+        // Skipped only when no allowed SP size holds the sample.
+        EXPECT_FALSE(memory.min_recompute_layers(samples[static_cast<size_t>(id)].length,
+                                                 sp_sizes_allowed(world, kShape).back()) &&
+                     name == "dcp-opt")
+            << id;
+      }
+      for (const auto& step : set.steps) {
+        ASSERT_NO_THROW(step.validate(world, samples, kShape.layers)) << name << " world " << world;
+        const auto ids = step_ids(step);
+        for (int64_t id : ids) ++seen[static_cast<size_t>(id)];
+        const StepCost c = evaluate_step(step, samples, world, cost, memory);
+        EXPECT_LE(c.peak_bytes, memory.budget_bytes()) << name;
+        EXPECT_LE(step_lower_bound(ids, samples, world, cost, memory), c.step_s * (1 + 1e-12)) << name;
+      }
+      for (size_t i = 0; i < seen.size(); ++i) ASSERT_EQ(seen[i], 1) << name << " sample " << i << " world " << world;
+    }
+  }
+}
+
+TEST(Planner, DeterministicForTheSameSeed) {
+  const CostModel cost(kShape, kH200);
+  const MemoryModel memory(kShape, kH200);
+  const auto samples = random_samples(400, 300'000, 5);
+  PlannerOptions opt;
+  opt.samples_per_step = 64;
+  for (const auto& name : planner_names()) {
+    const auto a = planner_by_name(name)(samples, 12, cost, memory, opt);
+    const auto b = planner_by_name(name)(samples, 12, cost, memory, opt);
+    ASSERT_EQ(a.steps.size(), b.steps.size());
+    for (size_t i = 0; i < a.steps.size(); ++i) EXPECT_EQ(a.steps[i].hash(), b.steps[i].hash()) << name;
+    opt.seed = 77;
+    const auto c = planner_by_name(name)(samples, 12, cost, memory, opt);
+    opt.seed = 1234;
+    EXPECT_NE(a.steps[0].hash(), c.steps[0].hash()) << name << ": the seed must change the epoch order";
+  }
+}
+
+TEST(Planner, SplitStepsRespectsBudgetsAndRejectsBadIds) {
+  auto samples = samples_from_lengths({5, 5, 5, 20, 5}, "x");
+  PlannerOptions opt;
+  opt.tokens_per_step = 10;
+  const auto steps = split_steps(samples, opt);
+  size_t total = 0;
+  for (const auto& s : steps) {
+    int64_t tokens = 0;
+    for (int64_t id : s) tokens += samples[static_cast<size_t>(id)].length;
+    EXPECT_TRUE(tokens <= 10 || s.size() == 1);
+    total += s.size();
+  }
+  EXPECT_EQ(total, samples.size());
+  samples[2].id = 7;
+  EXPECT_THROW(split_steps(samples, opt), std::invalid_argument);
+}
+
+// dcp-opt is a heuristic (see planners.h); on tiny cases its makespan must stay within 10% of the optimum
+// over all power-of-two layouts and assignments (packing only helps it, since overhead is zero here).
+TEST(Planner, DcpOptNearBruteForceOnTinyCases) {
+  DeviceSpec dev = kH200;
+  dev.micro_batch_overhead_s = 0;
+  dev.collective_latency_s = 0;
+  const CostModel cost(kShape, dev);
+  const MemoryModel memory(kShape, dev);
+  double worst = 0;
+  for (uint32_t seed = 0; seed < 150; ++seed) {
+    const int64_t world = 2 + seed % 5;  // 2 .. 6
+    const int n = 2 + static_cast<int>(seed % 7) % 5;  // 2 .. 6
+    const auto samples = random_samples(n, 400'000, seed + 100);
+    PlannerOptions opt;
+    opt.samples_per_step = n;
+    const PlanSet set = plan_dcp_opt(samples, world, cost, memory, opt);
+    if (!set.skipped_ids.empty()) continue;
+    ASSERT_EQ(set.steps.size(), 1u);
+    const double got = evaluate_step(set.steps[0], samples, world, cost, memory).makespan_s;
+    const double best = brute_force_makespan(samples, world, cost, memory);
+    EXPECT_GE(got, best * (1 - 1e-9)) << "brute force must be optimal; seed " << seed;
+    EXPECT_LE(got, best * 1.10) << "seed " << seed;
+    worst = std::max(worst, got / best);
+  }
+  RecordProperty("worst_ratio", std::to_string(worst));
+  std::printf("dcp-opt / brute force, worst over tiny cases: %.4f\n", worst);
+}
+
+TEST(Planner, DcpOptGivesLongSamplesLargeGroupsAndShortOnesNone) {
+  const CostModel cost(kShape, kH200);
+  const MemoryModel memory(kShape, kH200);
+  std::vector<int64_t> lengths(31, 2000);
+  lengths.push_back(400'000);  // needs sp >= 2 even with full recompute
+  const auto samples = samples_from_lengths(lengths, "x");
+  PlannerOptions opt;
+  opt.samples_per_step = 32;
+  const PlanSet set = plan_dcp_opt(samples, 8, cost, memory, opt);
+  ASSERT_EQ(set.steps.size(), 1u);
+  for (const auto& g : set.steps[0].groups) {
+    for (const auto& mb : g.micro_batches) {
+      for (int64_t id : mb.sample_ids) {
+        if (samples[static_cast<size_t>(id)].length > 100'000) {
+          EXPECT_GE(g.sp_size, 2);
+        }
+      }
+      if (mb.num_tokens < 100'000) {
+        EXPECT_EQ(mb.recompute_layers, 0);
+      }
+    }
+  }
+  // Balanced: within 10% of the lower bound.
+  const double t = evaluate_step(set.steps[0], samples, 8, cost, memory).step_s;
+  EXPECT_LE(t, 1.10 * step_lower_bound(step_ids(set.steps[0]), samples, 8, cost, memory));
+  EXPECT_THROW(planner_by_name("dcp-intra"), std::invalid_argument);
+}
+
+TEST(Planner, StaticSpSizeOfPackedAndBucket) {
+  const CostModel cost(kShape, kH200);
+  const MemoryModel memory(kShape, kH200);
+  const auto samples = random_samples(200, 500'000, 9);
+  PlannerOptions opt;
+  opt.samples_per_step = 50;
+  opt.static_sp_size = 16;
+  for (const char* name : {"packed", "bucket"}) {
+    const PlanSet set = planner_by_name(name)(samples, 32, cost, memory, opt);
+    EXPECT_TRUE(set.skipped_ids.empty());
+    for (const auto& step : set.steps) {
+      ASSERT_EQ(step.groups.size(), 2u);
+      for (const auto& g : step.groups) EXPECT_EQ(g.sp_size, 16);
+    }
+  }
+  opt.static_sp_size = 3;
+  EXPECT_THROW(plan_packed(samples, 32, cost, memory, opt), std::invalid_argument);
+  // sp 1 cannot hold the longest samples: they are skipped and counted, the rest planned.
+  opt.static_sp_size = 1;
+  const PlanSet set = plan_bucket(samples, 32, cost, memory, opt);
+  EXPECT_FALSE(set.skipped_ids.empty());
+  for (int64_t id : set.skipped_ids) {
+    EXPECT_FALSE(memory.min_recompute_layers(samples[static_cast<size_t>(id)].length, 1).has_value());
+  }
+}
