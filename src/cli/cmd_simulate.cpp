@@ -180,8 +180,8 @@ void add_simulate_command(CLI::App& app) {
   sub->add_option("--seed", a->seed, "seed of the epoch order and of the generated workload");
   sub->add_flag("--json", a->json, "print a JSON list, one object per planner");
   sub->footer("Every plan is validated (groups partition the ranks, every sample exactly once, memory within the "
-              "budget). speedup_vs_bucket = bucket's predicted epoch / this planner's; lower_bound_ratio = lower "
-              "bound / predicted epoch (1 is optimal).");
+              "budget). speedup_vs_bucket = bucket's predicted epoch (with the same --static-sp) / this planner's; "
+              "lower_bound_ratio = lower bound / predicted epoch (1 is optimal).");
   sub->callback([a] {
     if (a->lengths_file.empty() == a->workload.empty()) {
       throw CLI::ValidationError("simulate: give exactly one of --lengths FILE or --workload NAME");
