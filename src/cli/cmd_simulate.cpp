@@ -7,17 +7,13 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "dcp/planners.h"
+#include "cli/planning_inputs.h"
 
 namespace dcp {
 namespace {
 
-struct SimulateArgs {
-  std::string lengths_file, workload, planners = "all", cost_model = "h200";
-  int64_t world_size = 0, samples_per_step = 0, tokens_per_step = 0, num_samples = 8000, static_sp = 0;
-  uint64_t seed = 1234;
-  double mfu = DeviceSpec{}.mfu;
-  bool json = false;
+struct SimulateArgs : PlanningArgs {
+  std::string planners = "all";
 };
 
 struct Row {
@@ -83,30 +79,14 @@ Row simulate(const std::string& name, const std::vector<Sample>& samples, int64_
 }
 
 void run_simulate(const SimulateArgs& a) {
-  std::vector<int64_t> lengths;
-  std::string source;
-  if (!a.lengths_file.empty()) {
-    lengths = read_lengths_file(a.lengths_file);
-    source = a.lengths_file;
-  } else {
-    WorkloadOptions w;
-    w.name = a.workload;
-    w.num_samples = a.num_samples;
-    w.seed = a.seed;
-    lengths = workload_lengths(w);
-    source = a.workload;
-  }
-  const auto samples = samples_from_lengths(lengths, source);
-  DeviceSpec device = DeviceSpec::named(a.cost_model);
-  device.mfu = a.mfu;
-  const ModelShape shape;
-  const CostModel cost(shape, device);
-  const MemoryModel memory(shape, device);
-  PlannerOptions opt;
-  opt.seed = a.seed;
-  opt.samples_per_step = a.samples_per_step;
-  opt.tokens_per_step = a.tokens_per_step > 0 ? a.tokens_per_step : a.world_size * 131072;
-  opt.static_sp_size = a.static_sp;
+  const PlanningInputs in = make_planning_inputs(a);
+  const auto& samples = in.samples;
+  const auto& lengths = in.lengths;
+  const auto& source = in.source;
+  const CostModel& cost = *in.cost;
+  const MemoryModel& memory = *in.memory;
+  const PlannerOptions& opt = in.options;
+  const DeviceSpec& device = cost.device();
 
   std::vector<Row> rows;
   for (const auto& name : split_names(a.planners)) {
@@ -139,10 +119,10 @@ void run_simulate(const SimulateArgs& a) {
     fmt::print("{}\n", out.dump(2));
     return;
   }
-  fmt::print("workload {}: {} samples, {} tokens (max {}); world_size {}; cost model {} (1.3B decoder, mfu {}, "
-             "budget {:.1f} GB); steps of {}\n\n",
+  fmt::print("workload {}: {} samples, {} tokens (max {}); world_size {}; cost model {} ({:.2g}-parameter decoder, "
+             "mfu {}, budget {:.1f} GB); steps of {}\n\n",
              source, samples.size(), tokens, *std::max_element(lengths.begin(), lengths.end()), a.world_size,
-             device.name, device.mfu, memory.budget_bytes() / 1e9,
+             device.name, in.shape.params(), device.mfu, memory.budget_bytes() / 1e9,
              opt.samples_per_step > 0 ? fmt::format("{} samples", opt.samples_per_step)
                                       : fmt::format("<= {} tokens", opt.tokens_per_step));
   fmt::print("| planner | predicted_epoch_s | mean_imbalance | speedup_vs_bucket | lower_bound_ratio | "
@@ -160,34 +140,12 @@ void run_simulate(const SimulateArgs& a) {
 void add_simulate_command(CLI::App& app) {
   auto* sub = app.add_subcommand("simulate", "Plan an epoch with each planner and compare predicted epoch times");
   auto a = std::make_shared<SimulateArgs>();
-  auto* lengths = sub->add_option("--lengths", a->lengths_file, "file of sample lengths, one integer (tokens) a line")
-                      ->check(CLI::ExistingFile);
-  auto* workload = sub->add_option("--workload", a->workload, "built-in workload: opensora-zipf, lognormal, uniform");
-  lengths->excludes(workload);
-  sub->add_option("--world-size", a->world_size, "ranks (GPUs)")->required()->check(CLI::Range(1, 1 << 20));
+  add_planning_options(sub, *a);
   sub->add_option("--planners", a->planners, "'all' or a comma-separated list of bucket, packed, dcp-opt");
-  sub->add_option("--cost-model", a->cost_model, "analytic device model: h200");
-  sub->add_option("--samples-per-step", a->samples_per_step, "samples per global step (0: use --tokens-per-step)")
-      ->check(CLI::NonNegativeNumber);
-  sub->add_option("--tokens-per-step", a->tokens_per_step, "token budget of a global step (0: world_size x 131072)")
-      ->check(CLI::NonNegativeNumber);
-  sub->add_option("--num-samples", a->num_samples, "samples of the lognormal and uniform workloads")
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--static-sp", a->static_sp,
-                  "SP size of bucket and packed (0: the smallest at which the longest sample fits)")
-      ->check(CLI::NonNegativeNumber);
-  sub->add_option("--mfu", a->mfu, "achieved fraction of the device's peak FLOP/s")->check(CLI::Range(1e-3, 1.0));
-  sub->add_option("--seed", a->seed, "seed of the epoch order and of the generated workload");
-  sub->add_flag("--json", a->json, "print a JSON list, one object per planner");
   sub->footer("Every plan is validated (groups partition the ranks, every sample exactly once, memory within the "
               "budget). speedup_vs_bucket = bucket's predicted epoch (with the same --static-sp) / this planner's; "
               "lower_bound_ratio = lower bound / predicted epoch (1 is optimal).");
-  sub->callback([a] {
-    if (a->lengths_file.empty() == a->workload.empty()) {
-      throw CLI::ValidationError("simulate: give exactly one of --lengths FILE or --workload NAME");
-    }
-    run_simulate(*a);
-  });
+  sub->callback([a] { run_simulate(*a); });
 }
 
 }  // namespace dcp

@@ -45,6 +45,7 @@ int main(int argc, char** argv) {
   dcp::add_launch_command(app);
   dcp::add_generate_command(app);
   dcp::add_verify_plan_command(app);
+  dcp::add_plan_command(app);
   dcp::add_simulate_command(app);
   if (argc > 1 && argv[1][0] != '-') {
     std::vector<std::string> known;

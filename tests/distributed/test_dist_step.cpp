@@ -1,6 +1,7 @@
 // Run under `dcp launch --nproc 2 -- test_dist_step`: every rank executes the same checks.
 #include <gtest/gtest.h>
 
+#include "dcp/planners.h"
 #include "distributed/fixtures.h"
 
 using namespace dcp;
@@ -54,5 +55,29 @@ TEST(DistributedStep, PlanMismatchIsAnErrorNamingTheStep) {
     FAIL() << "expected a plan mismatch error";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("mismatch at epoch 0 step 0"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DistributedStep, EveryPlannersFirstTwoStepsGiveTheSingleProcessGradient) {
+  Config cfg = tiny_config();
+  Corpus corpus = tiny_corpus(cfg);
+  ModelShape shape;
+  shape.hidden = cfg.model.d_model;
+  shape.layers = cfg.model.n_layers;
+  shape.heads = cfg.model.n_heads;
+  shape.ffn = cfg.model.d_ff;
+  shape.mlp_matrices = 3;
+  shape.vocab = kVocabSize;
+  const DeviceSpec device = DeviceSpec::named("h200");
+  PlannerOptions opt;
+  opt.tokens_per_step = 150;
+  for (const auto& name : planner_names()) {
+    PlanSet set = planner_by_name(name)(corpus.samples(), groups().world().size(), CostModel(shape, device),
+                                        MemoryModel(shape, device), opt);
+    ASSERT_GE(set.steps.size(), 2u) << name;
+    for (size_t i = 0; i < 2; ++i) {
+      SCOPED_TRACE(name + " step " + std::to_string(i));
+      expect_step_matches_reference(cfg, corpus, set.steps[i]);
+    }
   }
 }

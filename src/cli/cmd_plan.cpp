@@ -1,0 +1,67 @@
+// `dcp plan`: print the StepPlans one planner makes for a set of lengths, with predicted times.
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "cli/planning_inputs.h"
+
+namespace dcp {
+namespace {
+
+struct PlanArgs : PlanningArgs {
+  std::string planner = "dcp-opt";
+};
+
+void run_plan(const PlanArgs& a) {
+  const PlanningInputs in = make_planning_inputs(a);
+  const PlanSet set = planner_by_name(a.planner)(in.samples, a.world_size, *in.cost, *in.memory, in.options);
+  if (a.json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& step : set.steps) out.push_back(nlohmann::json::parse(step.to_json()));
+    fmt::print("{}\n", out.dump(1));
+    return;
+  }
+  fmt::print("planner {} on {} ({} samples), world_size {}, cost model {}: {} steps, {} samples skipped\n",
+             a.planner, in.source, in.samples.size(), a.world_size, in.cost->device().name, set.steps.size(),
+             set.skipped_ids.size());
+  for (const auto& step : set.steps) {
+    const StepCost c = evaluate_step(step, in.samples, a.world_size, *in.cost, *in.memory);
+    std::vector<int64_t> ids;
+    for (const auto& g : step.groups)
+      for (const auto& mb : g.micro_batches) ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
+    const double bound = step_lower_bound(ids, in.samples, a.world_size, *in.cost, *in.memory);
+    fmt::print("\nstep {}: {} tokens, predicted {:.3f} s (lower bound {:.3f} s), imbalance {:.3f}, peak {:.1f} GB\n",
+               step.index, step.global_num_tokens, c.step_s, bound,
+               c.makespan_s > 0 ? 1.0 - c.mean_rank_s / c.makespan_s : 0.0, c.peak_bytes / 1e9);
+    for (const auto& g : step.groups) {
+      double seconds = 0;
+      int64_t tokens = 0;
+      std::string recompute;
+      for (const auto& mb : g.micro_batches) {
+        std::vector<int64_t> lengths;
+        for (int64_t id : mb.sample_ids) lengths.push_back(in.samples[static_cast<size_t>(id)].length);
+        seconds += in.cost->seconds(lengths, g.sp_size, mb.recompute_layers);
+        tokens += mb.num_tokens;
+        recompute += (recompute.empty() ? "" : ",") + std::to_string(mb.recompute_layers);
+      }
+      fmt::print("  ranks [{}, {}) sp_size {}: {} micro-batch(es), {} tokens, recompute_layers [{}], {:.3f} s\n",
+                 g.first_rank, g.first_rank + g.sp_size, g.sp_size, g.micro_batches.size(), tokens, recompute,
+                 seconds);
+    }
+  }
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app) {
+  auto* sub = app.add_subcommand("plan", "Print the StepPlans a planner makes for given sequence lengths");
+  auto a = std::make_shared<PlanArgs>();
+  add_planning_options(sub, *a);
+  sub->add_option("--planner", a->planner, "bucket, packed or dcp-opt");
+  sub->footer("With --json the output is a plan file (docs/step_plan.md); its sample ids are line numbers "
+              "(0-based) of --lengths, or indices of the generated workload.");
+  sub->callback([a] { run_plan(*a); });
+}
+
+}  // namespace dcp

@@ -1,0 +1,68 @@
+#include "cli/planning_inputs.h"
+
+#include "dcp/config.h"
+
+namespace dcp {
+
+void add_planning_options(CLI::App* sub, PlanningArgs& a) {
+  auto* lengths = sub->add_option("--lengths", a.lengths_file, "file of sample lengths, one integer (tokens) a line")
+                      ->check(CLI::ExistingFile);
+  auto* workload = sub->add_option("--workload", a.workload, "built-in workload: opensora-zipf, lognormal, uniform");
+  lengths->excludes(workload);
+  sub->add_option("--world-size", a.world_size, "ranks (GPUs)")->required()->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--cost-model", a.cost_model, "analytic device model: h200");
+  sub->add_option("--config", a.config_path, "dcp config whose model section gives the model shape "
+                                             "(default: a 1.3B decoder, hidden 2048, 24 layers, 16 heads, bf16)")
+      ->check(CLI::ExistingFile);
+  sub->add_option("--samples-per-step", a.samples_per_step, "samples per global step (0: use --tokens-per-step)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--tokens-per-step", a.tokens_per_step, "token budget of a global step (0: world_size x 131072)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--num-samples", a.num_samples, "samples of the lognormal and uniform workloads")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--static-sp", a.static_sp,
+                  "SP size of bucket and packed (0: the smallest at which the longest sample fits)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--mfu", a.mfu, "achieved fraction of the device's peak FLOP/s")->check(CLI::Range(1e-3, 1.0));
+  sub->add_option("--seed", a.seed, "seed of the epoch order and of the generated workload");
+  sub->add_flag("--json", a.json, "print JSON");
+}
+
+PlanningInputs make_planning_inputs(const PlanningArgs& a) {
+  if (a.lengths_file.empty() == a.workload.empty()) {
+    throw CLI::ValidationError("give exactly one of --lengths FILE or --workload NAME");
+  }
+  PlanningInputs in;
+  if (!a.lengths_file.empty()) {
+    in.lengths = read_lengths_file(a.lengths_file);
+    in.source = a.lengths_file;
+  } else {
+    WorkloadOptions w;
+    w.name = a.workload;
+    w.num_samples = a.num_samples;
+    w.seed = a.seed;
+    in.lengths = workload_lengths(w);
+    in.source = a.workload;
+  }
+  in.samples = samples_from_lengths(in.lengths, in.source);
+  if (!a.config_path.empty()) {
+    const ModelConfig m = Config::load(a.config_path, {}).model;
+    in.shape.hidden = m.d_model;
+    in.shape.layers = m.n_layers;
+    in.shape.heads = m.n_heads;
+    in.shape.ffn = m.d_ff;
+    in.shape.mlp_matrices = 3;  // SwiGLU
+    in.shape.vocab = kVocabSize;
+  }
+  DeviceSpec device = DeviceSpec::named(a.cost_model);
+  device.mfu = a.mfu;
+  in.cost = std::make_unique<CostModel>(in.shape, device);
+  in.memory = std::make_unique<MemoryModel>(in.shape, device);
+  in.options.seed = a.seed;
+  in.options.samples_per_step = a.samples_per_step;
+  in.options.tokens_per_step = a.tokens_per_step > 0 ? a.tokens_per_step : a.world_size * 131072;
+  in.options.static_sp_size = a.static_sp;
+  return in;
+}
+
+}  // namespace dcp

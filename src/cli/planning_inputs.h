@@ -1,0 +1,42 @@
+// Options shared by `dcp plan` and `dcp simulate`: the lengths to plan, the model shape, the device model.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dcp/planners.h"
+
+namespace dcp {
+
+struct PlanningArgs {
+  std::string lengths_file, workload, cost_model = "h200", config_path;
+  int64_t world_size = 0, samples_per_step = 0, tokens_per_step = 0, num_samples = 8000, static_sp = 0;
+  uint64_t seed = 1234;
+  double mfu = DeviceSpec{}.mfu;
+  bool json = false;
+};
+
+/// Everything a planner needs, built from PlanningArgs.
+struct PlanningInputs {
+  std::string source;  ///< the lengths file or workload name
+  std::vector<int64_t> lengths;
+  std::vector<Sample> samples;
+  ModelShape shape;
+  std::unique_ptr<CostModel> cost;
+  std::unique_ptr<MemoryModel> memory;
+  PlannerOptions options;
+};
+
+/// Registers --lengths/--workload, --world-size, --cost-model, --config, step sizes, --static-sp, --mfu,
+/// --seed and --json on `sub`.
+void add_planning_options(CLI::App* sub, PlanningArgs& a);
+
+/// Reads or generates the lengths and builds the models. The model shape is the 1.3B default unless --config
+/// names a dcp config, whose model section then gives it (SwiGLU, byte vocabulary). Throws CLI::ValidationError
+/// unless exactly one of --lengths/--workload is given, and what the readers and models throw.
+PlanningInputs make_planning_inputs(const PlanningArgs& a);
+
+}  // namespace dcp
