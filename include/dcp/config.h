@@ -56,6 +56,9 @@ struct TrainConfig {
   int64_t checkpoint_every = 50;        ///< steps between checkpoints; 0 = only at the end
   int64_t stop_after_steps = 0;         ///< end this invocation after N steps (checkpointed; --resume goes on); 0 = off
   int64_t threads = 0;                  ///< intra-op threads per rank; 0 = cores / local ranks
+  std::string planner = "static";       ///< static (parallel.sp_size everywhere) | bucket | packed | dcp-opt
+  std::string cost_model = "h200";      ///< device model the planners and step predictions use: h200 or a
+                                        ///< `dcp profile` JSON file
 };
 
 struct ParallelConfig {

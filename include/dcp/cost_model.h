@@ -34,15 +34,36 @@ struct DeviceSpec {
   std::string name = "h200";
   double memory_bytes = 141e9;        ///< HBM capacity, bytes
   double peak_flops = 989e12;         ///< published dense bf16 peak, FLOP/s (H100/H200 SXM datasheet)
-  double mfu = 0.5;                   ///< achieved fraction of peak on the model's matmuls and attention
+  double mfu = 0.5;                   ///< achieved fraction of peak on the model's matmuls (linear layers)
+  /// Achieved fraction of peak on the attention FLOPs (the s^2 terms); 0 = same as mfu. A profile sets it
+  /// because attention kernels run at a different rate than the matmuls.
+  double attention_mfu = 0;
   double intra_node_bw = 450e9;       ///< NVLink 4 per direction per GPU, bytes/s (18 links x 25 GB/s)
   double inter_node_bw = 50e9;        ///< InfiniBand NDR 400 Gb/s per GPU, bytes/s
   int64_t gpus_per_node = 8;
   double collective_latency_s = 10e-6;   ///< fixed latency of one all-to-all / all-reduce, seconds
   double micro_batch_overhead_s = 2e-3;  ///< kernel launches, data loading, loss: seconds per micro-batch
 
-  /// The named device: "h200" (the defaults above). Throws std::invalid_argument naming the known devices.
+  /// attention_mfu, or mfu when attention_mfu is 0.
+  double effective_attention_mfu() const { return attention_mfu > 0 ? attention_mfu : mfu; }
+
+  /// The named device: "h200" (the defaults above), or the path of a JSON file written by `dcp profile`
+  /// (read with from_profile). Throws std::invalid_argument naming `name` and the known devices when it is
+  /// neither; from_profile's errors for a file.
   static DeviceSpec named(const std::string& name);
+
+  /// Reads the "device" object of a JSON file written by `dcp profile` (write_profile in dcp/profiler.h): the
+  /// string name and the numbers memory_bytes, peak_flops, mfu, attention_mfu, intra_node_bw, inter_node_bw, gpus_per_node,
+  /// collective_latency_s and micro_batch_overhead_s, all required. Throws std::runtime_error naming the file
+  /// when it cannot be read or is not JSON, std::invalid_argument naming the file and the field when a field is
+  /// missing or has the wrong type.
+  static DeviceSpec from_profile(const std::string& path);
+};
+
+/// FLOPs of a micro-batch, split by the rate they run at.
+struct FlopCount {
+  double linear = 0;     ///< matmuls of the linear layers and the vocabulary projection, FLOPs
+  double attention = 0;  ///< the s^2 attention terms, FLOPs
 };
 
 /// Predicted seconds of micro-batches and steps (Ulysses sequence parallelism, FlashAttention-style kernels).
@@ -53,7 +74,9 @@ struct DeviceSpec {
 /// where fixed(sp, r) = micro_batch_overhead_s + collective_latency_s * (12 L + 4 r) when sp > 1
 /// [the all-to-alls, see comm]
 /// and work(s, sp, r) = compute(s, sp, r) + comm(s, sp, r):
-///   compute = [L (6 P_l s + 6 h s^2) + r (2 P_l s + 2 h s^2) + 6 h V s] / (sp * peak_flops * mfu)
+///   compute = linear / (sp * peak_flops * mfu) + attention / (sp * peak_flops * attention_mfu)
+///     linear = L 6 P_l s + r 2 P_l s + 6 h V s,  attention = L 6 h s^2 + r 2 h s^2  (FLOPs; attention_mfu 0
+///     means mfu, see DeviceSpec), where
 ///     - 6 P_l s: matmul FLOPs forward (2 per parameter per token) plus backward (4) (Narayanan et al.,
 ///       arXiv 2104.04473, Eq. 3; Korthikanti et al., arXiv 2205.05198, App. A);
 ///     - 6 h s^2: causal attention; forward QK^T and AV cost 4 s^2 h without a mask, FlashAttention skips the
@@ -83,6 +106,9 @@ class CostModel {
   double seconds(const std::vector<int64_t>& lengths, int64_t sp_size, int64_t recompute_layers) const;
   /// The part of seconds() a sample of `length` tokens adds (compute + communication), seconds.
   double work_seconds(int64_t length, int64_t sp_size, int64_t recompute_layers) const;
+  /// FLOPs of a micro-batch with these sample lengths and r recomputed layers, summed over the ranks of its
+  /// group (the linear and attention sums of the class comment). Throws like seconds().
+  FlopCount flops(const std::vector<int64_t>& lengths, int64_t recompute_layers) const;
   /// The part of seconds() that does not depend on the samples, seconds.
   double fixed_seconds(int64_t sp_size, int64_t recompute_layers) const;
   /// Per global step: gradient all-reduce over `world_size` ranks, seconds (0 for one rank).

@@ -59,6 +59,12 @@ void save_plans(const std::string& path, const std::vector<StepPlan>& plans);
 /// (seed, epoch); identical on every platform and rank.
 std::vector<int64_t> epoch_order(const std::vector<int64_t>& ids, uint64_t seed, int64_t epoch);
 
+/// First-fit decreasing: `ids` (longest first) go, in order, into the first micro-batch with room for them,
+/// each of at most `capacity` tokens and with `recompute_layers`. A sample longer than capacity gets a
+/// micro-batch of its own.
+std::vector<MicroBatch> pack_first_fit(const std::vector<Sample>& samples, const std::vector<int64_t>& ids,
+                                       int64_t capacity, int64_t recompute_layers);
+
 /// Options of the static data-parallel planner.
 struct DataParallelOptions {
   int64_t world_size = 1;

@@ -1,6 +1,7 @@
 #include "cli/planning_inputs.h"
 
 #include "dcp/config.h"
+#include "dcp/planning.h"
 
 namespace dcp {
 
@@ -23,7 +24,7 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a) {
   sub->add_option("--static-sp", a.static_sp,
                   "SP size of bucket and packed (0: the smallest at which the longest sample fits)")
       ->check(CLI::NonNegativeNumber);
-  sub->add_option("--mfu", a.mfu, "achieved fraction of the device's peak FLOP/s")->check(CLI::Range(1e-3, 1.0));
+  sub->add_option("--mfu", a.mfu, "achieved fraction of the device's peak FLOP/s (default: the device model's own)")->check(CLI::Range(1e-3, 1.0));
   sub->add_option("--seed", a.seed, "seed of the epoch order and of the generated workload");
   sub->add_flag("--json", a.json, "print JSON");
 }
@@ -46,16 +47,10 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
   }
   in.samples = samples_from_lengths(in.lengths, in.source);
   if (!a.config_path.empty()) {
-    const ModelConfig m = Config::load(a.config_path, {}).model;
-    in.shape.hidden = m.d_model;
-    in.shape.layers = m.n_layers;
-    in.shape.heads = m.n_heads;
-    in.shape.ffn = m.d_ff;
-    in.shape.mlp_matrices = 3;  // SwiGLU
-    in.shape.vocab = kVocabSize;
+    in.shape = model_shape_of(Config::load(a.config_path, {}).model);
   }
   DeviceSpec device = DeviceSpec::named(a.cost_model);
-  device.mfu = a.mfu;
+  if (a.mfu > 0) device.mfu = a.mfu;
   in.cost = std::make_unique<CostModel>(in.shape, device);
   in.memory = std::make_unique<MemoryModel>(in.shape, device);
   in.options.seed = a.seed;

@@ -15,7 +15,7 @@ struct PlanningArgs {
   std::string lengths_file, workload, cost_model = "h200", config_path;
   int64_t world_size = 0, samples_per_step = 0, tokens_per_step = 0, num_samples = 8000, static_sp = 0;
   uint64_t seed = 1234;
-  double mfu = DeviceSpec{}.mfu;
+  double mfu = 0;  // 0 = the device model's own
   bool json = false;
 };
 

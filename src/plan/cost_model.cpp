@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 
 namespace dcp {
@@ -29,16 +32,66 @@ void ModelShape::validate() const {
 
 DeviceSpec DeviceSpec::named(const std::string& name) {
   if (name == "h200") return DeviceSpec{};
-  throw std::invalid_argument(fmt::format("unknown device '{}' (known: h200)", name));
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(name, ec)) return from_profile(name);
+  throw std::invalid_argument(
+      fmt::format("unknown device '{}' (known: h200, or the path of a JSON file written by `dcp profile`)", name));
+}
+
+DeviceSpec DeviceSpec::from_profile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(fmt::format("device profile '{}': cannot open the file", path));
+  nlohmann::json doc;
+  try {
+    in >> doc;
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(fmt::format("device profile '{}': not valid JSON ({})", path, e.what()));
+  }
+  if (!doc.is_object() || !doc.contains("device") || !doc["device"].is_object()) {
+    throw std::invalid_argument(fmt::format("device profile '{}': missing object field 'device'", path));
+  }
+  const nlohmann::json& d = doc["device"];
+  auto field = [&](const char* key) -> const nlohmann::json& {
+    if (!d.contains(key)) {
+      throw std::invalid_argument(fmt::format("device profile '{}': missing field 'device.{}'", path, key));
+    }
+    const nlohmann::json& v = d[key];
+    if (!v.is_number()) {
+      throw std::invalid_argument(fmt::format("device profile '{}': field 'device.{}' must be a number, got {}", path,
+                                              key, v.dump()));
+    }
+    return v;
+  };
+  DeviceSpec spec;
+  if (!d.contains("name") || !d["name"].is_string()) {
+    throw std::invalid_argument(fmt::format("device profile '{}': missing string field 'device.name'", path));
+  }
+  spec.name = d["name"].get<std::string>();
+  spec.memory_bytes = field("memory_bytes").get<double>();
+  spec.peak_flops = field("peak_flops").get<double>();
+  spec.mfu = field("mfu").get<double>();
+  spec.attention_mfu = field("attention_mfu").get<double>();
+  spec.intra_node_bw = field("intra_node_bw").get<double>();
+  spec.inter_node_bw = field("inter_node_bw").get<double>();
+  const nlohmann::json& gpus = field("gpus_per_node");
+  if (!gpus.is_number_integer()) {
+    throw std::invalid_argument(
+        fmt::format("device profile '{}': field 'device.gpus_per_node' must be an integer, got {}", path, gpus.dump()));
+  }
+  spec.gpus_per_node = gpus.get<int64_t>();
+  spec.collective_latency_s = field("collective_latency_s").get<double>();
+  spec.micro_batch_overhead_s = field("micro_batch_overhead_s").get<double>();
+  return spec;
 }
 
 CostModel::CostModel(ModelShape shape, DeviceSpec device) : shape_(shape), device_(std::move(device)) {
   shape_.validate();
-  if (!(device_.peak_flops > 0) || !(device_.mfu > 0) || !(device_.intra_node_bw > 0) ||
+  if (!(device_.peak_flops > 0) || !(device_.mfu > 0) || !(device_.attention_mfu >= 0) ||
+      !(device_.intra_node_bw > 0) ||
       !(device_.inter_node_bw > 0) || device_.gpus_per_node < 1 || device_.collective_latency_s < 0 ||
       device_.micro_batch_overhead_s < 0) {
     throw std::invalid_argument(fmt::format("device '{}': rates, bandwidths and gpus_per_node must be positive and "
-                                            "latencies non-negative",
+                                            "attention_mfu and latencies non-negative",
                                             device_.name));
   }
 }
@@ -55,15 +108,41 @@ double CostModel::all_to_all_bandwidth(int64_t sp_size) const {
   return sp_size <= device_.gpus_per_node ? device_.intra_node_bw : device_.inter_node_bw;
 }
 
+namespace {
+
+// FLOPs of one sample of s tokens with r of the L layers recomputed (CostModel class comment).
+FlopCount sample_flops(const ModelShape& m, int64_t length, int64_t recompute_layers) {
+  const double s = static_cast<double>(length), h = static_cast<double>(m.hidden);
+  const double L = static_cast<double>(m.layers), r = static_cast<double>(recompute_layers);
+  const double pl = m.params_per_layer();
+  return {L * 6.0 * pl * s + r * 2.0 * pl * s + 6.0 * h * static_cast<double>(m.vocab) * s,
+          L * 6.0 * h * s * s + r * 2.0 * h * s * s};
+}
+
+}  // namespace
+
+FlopCount CostModel::flops(const std::vector<int64_t>& lengths, int64_t recompute_layers) const {
+  if (lengths.empty()) throw std::invalid_argument("cost model: a micro-batch needs at least one sample");
+  check(1, recompute_layers);
+  FlopCount total;
+  for (int64_t len : lengths) {
+    if (len < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", len));
+    const FlopCount f = sample_flops(shape_, len, recompute_layers);
+    total.linear += f.linear;
+    total.attention += f.attention;
+  }
+  return total;
+}
+
 double CostModel::work_seconds(int64_t length, int64_t sp_size, int64_t recompute_layers) const {
   check(sp_size, recompute_layers);
   if (length < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", length));
   const double s = static_cast<double>(length), h = static_cast<double>(shape_.hidden);
   const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
-  const double sp = static_cast<double>(sp_size), pl = shape_.params_per_layer();
-  const double flops = L * (6.0 * pl * s + 6.0 * h * s * s) + r * (2.0 * pl * s + 2.0 * h * s * s) +
-                       6.0 * h * static_cast<double>(shape_.vocab) * s;
-  const double compute = flops / (sp * device_.peak_flops * device_.mfu);
+  const double sp = static_cast<double>(sp_size);
+  const FlopCount f = sample_flops(shape_, length, recompute_layers);
+  const double compute = (f.linear / device_.mfu + f.attention / device_.effective_attention_mfu()) /
+                         (sp * device_.peak_flops);
   const double comm = (12.0 * L + 4.0 * r) * s * h * static_cast<double>(shape_.bytes_per_element) * (sp - 1.0) /
                       (sp * sp) / all_to_all_bandwidth(sp_size);
   return compute + comm;

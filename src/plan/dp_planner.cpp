@@ -37,11 +37,12 @@ std::vector<std::vector<int64_t>> assign_lpt(const std::vector<Sample>& samples,
   return per_group;
 }
 
-// First-fit decreasing bin packing of one group's samples into micro-batches of bounded token count.
+}  // namespace
+
 std::vector<MicroBatch> pack_first_fit(const std::vector<Sample>& samples, const std::vector<int64_t>& ids,
                                        int64_t capacity, int64_t recompute_layers) {
   std::vector<MicroBatch> bins;
-  for (int64_t id : ids) {  // ids arrive longest first from assign_lpt
+  for (int64_t id : ids) {
     int64_t len = samples[static_cast<size_t>(id)].length;
     auto it = std::find_if(bins.begin(), bins.end(), [&](const MicroBatch& b) { return b.num_tokens + len <= capacity; });
     if (it == bins.end()) {
@@ -53,8 +54,6 @@ std::vector<MicroBatch> pack_first_fit(const std::vector<Sample>& samples, const
   }
   return bins;
 }
-
-}  // namespace
 
 std::vector<StepPlan> plan_data_parallel(const std::vector<Sample>& samples, const std::vector<int64_t>& order,
                                          int64_t epoch, const DataParallelOptions& opt) {

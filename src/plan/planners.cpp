@@ -7,7 +7,9 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <stdexcept>
+#include <utility>
 
 namespace dcp {
 namespace {
@@ -90,24 +92,6 @@ StepPlan make_step(const PlannerOptions& opt, int64_t index, std::vector<GroupPl
   return p;
 }
 
-// First-fit decreasing into micro-batches of at most `capacity` tokens; `ids` must come longest first.
-std::vector<MicroBatch> pack_first_fit(const std::vector<Sample>& samples, const std::vector<int64_t>& ids,
-                                       int64_t capacity, int64_t recompute_layers) {
-  std::vector<MicroBatch> bins;
-  for (int64_t id : ids) {
-    const int64_t len = length_of(samples, id);
-    auto it = std::find_if(bins.begin(), bins.end(),
-                           [&](const MicroBatch& b) { return b.num_tokens + len <= capacity; });
-    if (it == bins.end()) {
-      bins.push_back(MicroBatch{{}, 0, recompute_layers});
-      it = bins.end() - 1;
-    }
-    it->sample_ids.push_back(id);
-    it->num_tokens += len;
-  }
-  return bins;
-}
-
 // ---------------------------------------------------------------------------------------------- dcp-opt
 
 // One step of dcp-opt: the samples' times at every power-of-two size and the search over group layouts.
@@ -128,6 +112,14 @@ class OptStep {
         const double share = cap0[k] > 0 ? std::min(1.0, static_cast<double>(len) / cap0[k]) : 1.0;
         t_[i][k] = cost_.work_seconds(len, sizes_[k], *r) + cost_.fixed_seconds(sizes_[k], *r) * share;
       }
+    }
+    // Per size: sample indices by time there, descending (stable), so fill orders samples without sorting.
+    by_time_.assign(K, {});
+    for (size_t k = 0; k < K; ++k) {
+      auto& o = by_time_[k];
+      o.resize(ids_.size());
+      for (size_t i = 0; i < o.size(); ++i) o[i] = i;
+      std::stable_sort(o.begin(), o.end(), [&](size_t a, size_t b) { return t_[a][k] > t_[b][k]; });
     }
   }
 
@@ -208,23 +200,43 @@ class OptStep {
   // Samples by preferred size (from `floor` up), then time, both descending, each into an open group where it
   // finishes by T (least GPU-seconds, then least slack left), else into a new group of its preferred size
   // while ranks remain. nullopt when a sample finds no place.
+  // Open groups of each size are kept in a set ordered by (load, group), so the best fit of a size (the largest
+  // load that still finishes by T, lowest group among equal loads) is a lookup, not a scan: O(n K log G).
   std::optional<Layout> fill(double T, size_t floor) const {
-    std::vector<size_t> pref(ids_.size()), order(ids_.size());
-    for (size_t i = 0; i < ids_.size(); ++i) pref[i] = preferred_size(i, T, floor), order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-      if (pref[a] != pref[b]) return pref[a] > pref[b];
-      return t_[a][pref[a]] > t_[b][pref[b]];
-    });
+    const size_t K = sizes_.size();
+    std::vector<size_t> pref(ids_.size());
+    for (size_t i = 0; i < ids_.size(); ++i) pref[i] = preferred_size(i, T, floor);
+    std::vector<size_t> order;
+    order.reserve(ids_.size());
+    for (size_t k = K; k-- > floor;) {
+      for (size_t i : by_time_[k]) {
+        if (pref[i] == k) order.push_back(i);
+      }
+    }
+    using Entry = std::pair<double, size_t>;
+    std::vector<std::set<Entry>> open(K);
     Layout l;
     int64_t ranks = 0;
     for (size_t i : order) {
       size_t best = l.groups.size();
       double best_cost = kInf, best_slack = kInf;
-      for (size_t g = 0; g < l.groups.size(); ++g) {
-        const double t = t_[i][l.groups[g]], slack = T - l.loads[g] - t;
-        if (slack < 0) continue;
-        const double c = static_cast<double>(sizes_[l.groups[g]]) * t;
-        if (c < best_cost || (c == best_cost && slack < best_slack)) best = g, best_cost = c, best_slack = slack;
+      for (size_t k = floor; k < K; ++k) {
+        const auto& os = open[k];
+        const double t = t_[i][k];
+        if (os.empty() || t == kInf) continue;
+        const double c = static_cast<double>(sizes_[k]) * t;
+        if (c > best_cost) continue;
+        auto fits = [&](const Entry& e) { return T - e.first - t >= 0; };
+        auto it = os.upper_bound(Entry{T - t, SIZE_MAX});
+        while (it != os.end() && fits(*it)) ++it;
+        while (it != os.begin() && !fits(*std::prev(it))) --it;
+        if (it == os.begin()) continue;
+        const double load = std::prev(it)->first;
+        const size_t g = os.lower_bound(Entry{load, 0})->second;
+        const double slack = T - load - t;
+        if (c < best_cost || (c == best_cost && (slack < best_slack || (slack == best_slack && g < best)))) {
+          best = g, best_cost = c, best_slack = slack;
+        }
       }
       if (best == l.groups.size()) {
         if (ranks + sizes_[pref[i]] > world_) return std::nullopt;
@@ -232,9 +244,12 @@ class OptStep {
         l.groups.push_back(pref[i]);
         l.members.emplace_back();
         l.loads.push_back(0.0);
+      } else {
+        open[l.groups[best]].erase(Entry{l.loads[best], best});
       }
       l.members[best].push_back(i);
       l.loads[best] += t_[i][l.groups[best]];
+      open[l.groups[best]].insert(Entry{l.loads[best], best});
     }
     return l;
   }
@@ -265,35 +280,63 @@ class OptStep {
     return sorted;
   }
 
-  // Local search: move or swap a sample of the makespan group while that lowers the pair's maximum.
+  // Local search: move or swap a sample of the makespan group while that lowers the pair's maximum. Loads are
+  // kept in ordered sets (all groups, and per size), so the makespan group and each size's least-loaded groups
+  // are lookups. A move goes to the least-loaded group of a size (the best target of that size); swaps are
+  // tried with the kSwapPartners least-loaded groups of each size. Bounded by a count of rounds, not by time.
   void improve(Layout& l) const {
-    const size_t G = l.groups.size();
+    constexpr size_t kSwapPartners = 2;
+    const size_t G = l.groups.size(), K = sizes_.size();
+    using Entry = std::pair<double, size_t>;
+    std::set<Entry> all;
+    std::vector<std::set<Entry>> by_size(K);
+    for (size_t g = 0; g < G; ++g) all.insert({l.loads[g], g}), by_size[l.groups[g]].insert({l.loads[g], g});
+    auto set_load = [&](size_t g, double v) {
+      all.erase({l.loads[g], g});
+      by_size[l.groups[g]].erase({l.loads[g], g});
+      l.loads[g] = v;
+      all.insert({v, g});
+      by_size[l.groups[g]].insert({v, g});
+    };
     const size_t max_iters = 4 * ids_.size() + 100;
-    for (size_t it = 0; it < max_iters; ++it) {
-      const size_t m = static_cast<size_t>(std::max_element(l.loads.begin(), l.loads.end()) - l.loads.begin());
+    std::vector<size_t> partners;
+    for (size_t it = 0; it < max_iters && G > 1; ++it) {
+      const size_t m = all.lower_bound({std::prev(all.end())->first, 0})->second;  // max load, lowest index
       const double top = l.loads[m];
+      const size_t km = l.groups[m];
       const double eps = 1e-12 * std::max(1.0, top);
       double best = top - eps;
       size_t bi = 0, bg = G, bj = SIZE_MAX;  // move member bi of m to bg, swapping with member bj when set
       const auto& mm = l.members[m];
+      partners.clear();
+      for (size_t k = 0; k < K; ++k) {
+        size_t taken = 0;
+        for (auto e = by_size[k].begin(); e != by_size[k].end() && taken < kSwapPartners; ++e) {
+          if (e->second == m) continue;
+          partners.push_back(e->second);
+          ++taken;
+        }
+      }
       for (size_t a = 0; a < mm.size(); ++a) {
         const size_t i = mm[a];
-        for (size_t g = 0; g < G; ++g) {
-          if (g == m) continue;
-          const double v = std::max(top - t_[i][l.groups[m]], l.loads[g] + t_[i][l.groups[g]]);
+        for (size_t k = 0; k < K; ++k) {
+          auto e = by_size[k].begin();
+          if (e != by_size[k].end() && e->second == m) ++e;
+          if (e == by_size[k].end()) continue;
+          const size_t g = e->second;
+          const double v = std::max(top - t_[i][km], l.loads[g] + t_[i][k]);
           if (v < best) best = v, bi = a, bg = g, bj = SIZE_MAX;
         }
       }
       if (bg == G) {
         for (size_t a = 0; a < mm.size(); ++a) {
           const size_t i = mm[a];
-          for (size_t g = 0; g < G; ++g) {
-            if (g == m) continue;
+          for (size_t g : partners) {
+            const size_t kg = l.groups[g];
+            const double base_m = top - t_[i][km], base_g = l.loads[g] + t_[i][kg];
             for (size_t b = 0; b < l.members[g].size(); ++b) {
               const size_t j = l.members[g][b];
-              const double vm = top - t_[i][l.groups[m]] + t_[j][l.groups[m]];
-              const double vg = l.loads[g] - t_[j][l.groups[g]] + t_[i][l.groups[g]];
-              const double v = std::max(vm, vg);
+              const double v = std::max(base_m + t_[j][km], base_g - t_[j][kg]);
               if (v < best) best = v, bi = a, bg = g, bj = b;
             }
           }
@@ -301,18 +344,19 @@ class OptStep {
       }
       if (bg == G) return;
       const size_t i = mm[bi];
-      l.loads[m] -= t_[i][l.groups[m]];
-      l.loads[bg] += t_[i][l.groups[bg]];
+      double lm = l.loads[m] - t_[i][km], lg = l.loads[bg] + t_[i][l.groups[bg]];
       if (bj == SIZE_MAX) {
         l.members[m].erase(l.members[m].begin() + static_cast<std::ptrdiff_t>(bi));
         l.members[bg].push_back(i);
       } else {
         const size_t j = l.members[bg][bj];
-        l.loads[m] += t_[j][l.groups[m]];
-        l.loads[bg] -= t_[j][l.groups[bg]];
+        lm += t_[j][km];
+        lg -= t_[j][l.groups[bg]];
         l.members[m][bi] = j;
         l.members[bg][bj] = i;
       }
+      set_load(m, lm);
+      set_load(bg, lg);
     }
   }
 
@@ -370,6 +414,7 @@ class OptStep {
   const CostModel& cost_;
   const MemoryModel& memory_;
   std::vector<std::vector<double>> t_;  // [sample index][size index] predicted seconds, inf when infeasible
+  std::vector<std::vector<size_t>> by_time_;  // [size index] sample indices by t_ there, descending, stable
 };
 
 }  // namespace

@@ -69,7 +69,8 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
                       {"tokens_trained", state.tokens_trained},
                       {"samples_trained", state.samples_trained},
                       {"heldout_bits_per_byte_initial", number_or_null(state.heldout_bits_per_byte_initial)},
-                      {"wall_time_s", state.wall_time_s}};
+                      {"wall_time_s", state.wall_time_s},
+                      {"cost_calibration", state.cost_calibration}};
   std::ofstream(tmp / "state.json") << j.dump(1) << "\n";
   std::ofstream cfg_out(tmp / "config.yaml");
   cfg_out << cfg.to_yaml();
@@ -110,6 +111,7 @@ TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::op
   s.samples_trained = j.at("samples_trained");
   s.heldout_bits_per_byte_initial = number_or_nan(j.at("heldout_bits_per_byte_initial"));
   s.wall_time_s = j.at("wall_time_s");
+  s.cost_calibration = j.value("cost_calibration", 0.0);
   return s;
 }
 

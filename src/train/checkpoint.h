@@ -19,6 +19,7 @@ struct TrainState {
   int64_t samples_trained = 0;
   double heldout_bits_per_byte_initial = 0;  ///< NaN when there is no held-out sample (null in JSON)
   double wall_time_s = 0;      ///< training wall time of all earlier invocations
+  double cost_calibration = 0; ///< measured / predicted step time, EMA; 0 = not measured yet
 };
 
 /// Writes `dir` atomically: into `dir`.tmp first, then renamed over `dir`. Throws std::runtime_error naming

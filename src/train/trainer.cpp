@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "dcp/planning.h"
 #include "dcp/train.h"
 #include "train/checkpoint.h"
 #include "train/progress.h"
@@ -142,18 +143,38 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   }
 
   for (const auto& p : file_plans) p.validate(env.world_size, corpus.samples(), cfg.model.n_layers);
+  const ModelShape shape = model_shape_of(cfg.model, 4);  // fp32 on this build
+  const DeviceSpec device = DeviceSpec::named(cfg.train.cost_model);
+  const CostModel cost(shape, device);
+  const MemoryModel memory(shape, device);
+  std::map<std::string, int64_t> planner_skips;
   DataParallelOptions dp{env.world_size, cfg.train.global_batch_tokens, cfg.train.micro_batch_tokens,
                          cfg.model.recompute_layers, cfg.parallel.sp_size};
   auto plans_for = [&](int64_t epoch) {
     if (!file_plans.empty()) return file_plans;
-    auto order = epoch_order(corpus.train_ids(), static_cast<uint64_t>(cfg.run.seed), epoch);
-    return plan_data_parallel(corpus.samples(), order, epoch, dp);
+    if (cfg.train.planner == "static") {
+      auto order = epoch_order(corpus.train_ids(), static_cast<uint64_t>(cfg.run.seed), epoch);
+      return plan_data_parallel(corpus.samples(), order, epoch, dp);
+    }
+    PlannerOptions opt;
+    opt.seed = static_cast<uint64_t>(cfg.run.seed);
+    opt.tokens_per_step = cfg.train.global_batch_tokens;
+    PlanSet set = plan_training_epoch(cfg.train.planner, corpus.samples(), corpus.train_ids(), epoch,
+                                      env.world_size, cost, memory, opt);
+    if (!set.skipped_ids.empty()) {
+      spdlog::warn("planner {} could not place {} sample(s) of epoch {} within memory (e.g. {}); they are skipped",
+                   cfg.train.planner, set.skipped_ids.size(), epoch,
+                   corpus.samples()[static_cast<size_t>(set.skipped_ids[0])].source);
+      planner_skips["planner_no_fit"] += static_cast<int64_t>(set.skipped_ids.size());
+    }
+    return set.steps;
   };
   std::vector<StepPlan> plans = plans_for(state.epoch);
 
   const auto train_start = std::chrono::steady_clock::now();
   const int64_t first_step = state.step;
   Progress progress(cfg.train.max_steps, first_step, lead);
+  std::vector<double> prediction_errors;  // |predicted / measured - 1| of this invocation's steps
   while (state.step < cfg.train.max_steps &&
          (cfg.train.stop_after_steps == 0 || state.step - first_step < cfg.train.stop_after_steps)) {
     if (state.index_in_epoch >= static_cast<int64_t>(plans.size())) {
@@ -163,6 +184,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
       spdlog::info("epoch {} begins ({} steps)", state.epoch, plans.size());
     }
     const StepPlan& plan = plans[static_cast<size_t>(state.index_in_epoch)];
+    const double raw_prediction = evaluate_step(plan, corpus.samples(), env.world_size, cost, memory).step_s;
     const auto step_start = std::chrono::steady_clock::now();
     StepResult r = compute_step_gradients(model, corpus, plan, groups);
     double grad_norm = 0;
@@ -184,6 +206,11 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     std::vector<int64_t> sp_sizes;
     for (const auto& g : plan.groups) sp_sizes.push_back(g.sp_size);
     double tokens_per_s = static_cast<double>(r.tokens) / step_time;
+    // Online recalibration: the model's prediction times an EMA of measured / predicted over past steps.
+    const json predicted = state.cost_calibration > 0 ? json(state.cost_calibration * raw_prediction) : json();
+    if (!predicted.is_null()) prediction_errors.push_back(std::abs(predicted.get<double>() / step_time - 1.0));
+    const double ratio = step_time / raw_prediction;
+    state.cost_calibration = state.cost_calibration > 0 ? 0.9 * state.cost_calibration + 0.1 * ratio : ratio;
     if (lead) {
       json line = {{"step", state.step},
                    {"epoch", state.epoch},
@@ -196,7 +223,8 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                    {"grad_norm", grad_norm},
                    {"rank_busy_s", r.rank_busy_s},
                    {"imbalance", max_busy > 0 ? 1.0 - mean_busy / max_busy : 0.0},
-                   {"sp_sizes", sp_sizes}};
+                   {"sp_sizes", sp_sizes},
+                   {"predicted_step_s", predicted}};
       metrics << line.dump() << "\n";
       metrics.flush();
     }
@@ -228,7 +256,19 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                     {"epochs_started", state.epoch + 1},
                     {"tokens_trained", state.tokens_trained},
                     {"samples_trained", state.samples_trained},
-                    {"samples_skipped", corpus.skipped().by_reason},
+                    {"samples_skipped", [&] {
+                       auto all = corpus.skipped().by_reason;
+                       for (const auto& [reason, n] : planner_skips) all[reason] += n;
+                       return all;
+                     }()},
+                    {"planner", file_plans.empty() ? cfg.train.planner : "plan-file"},
+                    {"cost_model", cfg.train.cost_model},
+                    {"predicted_step_median_rel_err", [&]() -> json {
+                       if (prediction_errors.empty()) return json();
+                       auto e = prediction_errors;
+                       std::nth_element(e.begin(), e.begin() + static_cast<long>(e.size() / 2), e.end());
+                       return e[e.size() / 2];
+                     }()},
                     {"documents_skipped", corpus.skipped().total()},
                     {"documents_kept", corpus.num_documents()},
                     {"train_samples_per_epoch", corpus.train_ids().size()},

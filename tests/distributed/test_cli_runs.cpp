@@ -117,6 +117,29 @@ TEST(CliRuns, TrainWritesOutputsAndResumeReproducesLosses) {
   fs::remove_all(dir);
 }
 
+TEST(CliRuns, PlannerChoiceDoesNotChangeTheLosses) {
+  // Same samples per step (same order and token budget), different groups and SP sizes: the step gradient is
+  // that of the same mean token loss, so the loss curve must agree up to float summation order.
+  fs::path dir = make_workdir("planners");
+  std::map<std::string, std::vector<double>> curves;
+  for (const std::string planner : {"static", "dcp-opt", "packed"}) {
+    Child c = Child::spawn(launch(2, train_args(dir, {"--train.max_steps=3", "--train.planner=" + planner,
+                                                      "--run.dir=" + (dir / planner).string()})),
+                           {}, (dir / (planner + ".log")).string());
+    ASSERT_TRUE(exited_ok(c.wait(240))) << c.log();
+    curves[planner] = losses(dir / planner / "metrics.jsonl");
+    auto last = nlohmann::json::parse(std::ifstream(dir / planner / "summary.json"));
+    EXPECT_EQ(last.at("planner"), planner);
+  }
+  for (const auto& [planner, curve] : curves) {
+    ASSERT_EQ(curve.size(), 3u) << planner;
+    for (size_t i = 0; i < curve.size(); ++i) {
+      EXPECT_NEAR(curve[i], curves["static"][i], 1e-4 * curves["static"][i]) << planner << " step " << i + 1;
+    }
+  }
+  fs::remove_all(dir);
+}
+
 TEST(CliRuns, ResumeWithoutHeldOutDataAndRefusesAChangedModel) {
   fs::path dir = make_workdir("resume_checks");
   auto run = [&](const std::vector<std::string>& extra, const std::string& log) {

@@ -1,7 +1,7 @@
 // Run under `dcp launch --nproc 2 -- test_dist_step`: every rank executes the same checks.
 #include <gtest/gtest.h>
 
-#include "dcp/planners.h"
+#include "dcp/planning.h"
 #include "distributed/fixtures.h"
 
 using namespace dcp;
@@ -61,13 +61,7 @@ TEST(DistributedStep, PlanMismatchIsAnErrorNamingTheStep) {
 TEST(DistributedStep, EveryPlannersFirstTwoStepsGiveTheSingleProcessGradient) {
   Config cfg = tiny_config();
   Corpus corpus = tiny_corpus(cfg);
-  ModelShape shape;
-  shape.hidden = cfg.model.d_model;
-  shape.layers = cfg.model.n_layers;
-  shape.heads = cfg.model.n_heads;
-  shape.ffn = cfg.model.d_ff;
-  shape.mlp_matrices = 3;
-  shape.vocab = kVocabSize;
+  const ModelShape shape = model_shape_of(cfg.model);
   const DeviceSpec device = DeviceSpec::named("h200");
   PlannerOptions opt;
   opt.tokens_per_step = 150;

@@ -366,3 +366,26 @@ TEST(Planner, StaticSpSizeOfPackedAndBucket) {
     EXPECT_FALSE(memory.min_recompute_layers(samples[static_cast<size_t>(id)].length, 1).has_value());
   }
 }
+
+TEST(CostModel, AttentionMfuRatesOnlyTheAttentionFlops) {
+  const CostModel same(kShape, kH200);
+  const double s = 4096, h = 2048, pl = 4 * h * h + 2 * h * 8192;
+  const FlopCount f = same.flops({4096}, 3);
+  EXPECT_NEAR(f.linear, 24 * 6 * pl * s + 3 * 2 * pl * s + 6 * h * 50304 * s, 1e-6 * f.linear);
+  EXPECT_NEAR(f.attention, 24 * 6 * h * s * s + 3 * 2 * h * s * s, 1e-6 * f.attention);
+  const FlopCount two = same.flops({4096, 100}, 3), hundred = same.flops({100}, 3);
+  EXPECT_DOUBLE_EQ(two.attention, f.attention + hundred.attention);
+  EXPECT_THROW(same.flops({}, 0), std::invalid_argument);
+  EXPECT_THROW(same.flops({4096}, 25), std::invalid_argument);
+
+  // attention_mfu 0 means mfu; a quarter of mfu makes only the attention FLOPs 4x slower.
+  DeviceSpec slow = kH200;
+  slow.attention_mfu = kH200.mfu / 4;
+  const CostModel slower(kShape, slow);
+  for (int64_t sp : {1, 4}) {
+    const double extra = 3.0 * f.attention / (static_cast<double>(sp) * kH200.peak_flops * kH200.mfu);
+    EXPECT_NEAR(slower.work_seconds(4096, sp, 3) - same.work_seconds(4096, sp, 3), extra, 1e-9 * extra);
+  }
+  slow.attention_mfu = -0.1;
+  EXPECT_THROW(CostModel(kShape, slow), std::invalid_argument);
+}

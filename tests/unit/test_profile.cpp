@@ -1,0 +1,188 @@
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "dcp/profiler.h"
+#include "error_of.h"
+
+namespace dcp {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A per-process scratch folder, removed when the test binary exits.
+struct TempDir {
+  fs::path path = fs::temp_directory_path() / fmt::format("dcp_test_profile_{}", ::getpid());
+  TempDir() { fs::create_directories(path); }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+fs::path temp_file(const std::string& name) {
+  static const TempDir dir;
+  return dir.path / name;
+}
+
+TEST(ProfileFit, RecoversKnownCoefficientsFromExactData) {
+  // Profile-like magnitudes: a constant column, ~1e9 linear FLOPs, ~1e8 attention FLOPs.
+  const std::vector<double> truth = {2e-3, 1.0 / 40e9, 1.0 / 5e9};
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> lin(1e8, 2e10), att(1e6, 5e9);
+  std::vector<std::vector<double>> rows;
+  std::vector<double> y;
+  for (int i = 0; i < 12; ++i) {
+    rows.push_back({1.0, lin(rng), att(rng)});
+    y.push_back(truth[0] + truth[1] * rows.back()[1] + truth[2] * rows.back()[2]);
+  }
+  const std::vector<double> x = fit_nonnegative_least_squares(rows, y);
+  ASSERT_EQ(x.size(), 3u);
+  for (size_t c = 0; c < 3; ++c) EXPECT_NEAR(x[c], truth[c], 1e-8 * truth[c]) << "column " << c;
+}
+
+TEST(ProfileFit, NegativeCoefficientIsDroppedAndTheRestRefitted) {
+  // y = 2 a - 0.5 b with a and b positive and correlated: the unconstrained fit needs a negative b.
+  std::vector<std::vector<double>> rows;
+  std::vector<double> y;
+  for (int i = 1; i <= 10; ++i) {
+    const double a = i, b = i + 0.3 * (i % 3);
+    rows.push_back({a, b});
+    y.push_back(2.0 * a - 0.5 * b);
+  }
+  const std::vector<double> x = fit_nonnegative_least_squares(rows, y);
+  EXPECT_EQ(x[1], 0.0);
+  double ay = 0, aa = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    ay += rows[i][0] * y[i];
+    aa += rows[i][0] * rows[i][0];
+  }
+  EXPECT_NEAR(x[0], ay / aa, 1e-12);  // the one-column least-squares solution
+  // All coefficients would be negative: the best non-negative answer is 0.
+  const std::vector<double> zero = fit_nonnegative_least_squares({{1.0}, {2.0}}, {-1.0, -2.0});
+  EXPECT_EQ(zero, std::vector<double>{0.0});
+  EXPECT_THROW(fit_nonnegative_least_squares({}, {}), std::invalid_argument);
+  EXPECT_THROW(fit_nonnegative_least_squares({{1.0, 2.0}, {1.0}}, {1.0, 2.0}), std::invalid_argument);
+  EXPECT_THROW(fit_nonnegative_least_squares({{1.0}}, {1.0, 2.0}), std::invalid_argument);
+}
+
+ProfileResult handmade_result() {
+  ProfileResult r;
+  r.device.name = "cpu-profile";
+  r.device.memory_bytes = 24e9;
+  r.device.peak_flops = 3.5e10;
+  r.device.mfu = 1.0;
+  r.device.attention_mfu = 0.25;
+  r.device.gpus_per_node = 1;
+  r.device.micro_batch_overhead_s = 1.5e-3;
+  ProfilePoint p;
+  p.lengths = {64, 64};
+  p.tokens = 128;
+  r.points.push_back(p);
+  return r;
+}
+
+TEST(ProfileFile, RoundTripsThroughFromProfileAndNamed) {
+  const ProfileResult r = handmade_result();
+  const std::string path = temp_file("roundtrip.json").string();
+  write_profile(r, path);
+  for (const DeviceSpec& d : {DeviceSpec::from_profile(path), DeviceSpec::named(path)}) {
+    EXPECT_EQ(d.name, "cpu-profile");
+    EXPECT_DOUBLE_EQ(d.memory_bytes, 24e9);
+    EXPECT_DOUBLE_EQ(d.peak_flops, 3.5e10);
+    EXPECT_DOUBLE_EQ(d.mfu, 1.0);
+    EXPECT_DOUBLE_EQ(d.attention_mfu, 0.25);
+    EXPECT_EQ(d.gpus_per_node, 1);
+    EXPECT_DOUBLE_EQ(d.micro_batch_overhead_s, 1.5e-3);
+    EXPECT_DOUBLE_EQ(d.intra_node_bw, DeviceSpec{}.intra_node_bw);
+    EXPECT_DOUBLE_EQ(d.inter_node_bw, DeviceSpec{}.inter_node_bw);
+    EXPECT_DOUBLE_EQ(d.collective_latency_s, DeviceSpec{}.collective_latency_s);
+  }
+  const std::string unknown = test::error_of([] { DeviceSpec::named("no-such-device"); });
+  EXPECT_NE(unknown.find("'no-such-device'"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("h200"), std::string::npos) << unknown;
+  EXPECT_THROW(DeviceSpec::named("no-such-device"), std::invalid_argument);
+}
+
+TEST(ProfileFile, MissingOrMistypedFieldIsNamedWithTheFile) {
+  const std::string good = temp_file("good.json").string();
+  write_profile(handmade_result(), good);
+  nlohmann::json doc;
+  std::ifstream(good) >> doc;
+
+  const std::string missing = temp_file("missing.json").string();
+  nlohmann::json without = doc;
+  without["device"].erase("attention_mfu");
+  std::ofstream(missing) << without.dump();
+  const std::string m = test::error_of([&] { DeviceSpec::from_profile(missing); });
+  EXPECT_NE(m.find(missing), std::string::npos) << m;
+  EXPECT_NE(m.find("device.attention_mfu"), std::string::npos) << m;
+  EXPECT_THROW(DeviceSpec::from_profile(missing), std::invalid_argument);
+
+  const std::string mistyped = temp_file("mistyped.json").string();
+  nlohmann::json wrong = doc;
+  wrong["device"]["peak_flops"] = "fast";
+  std::ofstream(mistyped) << wrong.dump();
+  const std::string t = test::error_of([&] { DeviceSpec::from_profile(mistyped); });
+  EXPECT_NE(t.find("device.peak_flops"), std::string::npos) << t;
+
+  const std::string garbage = temp_file("garbage.json").string();
+  std::ofstream(garbage) << "{not json";
+  EXPECT_NE(test::error_of([&] { DeviceSpec::from_profile(garbage); }).find(garbage), std::string::npos);
+  EXPECT_THROW(DeviceSpec::from_profile(temp_file("absent.json").string()), std::runtime_error);
+}
+
+TEST(Profile, TinyModelGivesAFinitePositiveFitThatTheCostModelReproduces) {
+  Config cfg;
+  cfg.model.d_model = 32;
+  cfg.model.n_layers = 2;
+  cfg.model.n_heads = 2;
+  cfg.model.d_ff = 64;
+  cfg.data.max_seq_len = 128;
+  cfg.train.threads = 2;
+  ProfileOptions opt;
+  opt.repeats = 1;
+  const ProfileResult r = profile_model(cfg, opt);
+
+  ASSERT_EQ(r.points.size(), 8u);  // lengths 64, 128 x tokens 1024, 4096 x recompute 0, 2
+  int held_out = 0;
+  for (const ProfilePoint& p : r.points) {
+    held_out += p.held_out;
+    EXPECT_TRUE(p.lengths.front() == 64 || p.lengths.front() == 128);
+    EXPECT_TRUE(p.recompute_layers == 0 || p.recompute_layers == 2);
+    EXPECT_GT(p.measured_s, 0.0);
+    EXPECT_TRUE(std::isfinite(p.predicted_s) && p.predicted_s > 0);
+  }
+  EXPECT_EQ(held_out, 2);
+  EXPECT_TRUE(std::isfinite(r.linear_flops_per_s) && r.linear_flops_per_s > 0);
+  EXPECT_TRUE(std::isfinite(r.attention_flops_per_s) && r.attention_flops_per_s > 0);
+  EXPECT_GE(r.fixed_s, 0.0);
+  EXPECT_TRUE(std::isfinite(r.heldout_median_error) && std::isfinite(r.heldout_max_error));
+  EXPECT_LE(r.heldout_median_error, r.heldout_max_error);
+  EXPECT_GT(r.max_rss_bytes, 0.0);
+
+  // The written device reproduces every prediction through the planners' CostModel.
+  const std::string path = temp_file("tiny.json").string();
+  write_profile(r, path);
+  const CostModel cost(r.shape, DeviceSpec::named(path));
+  for (const ProfilePoint& p : r.points) {
+    const double by_formula = r.fixed_s + p.flops.linear / r.linear_flops_per_s +
+                              p.flops.attention / r.attention_flops_per_s;
+    EXPECT_NEAR(cost.seconds(p.lengths, 1, p.recompute_layers), p.predicted_s, 1e-9 * p.predicted_s);
+    EXPECT_NEAR(by_formula, p.predicted_s, 1e-9 * p.predicted_s);
+  }
+  opt.repeats = 0;
+  EXPECT_THROW(profile_model(cfg, opt), std::invalid_argument);
+  opt.repeats = 1;
+  cfg.data.max_seq_len = 32;
+  EXPECT_THROW(profile_model(cfg, opt), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace dcp
