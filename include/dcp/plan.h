@@ -32,6 +32,9 @@ struct StepPlan {
   std::vector<GroupPlan> groups;
   int64_t global_num_tokens = 0;      ///< tokens, = sum over all micro-batches of num_tokens
 
+  /// Every sample id of the step: groups in order, micro-batches in order.
+  std::vector<int64_t> sample_ids() const;
+
   /// The group that holds `rank`; throws std::out_of_range naming the rank when none does.
   const GroupPlan& group_of(int64_t rank) const;
 

@@ -27,10 +27,7 @@ void run_plan(const PlanArgs& a) {
              set.skipped_ids.size());
   for (const auto& step : set.steps) {
     const StepCost c = evaluate_step(step, in.samples, a.world_size, *in.cost, *in.memory);
-    std::vector<int64_t> ids;
-    for (const auto& g : step.groups)
-      for (const auto& mb : g.micro_batches) ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
-    const double bound = step_lower_bound(ids, in.samples, a.world_size, *in.cost, *in.memory);
+    const double bound = step_lower_bound(step.sample_ids(), in.samples, a.world_size, *in.cost, *in.memory);
     fmt::print("\nstep {}: {} tokens, predicted {:.3f} s (lower bound {:.3f} s), imbalance {:.3f}, peak {:.1f} GB\n",
                step.index, step.global_num_tokens, c.step_s, bound,
                c.makespan_s > 0 ? 1.0 - c.mean_rank_s / c.makespan_s : 0.0, c.peak_bytes / 1e9);

@@ -51,10 +51,9 @@ Row simulate(const std::string& name, const std::vector<Sample>& samples, int64_
   double imbalance = 0;
   for (const auto& step : set.steps) {
     step.validate(world, samples, cost.shape().layers);
-    std::vector<int64_t> ids;
+    const std::vector<int64_t> ids = step.sample_ids();
     for (const auto& g : step.groups) {
       if (!g.micro_batches.empty()) row.sp_sizes.insert(g.sp_size);
-      for (const auto& mb : g.micro_batches) ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
     }
     for (int64_t id : ids) ++seen[static_cast<size_t>(id)];
     const StepCost c = evaluate_step(step, samples, world, cost, memory);

@@ -63,6 +63,14 @@ StepPlan from_json_value(const json& j) {
 
 }  // namespace
 
+std::vector<int64_t> StepPlan::sample_ids() const {
+  std::vector<int64_t> ids;
+  for (const auto& g : groups) {
+    for (const auto& mb : g.micro_batches) ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
+  }
+  return ids;
+}
+
 const GroupPlan& StepPlan::group_of(int64_t rank) const {
   for (const auto& g : groups) {
     if (rank >= g.first_rank && rank < g.first_rank + g.sp_size) return g;

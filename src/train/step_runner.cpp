@@ -79,9 +79,7 @@ StepResult compute_step_gradients(Transformer& model, const Corpus& corpus, cons
   StepResult r;
   r.loss = flat[offset].item<double>() * scale;
   r.tokens = plan.global_num_tokens;
-  for (const auto& g : plan.groups) {
-    for (const auto& mb : g.micro_batches) r.samples += static_cast<int64_t>(mb.sample_ids.size());
-  }
+  r.samples = static_cast<int64_t>(plan.sample_ids().size());
   for (int64_t i = 0; i < world_size; ++i) r.rank_busy_s.push_back(flat[offset + 1 + i].item<double>());
   return r;
 }

@@ -5,10 +5,7 @@
 namespace dcp {
 
 double reference_step_gradients(Transformer& model, const Corpus& corpus, const StepPlan& plan) {
-  std::vector<int64_t> ids;
-  for (const auto& g : plan.groups) {
-    for (const auto& mb : g.micro_batches) ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
-  }
+  const std::vector<int64_t> ids = plan.sample_ids();
   for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
   torch::Tensor loss = model->loss_sum(make_batch(corpus, ids)) / static_cast<double>(plan.global_num_tokens);
   loss.backward();

@@ -26,13 +26,6 @@ std::vector<Sample> random_samples(int n, int64_t max_len, uint32_t seed) {
   return samples_from_lengths(lengths, "rand");
 }
 
-std::vector<int64_t> step_ids(const StepPlan& p) {
-  std::vector<int64_t> ids;
-  for (const auto& g : p.groups) {
-    for (const auto& mb : g.micro_batches) ids.insert(ids.end(), mb.sample_ids.begin(), mb.sample_ids.end());
-  }
-  return ids;
-}
 
 // Smallest makespan over every layout of power-of-two groups (dividing the heads) summing to `world` and every
 // assignment of the samples to groups, each sample its own micro-batch with its fewest recompute layers.
@@ -236,7 +229,7 @@ TEST(Planner, EverySampleOnceValidGroupsMemoryAndLowerBound) {
       }
       for (const auto& step : set.steps) {
         ASSERT_NO_THROW(step.validate(world, samples, kShape.layers)) << name << " world " << world;
-        const auto ids = step_ids(step);
+        const auto ids = step.sample_ids();
         for (int64_t id : ids) ++seen[static_cast<size_t>(id)];
         const StepCost c = evaluate_step(step, samples, world, cost, memory);
         EXPECT_LE(c.peak_bytes, memory.budget_bytes()) << name;
@@ -337,7 +330,7 @@ TEST(Planner, DcpOptGivesLongSamplesLargeGroupsAndShortOnesNone) {
   }
   // Balanced: within 10% of the lower bound.
   const double t = evaluate_step(set.steps[0], samples, 8, cost, memory).step_s;
-  EXPECT_LE(t, 1.10 * step_lower_bound(step_ids(set.steps[0]), samples, 8, cost, memory));
+  EXPECT_LE(t, 1.10 * step_lower_bound(set.steps[0].sample_ids(), samples, 8, cost, memory));
   EXPECT_THROW(planner_by_name("dcp-intra"), std::invalid_argument);
 }
 
