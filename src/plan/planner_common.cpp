@@ -1,0 +1,126 @@
+#include "plan/planner_common.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <utility>
+
+#include "dcp/data.h"
+
+namespace dcp {
+namespace planner_detail {
+
+void check_world(int64_t world_size) {
+  if (world_size < 1) throw std::invalid_argument(fmt::format("planner: world_size {} must be positive", world_size));
+}
+
+StaticSetting static_setting(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                             const MemoryModel& memory, int64_t requested_sp) {
+  std::vector<int64_t> sizes;
+  for (int64_t s : sp_sizes_allowed(world_size, cost.shape())) {
+    if (world_size % s == 0 && (requested_sp == 0 || s == requested_sp)) sizes.push_back(s);
+  }
+  if (sizes.empty()) {
+    throw std::invalid_argument(fmt::format("planner: static_sp_size {} must divide world_size {} and the {} heads",
+                                            requested_sp, world_size, cost.shape().heads));
+  }
+  StaticSetting st;
+  st.skipped.assign(samples.size(), 0);
+  int64_t longest = 0;
+  for (const auto& s : samples) {
+    if (!memory.min_recompute_layers(s.length, sizes.back())) {
+      st.skipped[static_cast<size_t>(s.id)] = 1;
+    } else {
+      longest = std::max(longest, s.length);
+    }
+  }
+  if (longest == 0) return st;
+  for (int64_t s : sizes) {
+    if (auto r = memory.min_recompute_layers(longest, s)) {
+      st.sp_size = s;
+      st.recompute_layers = *r;
+      st.capacity = memory.max_tokens(s, *r);
+      break;
+    }
+  }
+  return st;
+}
+
+std::vector<int64_t> skipped_ids(const std::vector<char>& skipped) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < skipped.size(); ++i) {
+    if (skipped[i]) out.push_back(static_cast<int64_t>(i));
+  }
+  return out;
+}
+
+std::vector<int64_t> kept(const std::vector<int64_t>& ids, const std::vector<char>& skipped) {
+  std::vector<int64_t> out;
+  for (int64_t id : ids) {
+    if (!skipped[static_cast<size_t>(id)]) out.push_back(id);
+  }
+  return out;
+}
+
+StepPlan make_step(const PlannerOptions& opt, int64_t index, std::vector<GroupPlan> groups) {
+  StepPlan p;
+  p.epoch = opt.epoch;
+  p.index = index;
+  std::sort(groups.begin(), groups.end(),
+            [](const GroupPlan& a, const GroupPlan& b) { return a.first_rank < b.first_rank; });
+  for (const auto& g : groups) {
+    for (const auto& mb : g.micro_batches) p.global_num_tokens += mb.num_tokens;
+  }
+  p.groups = std::move(groups);
+  return p;
+}
+
+}  // namespace planner_detail
+
+using namespace planner_detail;
+
+std::vector<std::vector<int64_t>> split_steps(const std::vector<Sample>& samples, const PlannerOptions& options) {
+  if (options.samples_per_step <= 0 && options.tokens_per_step <= 0) {
+    throw std::invalid_argument("planner: samples_per_step or tokens_per_step must be positive");
+  }
+  std::vector<int64_t> ids;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    if (samples[i].id != static_cast<int64_t>(i)) {
+      throw std::invalid_argument(fmt::format("planner: sample at index {} has id {}; ids must be 0..n-1", i,
+                                              samples[i].id));
+    }
+    if (samples[i].length < 1) {
+      throw std::invalid_argument(fmt::format("planner: sample {} has length {}", i, samples[i].length));
+    }
+    ids.push_back(static_cast<int64_t>(i));
+  }
+  const auto order = epoch_order(ids, options.seed, options.epoch);
+  std::vector<std::vector<int64_t>> steps;
+  std::vector<int64_t> cur;
+  int64_t tokens = 0;
+  for (int64_t id : order) {
+    const int64_t len = length_of(samples, id);
+    const bool full = options.samples_per_step > 0 ? static_cast<int64_t>(cur.size()) >= options.samples_per_step
+                                                   : tokens + len > options.tokens_per_step;
+    if (!cur.empty() && full) {
+      steps.push_back(std::move(cur));
+      cur.clear();
+      tokens = 0;
+    }
+    cur.push_back(id);
+    tokens += len;
+  }
+  if (!cur.empty()) steps.push_back(std::move(cur));
+  return steps;
+}
+
+std::vector<int64_t> sp_sizes_allowed(int64_t world_size, const ModelShape& shape) {
+  std::vector<int64_t> out;
+  for (int64_t s = 1; s <= std::min(world_size, shape.heads); ++s) {
+    if (shape.heads % s == 0) out.push_back(s);
+  }
+  return out;
+}
+
+}  // namespace dcp

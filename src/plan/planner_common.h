@@ -1,0 +1,41 @@
+// Helpers shared by the planners (internal to dcp_base).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "dcp/planners.h"
+
+namespace dcp::planner_detail {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+inline int64_t length_of(const std::vector<Sample>& samples, int64_t id) {
+  return samples[static_cast<size_t>(id)].length;
+}
+
+/// Throws std::invalid_argument when world_size < 1.
+void check_world(int64_t world_size);
+
+/// The static (sp, recompute) of `packed` and `bucket` for the whole epoch, and the samples it cannot hold.
+struct StaticSetting {
+  int64_t sp_size = 0;  ///< 0: no sample fits
+  int64_t recompute_layers = 0;
+  int64_t capacity = 0;  ///< tokens per micro-batch
+  std::vector<char> skipped;  ///< by sample id
+};
+
+/// The smallest allowed divisor of world_size (or requested_sp when > 0) at which the longest placeable sample
+/// fits, with its fewest recompute layers. Throws std::invalid_argument when requested_sp is not allowed.
+StaticSetting static_setting(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                             const MemoryModel& memory, int64_t requested_sp);
+
+/// The ids whose flag is set.
+std::vector<int64_t> skipped_ids(const std::vector<char>& skipped);
+/// The step's ids without the skipped ones.
+std::vector<int64_t> kept(const std::vector<int64_t>& ids, const std::vector<char>& skipped);
+/// A StepPlan of these groups, sorted by first rank, with its global token count.
+StepPlan make_step(const PlannerOptions& opt, int64_t index, std::vector<GroupPlan> groups);
+
+}  // namespace dcp::planner_detail
