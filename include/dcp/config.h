@@ -38,8 +38,23 @@ struct ModelConfig {
   int64_t recompute_layers = 0;      ///< the first N layers recompute activations in backward
 };
 
+/// attention.*: the attention operator of every layer. The flexformer.* keys only matter for backend flexformer
+/// (Flexformer / RFF linear attention, ../shared/specs/flexformer.md section 13; docs/flexformer.md).
 struct AttentionConfig {
-  std::string backend = "softmax";
+  std::string backend = "softmax";        ///< softmax | flexformer
+  std::string feature_map = "stationary"; ///< stationary | nonstationary | fixed (untrained RFF) | elu (elu+1)
+  int64_t num_features = 64;              ///< m: random frequencies per head (features = 2m for [cos; sin])
+  std::string input_norm = "l2";          ///< l2 | rms | scale: conditioning of q and k before the feature map
+  std::string normalizer = "shift";       ///< shift | clamp | none (+ per-head output RMSNorm)
+  std::string mode = "chunk";             ///< chunk | quadratic | recurrent: computation used in training
+  int64_t chunk_size = 64;                ///< tokens per chunk of the chunked form
+};
+
+/// memory.*: the per-rank memory budget planners must respect.
+struct MemoryConfig {
+  /// Bytes a rank may use; 0 = memory.fraction of the cost model's device memory.
+  double budget_bytes = 0;
+  double fraction = 0.9;  ///< share of device memory used as the budget when budget_bytes is 0
 };
 
 struct TrainConfig {
@@ -56,7 +71,8 @@ struct TrainConfig {
   int64_t checkpoint_every = 50;        ///< steps between checkpoints; 0 = only at the end
   int64_t stop_after_steps = 0;         ///< end this invocation after N steps (checkpointed; --resume goes on); 0 = off
   int64_t threads = 0;                  ///< intra-op threads per rank; 0 = cores / local ranks
-  std::string planner = "static";       ///< static (parallel.sp_size everywhere) | bucket | packed | dcp-opt
+  /// static (parallel.sp_size everywhere) | bucket | packed | dcp-intra | dcp-inter | dcp-inter-pac | dcp-opt
+  std::string planner = "static";
   std::string cost_model = "h200";      ///< device model the planners and step predictions use: h200 or a
                                         ///< `dcp profile` JSON file
 };
@@ -79,6 +95,7 @@ struct Config {
   DataConfig data;
   ModelConfig model;
   AttentionConfig attention;
+  MemoryConfig memory;
   TrainConfig train;
   ParallelConfig parallel;
   EvalConfig eval;

@@ -38,7 +38,15 @@ void visit(C& c, F&& f) {
   f("model.d_ff", c.model.d_ff, IntRule{1, 1 << 20});
   f("model.rope_theta", c.model.rope_theta, RealRule{1.0});
   f("model.recompute_layers", c.model.recompute_layers, IntRule{0, 1024});
-  f("attention.backend", c.attention.backend, Choices{"softmax"});
+  f("attention.backend", c.attention.backend, Choices{"softmax", "flexformer"});
+  f("attention.feature_map", c.attention.feature_map, Choices{"stationary", "nonstationary", "fixed", "elu"});
+  f("attention.num_features", c.attention.num_features, IntRule{1, 1 << 16});
+  f("attention.input_norm", c.attention.input_norm, Choices{"l2", "rms", "scale"});
+  f("attention.normalizer", c.attention.normalizer, Choices{"shift", "clamp", "none"});
+  f("attention.mode", c.attention.mode, Choices{"chunk", "quadratic", "recurrent"});
+  f("attention.chunk_size", c.attention.chunk_size, IntRule{1, 1 << 20});
+  f("memory.budget_bytes", c.memory.budget_bytes, RealRule{0.0});
+  f("memory.fraction", c.memory.fraction, RealRule{0.01, 1.0});
   f("train.global_batch_tokens", c.train.global_batch_tokens, IntRule{1});
   f("train.micro_batch_tokens", c.train.micro_batch_tokens, IntRule{1});
   f("train.max_steps", c.train.max_steps, IntRule{0});
@@ -52,7 +60,7 @@ void visit(C& c, F&& f) {
   f("train.checkpoint_every", c.train.checkpoint_every, IntRule{0});
   f("train.stop_after_steps", c.train.stop_after_steps, IntRule{0});
   f("train.threads", c.train.threads, IntRule{0, 1024});
-  f("train.planner", c.train.planner, Choices{"static", "bucket", "packed", "dcp-opt"});
+  f("train.planner", c.train.planner, Choices{"static", "bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-opt"});
   f("train.cost_model", c.train.cost_model, Choices{});
   f("parallel.sp_size", c.parallel.sp_size, IntRule{1, 1 << 20});
   f("parallel.sp_sizes", c.parallel.sp_sizes, Choices{});
