@@ -123,29 +123,82 @@ class CostModel {
   DeviceSpec device_;
 };
 
-/// Predicted peak bytes on one rank of a group running one micro-batch of `tokens` tokens:
-///   bytes = states + workspace + (L - r) * full + r * input + full + logits
-///   - states = 16 * params: mixed-precision Adam, unsharded (every rank holds bf16 weights 2 B, bf16 gradients
-///     2 B, fp32 master weights, m and v 12 B per parameter; Rajbhandari et al. ZeRO, arXiv 1910.02054, Sec. 3.1).
-///     Unsharded is the conservative choice: the trainer replicates states over data-parallel ranks.
-///   - full = (10 h + 6 ffn) * (b / 2) * tokens / sp: activations a layer keeps for backward without recompute.
+/// Per-rank bytes of a micro-batch, in the one form both memory models share:
+///   bytes = base + t * (a (L - r) + b r + c + [sp > 1] e) + Q * (q (L - r) + q0)
+/// with t = tokens / sp (tokens a rank holds), Q = sum_j s_j^2 / sp over the micro-batch's sample lengths s_j
+/// (a rank's attention scores: Ulysses gives it the s tokens of h/sp heads of every sample), L layers of which
+/// r recompute their activations in backward.
+struct MemoryCoefficients {
+  double base_bytes = 0;          ///< bytes independent of the micro-batch (weights, gradients, optimizer state)
+  double token_layer_bytes = 0;   ///< a: per local token per layer that keeps its activations, bytes
+  double token_recompute_bytes = 0;  ///< b: per local token per recomputed layer (it keeps its input), bytes
+  double token_bytes = 0;         ///< c: per local token once (the layer being back-propagated, logits), bytes
+  double square_layer_bytes = 0;  ///< q: per local squared token per layer that keeps its activations, bytes
+  double square_bytes = 0;        ///< q0: per local squared token once (the working layer's scores), bytes
+  /// e: per local token once when sp > 1 (Ulysses' all-to-all buffers beyond what sp 1 holds), bytes
+  double sp_token_bytes = 0;
+};
+
+/// Predicted peak bytes on one rank of a group running one micro-batch, and the per-rank budget they must fit.
+///
+/// Two sources of coefficients (MemoryCoefficients gives the formula):
+/// - analytic (the constructor and analytic(); the h200 model; q = q0 = 0, FlashAttention keeps no s^2 scores;
+///   e = 0, the workspace covers communication buffers):
+///   base = 16 * params + workspace, a = full, b = input, c = full + logits, where
+///   - 16 * params: mixed-precision Adam, unsharded (every rank holds bf16 weights 2 B, bf16 gradients 2 B,
+///     fp32 master weights, m and v 12 B per parameter; Rajbhandari et al. ZeRO, arXiv 1910.02054, Sec. 3.1).
+///     Unsharded is the conservative choice: the trainer replicates states over data-parallel ranks. (For this
+///     CPU build's fp32, weights 4 + gradients 4 + AdamW m and v 8 B also make 16 B per parameter.)
+///   - full = (10 h + 6 ffn) * (b / 2) per token: activations a layer keeps for backward without recompute.
 ///     Korthikanti et al. (arXiv 2205.05198, Table 2) give 34 s b h bytes in 16-bit with FlashAttention or
 ///     selective recompute (no s^2 score matrix), of which 10 s b h is attention and 24 s b h the 4h-wide MLP;
 ///     the MLP share is scaled here to the actual width (24 h = 6 * 4h). Ulysses divides by sp (each rank
 ///     holds s/sp tokens outside attention and s tokens of h/sp heads inside).
-///   - input = h * b * tokens / sp: a recomputed layer keeps only its input (same source, full recompute 2 s b h).
-///   - one extra `full`: the working set of the layer being recomputed or back-propagated.
-///   - logits = vocab * (b + 4) * tokens / sp: 16-bit logits plus their fp32 softmax for the loss (no chunking).
+///   - input = h * b per token: a recomputed layer keeps only its input (same source, full recompute 2 s b h).
+///   - the c term's `full`: the working set of the layer being recomputed or back-propagated.
+///   - logits = vocab * (b + 4) per token: 16-bit logits plus their fp32 softmax for the loss (no chunking).
 ///   - workspace: a fixed reserve for kernels, communication buffers and fragmentation.
-/// The budget is memory_fraction * device memory.
+/// - fitted (from_profile(): `dcp profile` measures peak bytes of tensor storage on a grid of micro-batches at
+///   sp 1 and fits base, a, b, q, q0 >= 0; c is 0 because c t = (c / L)(t (L - r) + t r) is not separable
+///   from a and b). The CPU's softmax attention keeps [heads, s, s] probabilities and masks per sample, hence Q.
+///   The sp scaling is assumed, not measured (the profile runs sp 1), and so is e = 6 h b: the stacked q, k, v
+///   and their contiguous send copy that SequenceParallelAttention allocates and sp 1 does not (a 2-rank run of
+///   the default model measured up to 2.5 KB per local token above the sp-1 fit; 6 h b = 3 KB there).
+///
+/// The planners know a micro-batch's tokens only, not its lengths: bytes(tokens, ...) bounds Q by
+/// tokens * min(tokens, longest_sample_tokens) / sp (sum s_j^2 <= max s_j * sum s_j), so it never predicts less
+/// than bytes(lengths, ...) of any micro-batch of that many tokens. The bound matters only when q or q0 > 0.
 class MemoryModel {
  public:
-  /// Throws std::invalid_argument when the shape is invalid or memory_fraction is outside (0, 1].
+  /// The analytic model with budget memory_fraction * device.memory_bytes. Throws std::invalid_argument when
+  /// the shape is invalid, memory_fraction is outside (0, 1], memory_bytes is not positive or workspace_bytes
+  /// is negative.
   MemoryModel(ModelShape shape, DeviceSpec device, double memory_fraction = 0.9, double workspace_bytes = 4e9);
 
-  /// Peak bytes on a rank for a micro-batch of `tokens` tokens on sp ranks with r recomputed layers.
-  /// Throws std::invalid_argument when tokens or sp is not positive or r is outside [0, L].
+  /// The analytic model with an explicit per-rank budget (bytes). Throws std::invalid_argument when the shape
+  /// is invalid, budget_bytes is not positive and finite or workspace_bytes is negative.
+  static MemoryModel analytic(ModelShape shape, double budget_bytes, double workspace_bytes = 4e9);
+  /// A model with the given coefficients (bytes each, all >= 0), budget (bytes) and longest sample (tokens; 0 =
+  /// no bound, Q <= tokens^2). Throws std::invalid_argument naming a negative or non-finite coefficient, a bad
+  /// budget, a negative longest_sample_tokens or an invalid shape.
+  MemoryModel(ModelShape shape, MemoryCoefficients coefficients, double budget_bytes,
+              int64_t longest_sample_tokens = 0);
+  /// Reads the fitted model of a JSON file written by `dcp profile` (write_profile in dcp/profiler.h): the
+  /// "model" object (the shape that was measured; shape() returns it) and the "memory" object's base_bytes,
+  /// token_layer_bytes, token_recompute_bytes, token_bytes, square_layer_bytes, square_bytes and
+  /// sp_token_bytes (when absent: 6 * hidden * bytes_per_element, the value `dcp profile` writes). Throws
+  /// std::runtime_error naming the file when it cannot be read or is not JSON, std::invalid_argument naming the
+  /// file and the field when one is missing or not a number (a profile written before memory was fitted has no
+  /// "memory" object: rerun `dcp profile`), and what the coefficient constructor throws.
+  static MemoryModel from_profile(const std::string& path, double budget_bytes, int64_t longest_sample_tokens = 0);
+
+  /// Peak bytes on a rank for a micro-batch of `tokens` tokens on sp ranks with r recomputed layers (the
+  /// longest_sample_tokens bound on Q). Throws std::invalid_argument when tokens or sp is not positive or r is
+  /// outside [0, L].
   double bytes(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const;
+  /// Peak bytes on a rank for a micro-batch of these sample lengths (tokens each; Q exact). Throws like
+  /// bytes(tokens, ...) and when lengths is empty or a length is not positive.
+  double bytes(const std::vector<int64_t>& lengths, int64_t sp_size, int64_t recompute_layers) const;
   /// Per-rank memory budget, bytes.
   double budget_bytes() const { return budget_; }
   /// The fewest recomputed layers with which `tokens` fit the budget on sp ranks, or nullopt when even full
@@ -156,9 +209,22 @@ class MemoryModel {
   /// The most tokens one micro-batch on sp ranks may hold with r recomputed layers (0 when none fit).
   int64_t max_tokens(int64_t sp_size, int64_t recompute_layers) const;
 
+  const ModelShape& shape() const { return shape_; }
+  const MemoryCoefficients& coefficients() const { return c_; }
+  /// The bound on a sample's length used by bytes(tokens, ...), tokens (0 = none).
+  int64_t longest_sample_tokens() const { return longest_; }
+  /// "analytic" or "profile".
+  const std::string& source() const { return source_; }
+
  private:
+  double bytes_of(double local_tokens, double local_squares, int64_t sp_size, int64_t recompute_layers) const;
+  void check(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const;
+
   ModelShape shape_;
-  double budget_, workspace_;
+  MemoryCoefficients c_;
+  double budget_ = 0;
+  int64_t longest_ = 0;
+  std::string source_ = "analytic";
 };
 
 }  // namespace dcp

@@ -17,8 +17,9 @@ struct GenerateOptions {
 };
 
 /// Samples `max_new_tokens` bytes after BOS + `prompt` and returns them (raw bytes; may be invalid UTF-8 where
-/// the model emits it). Recomputes the window each token (no KV cache). Throws std::invalid_argument for a
-/// negative max_new_tokens or temperature, or a negative top_k.
+/// the model emits it). Softmax models recompute the window each token (no KV cache); flexformer models decode
+/// recurrently from per-layer states (FlexformerDecoding), rebuilt only when the window slides. Throws
+/// std::invalid_argument for a negative max_new_tokens or temperature, or a negative top_k.
 std::string generate(Transformer& model, const std::string& prompt, const GenerateOptions& opt);
 
 }  // namespace dcp

@@ -16,7 +16,7 @@
 
 namespace dcp {
 
-class AttentionBackend;
+class AttentionWrapper;
 
 /// Several samples packed as one flat token stream; sample i occupies [cu_seqlens[i], cu_seqlens[i+1]).
 /// Under sequence parallelism a rank holds one contiguous shard of the stream: T_local = T_padded / sp_size
@@ -28,9 +28,10 @@ struct PackedBatch {
   torch::Tensor positions;   ///< [T_local] int64 position inside its sample (restarts at 0 for every sample)
   torch::Tensor cu_seqlens;  ///< [segments + 1] int64 cumulative lengths of the whole stream, cu_seqlens[0] = 0
   std::vector<int64_t> sample_ids;
-  /// Replaces the model's attention for this batch: a sequence-parallel shard carries the attention that
-  /// exchanges q, k, v across its group. Null: the model's own backend.
-  std::shared_ptr<const AttentionBackend> attention;
+  /// Wraps every block's own attention backend for this batch: a sequence-parallel shard carries the wrapper
+  /// that exchanges q, k, v across its group, decoding one that carries recurrent states. Null: each block
+  /// calls its backend directly.
+  std::shared_ptr<const AttentionWrapper> attention;
   int64_t num_tokens() const { return tokens.numel(); }
 };
 
@@ -45,13 +46,32 @@ PackedBatch make_batch(const Corpus& corpus, const std::vector<int64_t>& sample_
 PackedBatch make_shard(const Corpus& corpus, const std::vector<int64_t>& sample_ids, int64_t sp_rank,
                        int64_t sp_size);
 
-/// Attention over a packed stream: causal inside each sample, nothing across samples.
+/// Attention over a packed stream: causal inside each sample, nothing across samples. Each block owns one; a
+/// backend with parameters is also a torch::nn::Module and is registered as the block's "attention" submodule.
 class AttentionBackend {
  public:
   virtual ~AttentionBackend() = default;
-  /// q, k, v: [T, heads, head_dim] (rotary already applied); cu_seqlens: [n + 1] int64.
-  /// Returns [T, heads, head_dim].
+  /// q, k, v: [T, heads, head_dim] (rotary already applied) holding all heads of the layer; cu_seqlens:
+  /// [n + 1] int64. Returns [T, heads, head_dim].
   virtual torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const torch::Tensor& cu_seqlens) const = 0;
+  /// The same on heads [head_offset, head_offset + heads) of the layer only: under Ulysses sequence
+  /// parallelism a rank attends over a slice of the heads, and a backend with per-head parameters must
+  /// override this to use that slice's. The default, for backends without them, is forward().
+  virtual torch::Tensor forward_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                      const torch::Tensor& cu_seqlens, int64_t /*head_offset*/) const {
+    return forward(q, k, v, cu_seqlens);
+  }
+};
+
+/// How blocks call their own backend for one batch (PackedBatch::attention): sequence parallelism exchanges
+/// q, k, v across ranks around it, decoding carries per-layer states.
+class AttentionWrapper {
+ public:
+  virtual ~AttentionWrapper() = default;
+  /// Attention of block `layer`, whose backend is `inner`; shapes as AttentionBackend::forward.
+  virtual torch::Tensor forward(const AttentionBackend& inner, int64_t layer, const torch::Tensor& q,
+                                const torch::Tensor& k, const torch::Tensor& v,
                                 const torch::Tensor& cu_seqlens) const = 0;
 };
 
@@ -63,8 +83,10 @@ class SoftmaxAttention : public AttentionBackend {
                         const torch::Tensor& cu_seqlens) const override;
 };
 
-/// Builds the backend named by `attention.backend`; throws ConfigError for an unknown name.
-std::shared_ptr<AttentionBackend> make_attention_backend(const AttentionConfig& cfg);
+/// Builds the backend named by `attention.backend` for one layer of `model` (a new object per call: a
+/// flexformer backend has its own parameters). Throws ConfigError for an unknown name or a bad attention.*
+/// value, std::invalid_argument when d_model is not divisible by n_heads.
+std::shared_ptr<AttentionBackend> make_attention_backend(const AttentionConfig& cfg, const ModelConfig& model);
 
 /// Runs `fn(x)` without keeping its activations and recomputes it during backward (activation checkpointing).
 /// Gradients of parameters used by `fn` accumulate into their .grad as without checkpointing. `fn` must be
@@ -86,22 +108,24 @@ TORCH_MODULE(RMSNorm);
 /// Pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Shazeer 2020), rotary positions
 /// (Su et al. 2021, RoFormer) on q and k.
 struct BlockImpl : torch::nn::Module {
-  /// Throws std::invalid_argument unless d_model is divisible by n_heads. wqkv's output is [q | k | v].
+  /// Throws std::invalid_argument unless d_model is divisible by n_heads or when `attention` is null.
+  /// wqkv's output is [q | k | v]. A backend that is a torch::nn::Module becomes submodule "attention".
   BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention);
   /// x: [T, d_model]; positions: [T] int64; cu_seqlens: [n+1] int64. Returns [T, d_model].
-  /// `attention` null = the block's own backend.
+  /// `wrapper` null: the block's backend is called directly; else wrapper->forward(*attention, layer, ...).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
-                        const AttentionBackend* attention = nullptr);
+                        const AttentionWrapper* wrapper = nullptr, int64_t layer = 0);
 
   int64_t n_heads, head_dim;
   double rope_theta;
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   torch::nn::Linear wqkv{nullptr}, wo{nullptr}, w_gate{nullptr}, w_up{nullptr}, w_down{nullptr};
-  std::shared_ptr<AttentionBackend> attention;
+  std::shared_ptr<AttentionBackend> attention;  ///< this block's own backend
 };
 TORCH_MODULE(Block);
 
-/// Byte embeddings -> n_layers Blocks -> RMSNorm -> linear head over kVocabSize.
+/// Byte embeddings -> n_layers Blocks -> RMSNorm -> linear head over kVocabSize. Every block gets its own
+/// attention backend from make_attention_backend(attn, cfg).
 struct TransformerImpl : torch::nn::Module {
   explicit TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn = {});
 
@@ -115,7 +139,6 @@ struct TransformerImpl : torch::nn::Module {
   torch::Tensor loss_sum(const PackedBatch& batch, int64_t recompute_layers = 0);
 
   ModelConfig cfg;
-  std::shared_ptr<AttentionBackend> attention;  ///< shared by all blocks
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   RMSNorm final_norm{nullptr};

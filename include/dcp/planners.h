@@ -63,6 +63,67 @@ PlanSet plan_packed(const std::vector<Sample>& samples, int64_t world_size, cons
 PlanSet plan_bucket(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
                     const MemoryModel& memory, const PlannerOptions& options);
 
+/// `dcp-intra`: the reference's DCP-intra planner (dcp-reference.md section 3.4: dynamic SP, one micro-batch
+/// per group per iteration) on the same steps as the other planners.
+///  - Profile per quarter-octave length bucket (as `bucket`), from CostModel and MemoryModel instead of a
+///    profiling run (reference 2.3): at every power-of-two allowed size where the bucket's longest sample
+///    fits, bs = the most samples of that length within the memory budget and the micro-batch time; the
+///    bucket's sp_size is the one of most samples per GPU-second. Recompute is one epoch-wide count (the
+///    reference's global checkpointing switch, sized like `bucket`'s): the fewest layers with which every
+///    bucket's longest sample fits at its smallest size.
+///  - Per step, on the step's samples by bucket (each shuffled by a StepRng of seed, epoch and step): fill the
+///    ranks with groups of drawn buckets (an SP class, then a bucket of it uniformly; n = min(bs, left)),
+///    retarget every group towards the fastest full group's time (bs, and larger SP sizes up to the largest
+///    allowed one; the reference stops at a node, here the cost model prices cross-node groups), drop the
+///    smallest groups while the sizes exceed world_size (samples back to the pool), top up faster groups.
+///    Each group has one micro-batch.
+///  - Adaptation: the class draw is weighted by the GPU-seconds of the class's samples, not by its number of
+///    buckets: the reference re-draws a layout every iteration while buckets drain, a step has one layout.
+///  - Adaptation: when the step's samples need more than one round, the layout is kept and rounds are added:
+///    each round gives every group at most one more micro-batch (its bucket while it lasts, else a bucket of
+///    the largest SP class it holds), least loaded groups first, balanced by the same retarget (bs only) and
+///    top-up on the groups' accumulated times; a group already past the round's target sits it out.
+///  - Bugs fixed (section 7): no sample or bucket tail is dropped (the reference drops tails and discards
+///    partial iterations; ranks it cannot fill become groups for later rounds); the first group takes the
+///    step's largest SP class, so every bucket has a group that holds it; seeded per-step streams instead of a
+///    generator carried across epochs; sizes sorted before placement, so any world_size works (power-of-two
+///    groups placed largest first are aligned); sizes divide the heads; every micro-batch fits the budget.
+/// Samples that fit no allowed power-of-two size even with full recompute are skipped. Throws as plan_packed.
+PlanSet plan_dcp_intra(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                       const MemoryModel& memory, const PlannerOptions& options);
+
+/// `dcp-inter`: the reference's DCP-inter planner (dcp-reference.md section 3.5: fixed (sp, bs) per bucket,
+/// balance by per-group grad_accum_steps) on the same steps as the other planners.
+///  - Profile as dcp-intra; a bucket's micro-batch always has its profiled bs (or what remains) and the
+///    epoch-wide recompute count; on a group larger than its SP class it keeps them (it then fits easily).
+///  - Per step: fill the ranks as dcp-intra (first micro-batches), then the reference's gas solver (asymmetric
+///    error with a 1.2 over-penalty, max 5 and min 2 grad_accum_steps; planner_detail::solve_grad_accum_steps)
+///    on the groups' micro-batch times gives each group its grad_accum_steps, and every group takes its
+///    further micro-batches from its bucket.
+///  - Adaptations: the class draw and the rounds as in dcp-intra (when samples remain, the layout is kept; a
+///    group whose bucket ran out serves a bucket of the largest SP class it holds; a round serves the groups
+///    below the slowest one, least loaded first, and the solver gives each its micro-batches of the round);
+///    each group's gas is capped by the micro-batches its bucket can still give it (the reference instead
+///    drops such a group and the rest of its bucket).
+///  - Bugs fixed (section 7): no bucket remainder is dropped or padded (partial micro-batches are kept and
+///    timed by their real size); the SP class draw uses the cumulative distribution (the reference compares
+///    one uniform number with each class's own probability, so a class is picked only when its probability
+///    exceeds every smaller class's, and the largest class takes the rest); the first group takes the step's largest class; seeded per-step streams; any world_size;
+///    sizes divide the heads; every micro-batch fits the budget.
+/// Skips as dcp-intra. Throws as plan_packed.
+PlanSet plan_dcp_inter(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                       const MemoryModel& memory, const PlannerOptions& options);
+
+/// `dcp-inter-pac`: dcp-inter with Pyramid Activation Checkpointing (dcp-reference.md sections 4 and 2.4):
+/// each bucket's (sp_size, bs, recompute_layers) is chosen jointly for the most samples per GPU-second, over
+/// every power-of-two allowed size and every recompute count (the reference's knapsack over non-checkpointed
+/// layers, exact here because all layers are alike; planner_detail::best_pac_setting). Short buckets thus
+/// recompute few or no layers, long ones many. "No PAC" (dcp-intra, dcp-inter) means the one epoch-wide
+/// count described at dcp-intra. Unlike the reference's PAC config, min grad_accum_steps stays 2 (the
+/// reference uses 15 there, which makes its comparison unfair). Skips and throws as dcp-inter.
+PlanSet plan_dcp_inter_pac(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                           const MemoryModel& memory, const PlannerOptions& options);
+
 /// `dcp-opt`: per step, chooses the groups (power-of-two SP sizes placed largest first, so every group is an
 /// aligned block, for any world_size), assigns samples to groups and packs micro-batches, each with the fewest
 /// recompute layers that fit memory, to minimise the step makespan (the largest group time). Heuristic:
@@ -72,9 +133,14 @@ PlanSet plan_bucket(const std::vector<Sample>& samples, int64_t world_size, cons
 ///     t(s) <= T (else its fastest); samples go by preferred size then time, both descending, into an open
 ///     group where they finish by T (least GPU-seconds, then best fit), else open a group of their preferred
 ///     size while ranks remain; the fill fails when a sample finds no place;
-///  3. for every floor, a bisection finds the smallest T the fill meets; ranks left over become more groups;
+///  3. for every floor, the smallest T the fill meets (to 0.05 %), searched upward from the floor's lower bound
+///     B (the smallest T at which the samples' least GPU-seconds among sizes >= floor with t(s) <= T fit in
+///     world_size * T: no layout of those sizes has a smaller makespan): steps of B / 128, doubling, until the
+///     fill meets one, then bisection; after the first floor, a floor is skipped unless it can beat the best
+///     makespan by 0.1 % (its bound, then one fill, must stay below that); ranks left over become more groups;
 ///     local search then moves or swaps samples of the makespan group while that lowers the pair's maximum;
-///     the best floor is retried at a few looser targets (1.02 T .. 1.5 T) and the best layout kept;
+///     while the best makespan is more than 5 % above floor 0's bound (coarse steps, few samples per group),
+///     the best floor is retried at looser targets (1.02 T .. 1.5 T) and the best layout kept;
 ///  4. each group packs its samples first-fit decreasing, merging a sample into a micro-batch only when that is
 ///     not slower than running it alone.
 /// No approximation factor is proven; a unit test checks the makespan against brute force (every power-of-two
@@ -82,7 +148,7 @@ PlanSet plan_bucket(const std::vector<Sample>& samples, int64_t world_size, cons
 PlanSet plan_dcp_opt(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
                      const MemoryModel& memory, const PlannerOptions& options);
 
-/// Planner names in table order: "bucket", "packed", "dcp-opt".
+/// Planner names in table order: "bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-opt".
 std::vector<std::string> planner_names();
 /// The planner called `name`; throws std::invalid_argument listing the known names.
 Planner planner_by_name(const std::string& name);

@@ -14,10 +14,24 @@ namespace dcp {
 /// (2 for bf16 on GPUs, 4 for this CPU build's fp32).
 ModelShape model_shape_of(const ModelConfig& model, int64_t bytes_per_element = 2);
 
+/// Per-rank memory budget, bytes: memory.budget_bytes, or memory.fraction x device.memory_bytes when it is 0.
+double memory_budget_bytes(const MemoryConfig& memory, const DeviceSpec& device);
+
+/// The MemoryModel of a cost model name (train.cost_model, --cost-model) with the budget of `memory`
+/// (memory_budget_bytes of `device`, the DeviceSpec::named of the same name): "h200" gives the analytic model of
+/// `shape`; a `dcp profile` JSON file gives its fitted model (MemoryModel::from_profile) with
+/// `longest_sample_tokens` (the longest sample the planners will see, tokens; 0 = no bound). Throws
+/// std::invalid_argument naming the file and both shapes when the profile measured another model (its memory
+/// fit does not carry over: rerun `dcp profile` with this model), and what MemoryModel throws.
+MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& shape, const DeviceSpec& device,
+                             const MemoryConfig& memory, int64_t longest_sample_tokens);
+
 /// One epoch of the training samples planned by `planner` (a name of planner_names()): the planner sees the
 /// training samples as a dense list, and the plans it returns are mapped back to corpus sample ids. Samples
 /// the planner cannot place (no SP size fits memory) are returned in `skipped_ids` (corpus ids).
-/// Throws std::invalid_argument for an unknown planner name and what the planner throws.
+/// Throws std::invalid_argument for an unknown planner name, when no training sample fits the memory budget (the
+/// message gives the budget and the bytes of the shortest sample with every layer recomputed; the trainer
+/// would otherwise loop over empty epochs) and what the planner throws.
 PlanSet plan_training_epoch(const std::string& planner, const std::vector<Sample>& samples,
                             const std::vector<int64_t>& train_ids, int64_t epoch, int64_t world_size,
                             const CostModel& cost, const MemoryModel& memory, const PlannerOptions& options);

@@ -1,5 +1,5 @@
-// `dcp profile`: measures forward+backward seconds of the real model on this process's device (the CPU) over a
-// grid of micro-batch shapes and fits the time model of CostModel to them.
+// `dcp profile`: measures forward+backward seconds and peak bytes of the real model on this process's device
+// (the CPU) over a grid of micro-batch shapes and fits the time model of CostModel and a MemoryModel to them.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +28,8 @@ struct ProfilePoint {
   FlopCount flops;               ///< CostModel::flops of the point
   double measured_s = 0;         ///< median forward+backward seconds
   double predicted_s = 0;        ///< CostModel::seconds with the fitted device, sp_size 1
+  double measured_peak_bytes = 0;   ///< largest MemoryMeter::peak_bytes of the timed runs, bytes
+  double predicted_peak_bytes = 0;  ///< MemoryModel::bytes(lengths, 1, recompute_layers) of the fitted model
   bool held_out = false;         ///< left out of the fit; its error is the reported fit error
 };
 
@@ -48,6 +50,13 @@ struct ProfileResult {
   double heldout_median_error = 0;   ///< median |predicted - measured| / measured over held-out points
   double heldout_max_error = 0;      ///< max of the same
   double fit_median_error = 0;       ///< median relative error over the points the fit used
+  /// The fitted MemoryModel's coefficients (bytes; token_bytes is 0, see MemoryModel). Build the model with
+  /// MemoryModel(shape, memory, budget_bytes).
+  MemoryCoefficients memory;
+  double memory_heldout_median_error = 0;  ///< median |predicted - measured| / measured peak bytes, held out
+  double memory_heldout_max_error = 0;     ///< max of the same
+  double memory_fit_median_error = 0;      ///< median relative error over the points the fit used
+  std::string memory_method;               ///< MemoryMeter::method(): counting-allocator or the fallback
   int64_t threads = 0;               ///< intra-op threads used
   int64_t repeats = 0;
   double max_rss_bytes = 0;          ///< process high-water mark (getrusage ru_maxrss) after the run
@@ -72,15 +81,24 @@ std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<
 /// residuals (each row divided by its measured seconds), so that the fit minimises relative error. When the
 /// attention coefficient comes out 0, it refits seconds = fixed + (linear + attention flops) / rate and sets
 /// attention_separated false (attention_mfu 1).
-/// Memory is not fitted: MemoryModel stays analytic; max_rss_bytes is reported.
+/// Memory: before the grid every parameter gets a gradient and two fp32 tensors of its size (AdamW's moments,
+/// which the trainer holds), so the measured peaks include the trainer's resident state; gradients are zeroed in
+/// place between runs. MemoryMeter::reset_peak() precedes every run and a point's peak is the largest over its
+/// timed runs. Fits, on the same points and held-out split,
+///   bytes = base + t * (a (L - r) + b r) + Q * (q (L - r) + q0),  t = tokens, Q = sum of squared lengths
+/// (MemoryCoefficients; the Q terms are the softmax attention's per-sample [heads, s, s] tensors) with
+/// fit_nonnegative_least_squares on relative residuals. The grid runs sp 1 only: MemoryModel's division by sp
+/// is assumed, not measured, and sp_token_bytes is set to 6 * hidden * bytes_per_element (MemoryCoefficients).
 /// Throws std::invalid_argument when repeats < 1 or no grid length fits data.max_seq_len, and std::runtime_error
-/// when even the one-rate fit gives FLOPs no cost (times that do not grow with FLOPs: too much noise).
+/// when even the one-rate fit gives FLOPs no cost (times that do not grow with FLOPs: too much noise) or the
+/// memory fit gives tokens no cost (peaks that do not grow with the micro-batch).
 ProfileResult profile_model(const Config& cfg, const ProfileOptions& options = {});
 
 /// Writes `result` as JSON to `path`: "device" (the DeviceSpec fields, read back by DeviceSpec::from_profile),
-/// "model" (the ModelShape), "fit" (coefficients, attention_separated and relative errors), "grid" (per point:
-/// sample_length, samples, tokens, recompute_layers, linear_flops, attention_flops, measured_s, predicted_s,
-/// held_out), "threads",
+/// "model" (the ModelShape), "fit" (coefficients, attention_separated and relative errors), "memory" (the
+/// MemoryCoefficients, read back with "model" by MemoryModel::from_profile, the meter's method and relative
+/// errors), "grid" (per point: sample_length, samples, tokens, recompute_layers, linear_flops, attention_flops,
+/// measured_s, predicted_s, measured_peak_bytes, predicted_peak_bytes, held_out), "threads",
 /// "repeats", "max_rss_bytes" and "notes" (what is not profiled). Throws std::runtime_error naming the path
 /// when it cannot be written.
 void write_profile(const ProfileResult& result, const std::string& path);

@@ -1,5 +1,8 @@
 #include "cli/planning_inputs.h"
 
+#include <algorithm>
+#include <optional>
+
 #include "dcp/config.h"
 #include "dcp/planning.h"
 
@@ -11,7 +14,11 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a) {
   auto* workload = sub->add_option("--workload", a.workload, "built-in workload: opensora-zipf, lognormal, uniform");
   lengths->excludes(workload);
   sub->add_option("--world-size", a.world_size, "ranks (GPUs)")->required()->check(CLI::Range(1, 1 << 20));
-  sub->add_option("--cost-model", a.cost_model, "analytic device model: h200");
+  sub->add_option("--cost-model", a.cost_model, "device model: h200 (analytic) or a `dcp profile` JSON file "
+                                                "(its fitted time and memory models and its model shape)");
+  sub->add_option("--memory-budget-bytes", a.memory_budget_bytes,
+                  "per-rank memory budget, bytes (0: --config's memory section, default 0.9 x device memory)")
+      ->check(CLI::NonNegativeNumber);
   sub->add_option("--config", a.config_path, "dcp config whose model section gives the model shape "
                                              "(default: a 1.3B decoder, hidden 2048, 24 layers, 16 heads, bf16)")
       ->check(CLI::ExistingFile);
@@ -46,13 +53,23 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
     in.source = a.workload;
   }
   in.samples = samples_from_lengths(in.lengths, in.source);
-  if (!a.config_path.empty()) {
-    in.shape = model_shape_of(Config::load(a.config_path, {}).model);
-  }
-  DeviceSpec device = DeviceSpec::named(a.cost_model);
+  DeviceSpec device = DeviceSpec::named(a.cost_model);  // first: its error names the known devices
   if (a.mfu > 0) device.mfu = a.mfu;
+  MemoryConfig memory;
+  // A profile measured one model; its shape and element width (fp32 on the CPU) come with it.
+  std::optional<ModelShape> profiled;
+  if (a.cost_model != "h200") profiled = MemoryModel::from_profile(a.cost_model, 1.0).shape();
+  if (!a.config_path.empty()) {
+    const Config cfg = Config::load(a.config_path, {});
+    in.shape = model_shape_of(cfg.model, profiled ? profiled->bytes_per_element : 2);
+    memory = cfg.memory;
+  } else if (profiled) {
+    in.shape = *profiled;
+  }
+  if (a.memory_budget_bytes > 0) memory.budget_bytes = a.memory_budget_bytes;
   in.cost = std::make_unique<CostModel>(in.shape, device);
-  in.memory = std::make_unique<MemoryModel>(in.shape, device);
+  const int64_t longest = in.lengths.empty() ? 0 : *std::max_element(in.lengths.begin(), in.lengths.end());
+  in.memory = std::make_unique<MemoryModel>(memory_model_for(a.cost_model, in.shape, device, memory, longest));
   in.options.seed = a.seed;
   in.options.samples_per_step = a.samples_per_step;
   in.options.tokens_per_step = a.tokens_per_step > 0 ? a.tokens_per_step : a.world_size * 131072;

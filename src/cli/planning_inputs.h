@@ -16,6 +16,7 @@ struct PlanningArgs {
   int64_t world_size = 0, samples_per_step = 0, tokens_per_step = 0, num_samples = 8000, static_sp = 0;
   uint64_t seed = 1234;
   double mfu = 0;  // 0 = the device model's own
+  double memory_budget_bytes = 0;  // 0 = the --config's memory section (default 0.9 x device memory)
   bool json = false;
 };
 
@@ -35,8 +36,12 @@ struct PlanningInputs {
 void add_planning_options(CLI::App* sub, PlanningArgs& a);
 
 /// Reads or generates the lengths and builds the models. The model shape is the 1.3B default unless --config
-/// names a dcp config, whose model section then gives it (SwiGLU, byte vocabulary). Throws CLI::ValidationError
-/// unless exactly one of --lengths/--workload is given, and what the readers and models throw.
+/// names a dcp config, whose model section then gives it (SwiGLU, byte vocabulary). With --cost-model a `dcp
+/// profile` file, the shape is the profiled model's (its element width too; --config must describe the same
+/// model) and the memory model is the profile's fitted one, with the longest given length bounding a sample.
+/// The per-rank budget is --memory-budget-bytes, else --config's memory.budget_bytes / memory.fraction
+/// (memory_budget_bytes in dcp/planning.h). Throws CLI::ValidationError unless exactly one of
+/// --lengths/--workload is given, and what the readers and models throw.
 PlanningInputs make_planning_inputs(const PlanningArgs& a);
 
 }  // namespace dcp

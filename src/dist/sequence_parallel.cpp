@@ -32,11 +32,20 @@ torch::Tensor all_to_all(const torch::Tensor& x, const Communicator& group) {
   return AllToAllFunction::apply(x, group);
 }
 
+SequenceParallelAttention::SequenceParallelAttention(const Communicator& group) : group_(group) {}
+
 SequenceParallelAttention::SequenceParallelAttention(std::shared_ptr<const AttentionBackend> inner,
                                                      const Communicator& group)
     : inner_(std::move(inner)), group_(group) {}
 
 torch::Tensor SequenceParallelAttention::forward(const torch::Tensor& q, const torch::Tensor& k,
+                                                 const torch::Tensor& v, const torch::Tensor& cu_seqlens) const {
+  if (!inner_) throw std::logic_error("SequenceParallelAttention: no backend was given at construction");
+  return forward(*inner_, 0, q, k, v, cu_seqlens);
+}
+
+torch::Tensor SequenceParallelAttention::forward(const AttentionBackend& inner, int64_t /*layer*/,
+                                                 const torch::Tensor& q, const torch::Tensor& k,
                                                  const torch::Tensor& v, const torch::Tensor& cu_seqlens) const {
   const int64_t sp = group_.size(), local = q.size(0), heads = q.size(1), head_dim = q.size(2);
   if (heads % sp != 0) {
@@ -49,7 +58,8 @@ torch::Tensor SequenceParallelAttention::forward(const torch::Tensor& q, const t
   auto qkv = torch::stack({q, k, v}, 1).view({local, 3, sp, part, head_dim}).permute({2, 0, 1, 3, 4});
   // Received chunk j is member j's shard of the sequence, so the result is the whole stream in order.
   auto full = all_to_all(qkv.contiguous(), group_).view({sp * local, 3, part, head_dim}).unbind(1);
-  auto out = inner_->forward(full[0], full[1], full[2], cu_seqlens);  // [T_padded, H/sp, D]
+  // This rank received head chunk `rank` from every member: heads [rank * part, (rank + 1) * part).
+  auto out = inner.forward_heads(full[0], full[1], full[2], cu_seqlens, group_.rank() * part);  // [T_pad, H/sp, D]
   // Back: chunk j = member j's tokens; received chunk i = head slice i of this rank's tokens.
   auto back = all_to_all(out.contiguous(), group_).view({sp, local, part, head_dim});
   return back.permute({1, 0, 2, 3}).reshape({local, heads, head_dim});

@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "dcp/flexformer.h"
 #include "dcp/model.h"
 
 namespace dcp {
@@ -34,9 +35,17 @@ torch::Tensor SoftmaxAttention::forward(const torch::Tensor& q, const torch::Ten
   return torch::cat(outputs, 0);
 }
 
-std::shared_ptr<AttentionBackend> make_attention_backend(const AttentionConfig& cfg) {
+std::shared_ptr<AttentionBackend> make_attention_backend(const AttentionConfig& cfg, const ModelConfig& model) {
   if (cfg.backend == "softmax") return std::make_shared<SoftmaxAttention>();
-  throw ConfigError("config key 'attention.backend': bad value '" + cfg.backend + "' (allowed: softmax)");
+  if (cfg.backend == "flexformer") {
+    if (model.n_heads <= 0 || model.d_model % model.n_heads != 0) {
+      throw std::invalid_argument("attention: d_model " + std::to_string(model.d_model) +
+                                  " is not divisible by n_heads " + std::to_string(model.n_heads));
+    }
+    return std::make_shared<FlexformerAttention>(FlexformerOptions::from_config(cfg), model.n_heads,
+                                                 model.d_model / model.n_heads);
+  }
+  throw ConfigError("config key 'attention.backend': bad value '" + cfg.backend + "' (allowed: softmax, flexformer)");
 }
 
 }  // namespace dcp

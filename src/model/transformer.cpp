@@ -54,6 +54,7 @@ BlockImpl::BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> a
     throw std::invalid_argument("Block: d_model " + std::to_string(cfg.d_model) + " is not divisible by n_heads " +
                                 std::to_string(cfg.n_heads));
   }
+  if (!this->attention) throw std::invalid_argument("Block: attention backend is null");
   const int64_t d = cfg.d_model;
   auto linear = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
   attn_norm = register_module("attn_norm", RMSNorm(d));
@@ -72,27 +73,33 @@ BlockImpl::BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> a
   init_normal(w_up->weight, kInitStd);
   init_normal(wo->weight, residual_std);
   init_normal(w_down->weight, residual_std);
+  // Registered last, and only when it has state, so that softmax models keep their parameter list and
+  // checkpoint layout; a flexformer backend's per-head frequencies are then trained and saved with the block.
+  if (auto module = std::dynamic_pointer_cast<torch::nn::Module>(this->attention)) {
+    register_module("attention", module);
+  }
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
-                                 const torch::Tensor& cu_seqlens, const AttentionBackend* attention_override) {
+                                 const torch::Tensor& cu_seqlens, const AttentionWrapper* wrapper, int64_t layer) {
   const int64_t tokens = x.size(0);
   // wqkv's output is laid out as [q | k | v], each [heads, head_dim].
   auto qkv = wqkv(attn_norm(x)).view({tokens, 3, n_heads, head_dim}).unbind(1);
   auto q = apply_rotary(qkv[0], positions, rope_theta);
   auto k = apply_rotary(qkv[1], positions, rope_theta);
-  const AttentionBackend& backend = attention_override ? *attention_override : *attention;
-  auto attn = backend.forward(q, k, qkv[2], cu_seqlens).reshape({tokens, n_heads * head_dim});
+  auto attn = (wrapper ? wrapper->forward(*attention, layer, q, k, qkv[2], cu_seqlens)
+                       : attention->forward(q, k, qkv[2], cu_seqlens))
+                  .reshape({tokens, n_heads * head_dim});
   auto h = x + wo(attn);
   auto m = mlp_norm(h);
   return h + w_down(torch::silu(w_gate(m)) * w_up(m));
 }
 
 TransformerImpl::TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn)
-    : cfg(cfg), attention(make_attention_backend(attn)) {
+    : cfg(cfg) {
   embed = register_module("embed", torch::nn::Embedding(kVocabSize, cfg.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < cfg.n_layers; ++i) blocks->push_back(Block(cfg, attention));
+  for (int64_t i = 0; i < cfg.n_layers; ++i) blocks->push_back(Block(cfg, make_attention_backend(attn, cfg)));
   final_norm = register_module("final_norm", RMSNorm(cfg.d_model));
   head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(cfg.d_model, kVocabSize).bias(false)));
   init_normal(embed->weight, kInitStd);
@@ -107,19 +114,19 @@ torch::Tensor TransformerImpl::forward(const PackedBatch& batch, int64_t recompu
   const auto device = embed->weight.device();
   const torch::Tensor positions = batch.positions.to(device);
   const torch::Tensor cu_seqlens = batch.cu_seqlens;
-  const std::shared_ptr<const AttentionBackend> attention_override = batch.attention;
+  const std::shared_ptr<const AttentionWrapper> wrapper = batch.attention;
   torch::Tensor x = embed(batch.tokens.to(device));  // [T, d_model]
   for (int64_t i = 0; i < cfg.n_layers; ++i) {
     std::shared_ptr<BlockImpl> block = blocks->ptr<BlockImpl>(static_cast<size_t>(i));
     if (i < recompute_layers) {
       // Captured by value: the closure is kept until backward reruns it, after this frame is gone.
       x = recompute(
-          [block, positions, cu_seqlens, attention_override](const torch::Tensor& h) {
-            return block->forward(h, positions, cu_seqlens, attention_override.get());
+          [block, positions, cu_seqlens, wrapper, i](const torch::Tensor& h) {
+            return block->forward(h, positions, cu_seqlens, wrapper.get(), i);
           },
           x);
     } else {
-      x = block->forward(x, positions, cu_seqlens, attention_override.get());
+      x = block->forward(x, positions, cu_seqlens, wrapper.get(), i);
     }
   }
   return head(final_norm(x));

@@ -170,51 +170,175 @@ double CostModel::step_seconds(int64_t world_size) const {
   return bytes / bw + 2.0 * device_.collective_latency_s;
 }
 
-MemoryModel::MemoryModel(ModelShape shape, DeviceSpec device, double memory_fraction, double workspace_bytes)
-    : shape_(shape), budget_(memory_fraction * device.memory_bytes), workspace_(workspace_bytes) {
-  shape_.validate();
-  if (!(memory_fraction > 0 && memory_fraction <= 1) || !(device.memory_bytes > 0) || workspace_bytes < 0) {
-    throw std::invalid_argument(fmt::format("memory model: memory_fraction {} must be in (0, 1], memory_bytes {} "
-                                            "positive and workspace_bytes {} non-negative",
-                                            memory_fraction, device.memory_bytes, workspace_bytes));
-  }
-}
-
 namespace {
 
-struct PerToken {
-  double full, input, logits;  // bytes per local token
-};
-
-PerToken per_token(const ModelShape& m) {
+// The analytic coefficients (MemoryModel class comment), bytes.
+MemoryCoefficients analytic_coefficients(const ModelShape& m, double workspace_bytes) {
   const double h = static_cast<double>(m.hidden), b = static_cast<double>(m.bytes_per_element);
-  return {(10.0 * h + 6.0 * static_cast<double>(m.ffn)) * b / 2.0, h * b,
-          static_cast<double>(m.vocab) * (b + 4.0)};
+  const double full = (10.0 * h + 6.0 * static_cast<double>(m.ffn)) * b / 2.0;
+  MemoryCoefficients c;
+  c.base_bytes = 16.0 * m.params() + workspace_bytes;
+  c.token_layer_bytes = full;
+  c.token_recompute_bytes = h * b;
+  c.token_bytes = full + static_cast<double>(m.vocab) * (b + 4.0);
+  return c;
+}
+
+void check_budget(double budget_bytes) {
+  if (!(budget_bytes > 0) || !std::isfinite(budget_bytes)) {
+    throw std::invalid_argument(
+        fmt::format("memory model: budget_bytes {} must be positive and finite", budget_bytes));
+  }
 }
 
 }  // namespace
 
-double MemoryModel::bytes(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const {
+MemoryModel::MemoryModel(ModelShape shape, DeviceSpec device, double memory_fraction, double workspace_bytes)
+    : shape_(shape) {
+  shape_.validate();
+  if (!(memory_fraction > 0 && memory_fraction <= 1) || !(device.memory_bytes > 0) || !(workspace_bytes >= 0)) {
+    throw std::invalid_argument(fmt::format("memory model: memory_fraction {} must be in (0, 1], memory_bytes {} "
+                                            "positive and workspace_bytes {} non-negative",
+                                            memory_fraction, device.memory_bytes, workspace_bytes));
+  }
+  c_ = analytic_coefficients(shape_, workspace_bytes);
+  budget_ = memory_fraction * device.memory_bytes;
+}
+
+MemoryModel MemoryModel::analytic(ModelShape shape, double budget_bytes, double workspace_bytes) {
+  shape.validate();
+  if (!(workspace_bytes >= 0)) {
+    throw std::invalid_argument(fmt::format("memory model: workspace_bytes {} must be non-negative", workspace_bytes));
+  }
+  return MemoryModel(shape, analytic_coefficients(shape, workspace_bytes), budget_bytes);
+}
+
+MemoryModel::MemoryModel(ModelShape shape, MemoryCoefficients coefficients, double budget_bytes,
+                         int64_t longest_sample_tokens)
+    : shape_(shape), c_(coefficients), budget_(budget_bytes), longest_(longest_sample_tokens) {
+  shape_.validate();
+  check_budget(budget_bytes);
+  const std::pair<const char*, double> fields[] = {{"base_bytes", c_.base_bytes},
+                                                   {"token_layer_bytes", c_.token_layer_bytes},
+                                                   {"token_recompute_bytes", c_.token_recompute_bytes},
+                                                   {"token_bytes", c_.token_bytes},
+                                                   {"square_layer_bytes", c_.square_layer_bytes},
+                                                   {"square_bytes", c_.square_bytes},
+                                                   {"sp_token_bytes", c_.sp_token_bytes}};
+  for (const auto& [name, value] : fields) {
+    if (!(value >= 0) || !std::isfinite(value)) {
+      throw std::invalid_argument(fmt::format("memory model: {} = {} must be non-negative and finite", name, value));
+    }
+  }
+  if (longest_sample_tokens < 0) {
+    throw std::invalid_argument(
+        fmt::format("memory model: longest_sample_tokens {} must be >= 0 (0 = no bound)", longest_sample_tokens));
+  }
+}
+
+MemoryModel MemoryModel::from_profile(const std::string& path, double budget_bytes, int64_t longest_sample_tokens) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(fmt::format("memory profile '{}': cannot open the file", path));
+  nlohmann::json doc;
+  try {
+    in >> doc;
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(fmt::format("memory profile '{}': not valid JSON ({})", path, e.what()));
+  }
+  auto object = [&](const char* key) -> const nlohmann::json& {
+    if (!doc.is_object() || !doc.contains(key) || !doc[key].is_object()) {
+      throw std::invalid_argument(fmt::format("memory profile '{}': missing object field '{}'{}", path, key,
+                                              std::string(key) == "memory"
+                                                  ? " (written before `dcp profile` fitted memory: rerun it)"
+                                                  : ""));
+    }
+    return doc[key];
+  };
+  auto number = [&](const char* section, const char* key) {
+    const nlohmann::json& o = object(section);
+    if (!o.contains(key) || !o[key].is_number()) {
+      throw std::invalid_argument(fmt::format("memory profile '{}': field '{}.{}' must be a number{}", path, section,
+                                              key, o.contains(key) ? ", got " + o[key].dump() : " (missing)"));
+    }
+    return o[key].get<double>();
+  };
+  auto integer = [&](const char* key) {
+    const double v = number("model", key);
+    if (v != std::floor(v)) {
+      throw std::invalid_argument(fmt::format("memory profile '{}': field 'model.{}' must be an integer, got {}",
+                                              path, key, v));
+    }
+    return static_cast<int64_t>(v);
+  };
+  ModelShape shape;
+  shape.hidden = integer("hidden");
+  shape.layers = integer("layers");
+  shape.heads = integer("heads");
+  shape.ffn = integer("ffn");
+  shape.mlp_matrices = integer("mlp_matrices");
+  shape.vocab = integer("vocab");
+  shape.bytes_per_element = integer("bytes_per_element");
+  MemoryCoefficients c;
+  c.base_bytes = number("memory", "base_bytes");
+  c.token_layer_bytes = number("memory", "token_layer_bytes");
+  c.token_recompute_bytes = number("memory", "token_recompute_bytes");
+  c.token_bytes = number("memory", "token_bytes");
+  c.square_layer_bytes = number("memory", "square_layer_bytes");
+  c.square_bytes = number("memory", "square_bytes");
+  // Assumed, not measured (MemoryCoefficients): profiles written before the field existed get the same 6 h b.
+  c.sp_token_bytes = object("memory").contains("sp_token_bytes")
+                         ? number("memory", "sp_token_bytes")
+                         : 6.0 * static_cast<double>(shape.hidden * shape.bytes_per_element);
+  MemoryModel m(shape, c, budget_bytes, longest_sample_tokens);
+  m.source_ = "profile";
+  return m;
+}
+
+void MemoryModel::check(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const {
   if (tokens < 1 || sp_size < 1 || recompute_layers < 0 || recompute_layers > shape_.layers) {
     throw std::invalid_argument(fmt::format("memory model: tokens {} and sp_size {} must be positive and "
                                             "recompute_layers {} within [0, {}]",
                                             tokens, sp_size, recompute_layers, shape_.layers));
   }
-  const PerToken p = per_token(shape_);
-  const double local = static_cast<double>(tokens) / static_cast<double>(sp_size);
+}
+
+double MemoryModel::bytes_of(double local_tokens, double local_squares, int64_t sp_size,
+                             int64_t recompute_layers) const {
   const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
-  const double per_local_token = (L - r) * p.full + r * p.input + p.full + p.logits;
-  return 16.0 * shape_.params() + workspace_ + per_local_token * local;
+  const double sp_bytes = sp_size > 1 ? c_.sp_token_bytes : 0.0;
+  return c_.base_bytes +
+         local_tokens * (c_.token_layer_bytes * (L - r) + c_.token_recompute_bytes * r + c_.token_bytes + sp_bytes) +
+         local_squares * (c_.square_layer_bytes * (L - r) + c_.square_bytes);
+}
+
+double MemoryModel::bytes(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const {
+  check(tokens, sp_size, recompute_layers);
+  const double t = static_cast<double>(tokens), sp = static_cast<double>(sp_size);
+  const double longest = longest_ > 0 ? std::min(t, static_cast<double>(longest_)) : t;
+  return bytes_of(t / sp, t * longest / sp, sp_size, recompute_layers);
+}
+
+double MemoryModel::bytes(const std::vector<int64_t>& lengths, int64_t sp_size, int64_t recompute_layers) const {
+  if (lengths.empty()) throw std::invalid_argument("memory model: a micro-batch needs at least one sample");
+  double t = 0, squares = 0;
+  for (int64_t len : lengths) {
+    if (len < 1) throw std::invalid_argument(fmt::format("memory model: length {} must be positive", len));
+    t += static_cast<double>(len);
+    squares += static_cast<double>(len) * static_cast<double>(len);
+  }
+  check(1, sp_size, recompute_layers);
+  const double sp = static_cast<double>(sp_size);
+  return bytes_of(t / sp, squares / sp, sp_size, recompute_layers);
 }
 
 std::optional<int64_t> MemoryModel::min_recompute_layers(int64_t tokens, int64_t sp_size) const {
   const int64_t L = shape_.layers;
   if (bytes(tokens, sp_size, L) > budget_) return std::nullopt;
-  const double over = bytes(tokens, sp_size, 0) - budget_;
-  if (over <= 0) return int64_t{0};
-  const PerToken p = per_token(shape_);
-  const double saved_per_layer = (p.full - p.input) * static_cast<double>(tokens) / static_cast<double>(sp_size);
-  int64_t r = std::min<int64_t>(L, static_cast<int64_t>(std::ceil(over / saved_per_layer)));
+  const double at0 = bytes(tokens, sp_size, 0);
+  if (at0 <= budget_) return int64_t{0};
+  // Bytes are linear in r, and bytes(L) <= budget < bytes(0), so each recomputed layer saves a positive amount.
+  const double saved_per_layer = at0 - bytes(tokens, sp_size, 1);
+  int64_t r = std::min<int64_t>(L, static_cast<int64_t>(std::ceil((at0 - budget_) / saved_per_layer)));
   // Guard the rounding of the closed form against the exact test.
   while (r > 0 && bytes(tokens, sp_size, r - 1) <= budget_) --r;
   while (r < L && bytes(tokens, sp_size, r) > budget_) ++r;
@@ -222,13 +346,30 @@ std::optional<int64_t> MemoryModel::min_recompute_layers(int64_t tokens, int64_t
 }
 
 int64_t MemoryModel::max_tokens(int64_t sp_size, int64_t recompute_layers) const {
-  const double base = bytes(1, sp_size, recompute_layers);
-  const double per_token_bytes = bytes(2, sp_size, recompute_layers) - base;
-  const double room = budget_ - (base - per_token_bytes);
-  if (room < per_token_bytes) return 0;
-  auto n = static_cast<int64_t>(std::floor(room / per_token_bytes));
-  while (n > 0 && bytes(n, sp_size, recompute_layers) > budget_) --n;
-  return n;
+  // bytes() grows with tokens (linearly, or quadratically up to the longest sample): bisect on it.
+  if (bytes(1, sp_size, recompute_layers) > budget_) return 0;
+  if (c_.square_layer_bytes == 0 && c_.square_bytes == 0) {
+    // Linear in tokens (the analytic model): closed form, guarded against rounding. Planners call this often.
+    const double base = bytes(1, sp_size, recompute_layers);
+    const double per_token = bytes(2, sp_size, recompute_layers) - base;
+    if (!(per_token > 0)) return int64_t{1} << 50;
+    auto n = static_cast<int64_t>(std::floor((budget_ - base) / per_token)) + 1;
+    while (n > 1 && bytes(n, sp_size, recompute_layers) > budget_) --n;
+    while (bytes(n + 1, sp_size, recompute_layers) <= budget_) ++n;
+    return n;
+  }
+  int64_t lo = 1, hi = 2;
+  constexpr int64_t kMax = int64_t{1} << 50;
+  while (hi < kMax && bytes(hi, sp_size, recompute_layers) <= budget_) {
+    lo = hi;
+    hi *= 2;
+  }
+  if (hi >= kMax) return lo;
+  while (hi - lo > 1) {  // bytes(lo) <= budget < bytes(hi)
+    const int64_t mid = lo + (hi - lo) / 2;
+    (bytes(mid, sp_size, recompute_layers) <= budget_ ? lo : hi) = mid;
+  }
+  return lo;
 }
 
 }  // namespace dcp

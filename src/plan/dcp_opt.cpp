@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <optional>
 #include <set>
 #include <utility>
@@ -17,60 +16,117 @@ using namespace planner_detail;
 
 namespace {
 
+// Relative width at which the bisections over the fill target (and over the floor bound) stop: the target
+// found is within 0.05 % of the smallest one the fill meets. 1e-3 saves a fill per search but lowered
+// lower_bound_ratio by up to 7e-4 in bench_planners; 5e-4 keeps it within 4e-4 of the earlier version's.
+constexpr double kTargetTolerance = 5e-4;
+// First step of the bracket above a floor's lower bound; it doubles on each failure. The smallest target the
+// fill meets is usually within 1 % of the bound (floor_bound), so small steps bracket it in a few fills.
+constexpr double kFirstStep = 1.0 / 128;
+// Looser targets retried at the best floor (multiples of its target): a looser fill leaves more slack that
+// local search can use. That pays on coarse steps (few samples per group: the tiny brute-force cases of
+// test_planners need 1.35 or 1.5), while on steps of thousands of samples the retries moved lower_bound_ratio
+// by less than 2e-4 and cost a fill and a long local search each (most of dcp-opt's time at world 1024).
+// So they run only while the best makespan is more than kRetryGap above the lower bound, which bounds what
+// they can gain (steps of bench_planners at world 1024 end about 1 % above it, tiny cases up to 50 %).
+constexpr double kRetries[] = {1.02, 1.05, 1.1, 1.2, 1.35, 1.5};
+constexpr double kRetryGap = 0.05;
+
+// Ordered (load, key) entries of a set of groups (the key names the group); node handles keep updates free
+// of allocation.
+using Entry = std::pair<double, size_t>;
+using LoadSet = std::set<Entry>;
+
+// Sets g's entry in `s` (found at `pos`) to load v, reusing its node.
+void update(LoadSet& s, LoadSet::iterator& pos, double v) {
+  auto node = s.extract(pos);
+  node.value().first = v;
+  pos = s.insert(std::move(node)).position;
+}
+
 // One step of dcp-opt: the samples' times at every power-of-two size and the search over group layouts.
 class OptStep {
  public:
   OptStep(const std::vector<Sample>& samples, std::vector<int64_t> ids, const std::vector<int64_t>& sizes,
           int64_t world_size, const CostModel& cost, const MemoryModel& memory)
       : samples_(samples), ids_(std::move(ids)), sizes_(sizes), world_(world_size), cost_(cost), memory_(memory) {
-    const size_t K = sizes_.size();
-    t_.assign(ids_.size(), std::vector<double>(K, kInf));
-    std::vector<double> cap0(K);
-    for (size_t k = 0; k < K; ++k) cap0[k] = static_cast<double>(memory_.max_tokens(sizes_[k], 0));
-    for (size_t i = 0; i < ids_.size(); ++i) {
-      const int64_t len = length_of(samples_, ids_[i]);
-      for (size_t k = 0; k < K; ++k) {
-        auto r = memory_.min_recompute_layers(len, sizes_[k]);
-        if (!r) continue;
-        const double share = cap0[k] > 0 ? std::min(1.0, static_cast<double>(len) / cap0[k]) : 1.0;
-        t_[i][k] = cost_.work_seconds(len, sizes_[k], *r) + cost_.fixed_seconds(sizes_[k], *r) * share;
+    // Samples numbered longest first (ties keep the step's order). A sample's time at a size grows with its
+    // length, so this is also their order by time at every size where they fit: fill walks the samples in
+    // index order (no per-size sort) and reads the tables below sequentially.
+    const size_t n = ids_.size(), K = sizes_.size();
+    {
+      std::vector<std::pair<int64_t, size_t>> keyed(n);  // (-length, position): a plain sort is stable here
+      for (size_t i = 0; i < n; ++i) keyed[i] = {-length_of(samples_, ids_[i]), i};
+      std::sort(keyed.begin(), keyed.end());
+      std::vector<int64_t> sorted(n);
+      for (size_t i = 0; i < n; ++i) sorted[i] = ids_[keyed[i].second];
+      ids_ = std::move(sorted);
+    }
+    t_.assign(n * K, kInf);
+    recompute_.assign(n * K, -1);
+    work_.assign(n * K, kInf);
+    by_cost_.resize(n * K);
+    // The cost model's layer count is the memory model's (both come from one ModelShape, as in every caller).
+    layers_ = cost_.shape().layers;
+    const size_t row = static_cast<size_t>(layers_ + 1);
+    max_tokens_.resize(K * row);
+    for (size_t k = 0; k < K; ++k) {
+      for (int64_t r = 0; r <= layers_; ++r) {
+        max_tokens_[k * row + static_cast<size_t>(r)] = memory_.max_tokens(sizes_[k], r);
       }
     }
-    // Per size: sample indices by time there, descending (stable), so fill orders samples without sorting.
-    by_time_.assign(K, {});
-    for (size_t k = 0; k < K; ++k) {
-      auto& o = by_time_[k];
-      o.resize(ids_.size());
-      for (size_t i = 0; i < o.size(); ++i) o[i] = i;
-      std::stable_sort(o.begin(), o.end(), [&](size_t a, size_t b) { return t_[a][k] > t_[b][k]; });
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t len = length_of(samples_, ids_[i]);
+      if (i > 0 && len == length_of(samples_, ids_[i - 1])) {  // same length, same row
+        std::copy_n(&t_[(i - 1) * K], K, &t_[i * K]);
+        std::copy_n(&recompute_[(i - 1) * K], K, &recompute_[i * K]);
+        std::copy_n(&work_[(i - 1) * K], K, &work_[i * K]);
+        std::copy_n(&by_cost_[(i - 1) * K], K, &by_cost_[i * K]);
+        continue;
+      }
+      for (size_t k = 0; k < K; ++k) {
+        auto r = recompute_for(len, k);
+        if (!r) continue;
+        const double cap0 = static_cast<double>(max_tokens_[k * row]);
+        const double share = cap0 > 0 ? std::min(1.0, static_cast<double>(len) / cap0) : 1.0;
+        recompute_[i * K + k] = *r;
+        work_[i * K + k] = cost_.work_seconds(len, sizes_[k], *r);
+        t_[i * K + k] = work_[i * K + k] + cost_.fixed_seconds(sizes_[k], *r) * share;
+      }
+      // Sizes by GPU-seconds s * t(s), ascending (ties: smaller size). It does not depend on the target, so
+      // fill finds a sample's preferred size and its cheapest open group without scanning every size.
+      auto* o = &by_cost_[i * K];
+      for (size_t k = 0; k < K; ++k) o[k] = k;
+      std::sort(o, o + K, [&](size_t a, size_t b) {
+        const double ca = gpu_seconds(i, a), cb = gpu_seconds(i, b);
+        return ca < cb || (ca == cb && a < b);
+      });
     }
   }
 
   std::vector<GroupPlan> plan() {
-    double lo = 0, sum_gpu_s = 0;
-    for (const auto& ti : t_) {
-      double fastest = kInf, cheapest = kInf;
-      for (size_t k = 0; k < sizes_.size(); ++k) {
-        fastest = std::min(fastest, ti[k]);
-        cheapest = std::min(cheapest, static_cast<double>(sizes_[k]) * ti[k]);
-      }
-      lo = std::max(lo, fastest);
-      sum_gpu_s += cheapest;
-    }
-    lo = std::max(lo, sum_gpu_s / static_cast<double>(world_));
-    // For every smallest allowed size (a floor that trades GPU-seconds for fewer, larger groups), the
-    // smallest target the fill meets, then a few looser targets for the best floor.
+    const size_t K = sizes_.size();
+    // For every floor (it trades GPU-seconds for fewer, larger groups), the smallest target the fill meets,
+    // searched from the floor's lower bound, then looser targets for the best floor. After the first floor,
+    // a floor must beat the best makespan by twice the target tolerance: it is skipped when its bound does not,
+    // and its search is capped there.
     Layout best;
     size_t best_floor = 0;
-    double best_target = 0;
-    for (size_t floor = 0; floor < sizes_.size(); ++floor) {
-      auto [target, layout] = smallest_target(lo, floor);
-      Layout cand = finish(std::move(layout));
+    double best_target = 0, bound = kInf;  // the least floor bound: floor 0's, over all sizes
+    for (size_t floor = 0; floor < K; ++floor) {
+      const double cap = best.groups.empty() ? kInf : best.makespan() * (1 - 2 * kTargetTolerance);
+      const double floor_lo = floor_bound(floor, cap);
+      bound = std::min(bound, floor_lo);
+      if (floor_lo >= cap) continue;
+      auto found = smallest_target(floor_lo, cap, floor);
+      if (!found) continue;
+      Layout cand = finish(std::move(found->second));
       if (best.groups.empty() || cand.makespan() < best.makespan()) {
-        best = std::move(cand), best_floor = floor, best_target = target;
+        best = std::move(cand), best_floor = floor, best_target = found->first;
       }
     }
-    for (double f : {1.02, 1.05, 1.1, 1.2, 1.35, 1.5}) {
+    for (double f : kRetries) {
+      if (best.makespan() <= bound * (1 + kRetryGap)) break;
       if (auto l = fill(best_target * f, best_floor)) {
         Layout cand = finish(std::move(*l));
         if (cand.makespan() < best.makespan()) best = std::move(cand);
@@ -84,17 +140,100 @@ class OptStep {
     std::vector<size_t> groups;                // size index of each group
     std::vector<std::vector<size_t>> members;  // sample indices of each group
     std::vector<double> loads;                 // predicted seconds of each group
+    // As fill leaves it, members still empty (most fills are only tried): samples in placement order and the
+    // group of each; finish builds the members from them.
+    std::vector<size_t> order, group_of;
     double makespan() const { return loads.empty() ? kInf : *std::max_element(loads.begin(), loads.end()); }
   };
 
-  // Bisection for the smallest target (from `lo` up) that fill meets with this floor. The doubling ends: once
-  // T exceeds the sum of all times, the first group opened (the largest preferred size, which holds every
-  // sample since memory falls with sp) takes every sample.
-  std::pair<double, Layout> smallest_target(double lo, size_t floor) const {
+  // Predicted seconds of sample i at size index k (inf when it does not fit), and its GPU-seconds there.
+  double t(size_t i, size_t k) const { return t_[i * sizes_.size() + k]; }
+  double gpu_seconds(size_t i, size_t k) const { return static_cast<double>(sizes_[k]) * t(i, k); }
+
+  // MemoryModel::min_recompute_layers(tokens, sizes_[k]) from the table of max_tokens: the first count whose
+  // capacity holds the tokens fits (max_tokens checks its answer and bytes grow with tokens); it is the fewest
+  // when one layer less does not fit (checked, as the table may round down), else the model decides.
+  std::optional<int64_t> recompute_for(int64_t tokens, size_t k) const {
+    const int64_t* cap = &max_tokens_[k * static_cast<size_t>(layers_ + 1)];
+    if (tokens <= cap[0]) return int64_t{0};
+    const int64_t r = std::lower_bound(cap, cap + layers_ + 1, tokens) - cap;
+    if (r <= layers_ && memory_.bytes(tokens, sizes_[k], r - 1) > memory_.budget_bytes()) return r;
+    return memory_.min_recompute_layers(tokens, sizes_[k]);
+  }
+
+  // A lower bound on the makespan (in the times t) of any layout whose groups have sizes from index `floor` up:
+  // the smallest T at which every sample has such a size with t(s) <= T and the samples' least GPU-seconds
+  // s * t(s) among those sizes fit in world_size * T. A layout with makespan M runs every sample at a size
+  // with t <= M and spends at most world_size * M GPU-seconds, so M is at least this T; so is any target the
+  // fill meets (its loads stay within the target once every sample has a size that meets it). T minus that
+  // sum / world_size grows with T, so a bisection (to kTargetTolerance, returning the lower end) finds it.
+  // Returns a bound >= `stop` at once when the bound reaches `stop` (the floor cannot win then).
+  double floor_bound(size_t floor, double stop) const {
+    const size_t n = ids_.size(), K = sizes_.size();
+    const double world = static_cast<double>(world_);
+    double lo = 0, hi = 0, cheapest = 0;
+    for (size_t i = 0; i < n; ++i) {
+      size_t fastest = floor, first = K;
+      for (size_t k = floor; k < K; ++k) {
+        if (t(i, k) < t(i, fastest)) fastest = k;
+      }
+      for (size_t j = 0; j < K && first == K; ++j) {
+        if (by_cost_[i * K + j] >= floor) first = by_cost_[i * K + j];
+      }
+      lo = std::max(lo, t(i, fastest));
+      hi = std::max(hi, t(i, first));
+      cheapest += gpu_seconds(i, first);
+    }
+    hi = std::max({lo, hi, cheapest / world});  // every sample at its cheapest size: the sum is `cheapest`
+    auto meets = [&](double T) {
+      double sum = 0;
+      for (size_t i = 0; i < n; ++i) sum += gpu_seconds(i, preferred_size(i, T, floor));
+      return sum <= world * T;
+    };
+    if (lo >= stop || meets(lo)) return lo;
+    if (stop < hi) {
+      if (!meets(stop)) return stop;  // the floor cannot beat `stop`: skip the search
+      hi = stop;
+    }
+    // Bracket it from below first, as smallest_target does: it is usually within a few per cent of lo.
+    for (double step = kFirstStep, base = lo; base * (1 + step) < hi; step *= 2) {
+      if (meets(base * (1 + step))) {
+        hi = base * (1 + step);
+        break;
+      }
+      lo = base * (1 + step);
+    }
+    while (hi > lo * (1 + kTargetTolerance)) {
+      const double mid = std::sqrt(lo * hi);  // geometric: the bracket may span orders of magnitude
+      if (meets(mid)) {
+        hi = mid;
+      } else {
+        lo = mid;
+      }
+    }
+    return lo;
+  }
+
+  // The smallest target T in [lo, cap] that fill meets with this floor (within kTargetTolerance), and its
+  // layout; nullopt when it fails at cap. The bracket grows geometrically above lo (kFirstStep, doubling), then
+  // bisects. With cap = inf the bracket ends: once T exceeds the sum of all times, the first group opened (the
+  // largest preferred size, which holds every sample since memory falls with sp) takes every sample.
+  std::optional<std::pair<double, Layout>> smallest_target(double lo, double cap, size_t floor) const {
+    double hi = cap;
     std::optional<Layout> found;
-    double hi = lo;
-    while (!(found = fill(hi, floor))) hi *= 2;
-    for (int i = 0; i < 30 && hi > lo * (1 + 1e-3); ++i) {
+    if (cap < kInf) {
+      if (!(found = fill(cap, floor))) return std::nullopt;
+    } else {
+      const double bound = lo;
+      hi = lo;
+      if ((found = fill(lo, floor))) return std::make_pair(lo, std::move(*found));
+      for (double step = kFirstStep; !found; step *= 2) {
+        lo = hi;
+        hi = bound * (1 + step);
+        found = fill(hi, floor);
+      }
+    }
+    while (hi > lo * (1 + kTargetTolerance)) {
       const double mid = 0.5 * (lo + hi);
       if (auto l = fill(mid, floor)) {
         hi = mid;
@@ -103,83 +242,92 @@ class OptStep {
         lo = mid;
       }
     }
-    return {hi, std::move(*found)};
+    return std::make_pair(hi, std::move(*found));
   }
 
   // The size a sample takes under target T: among sizes from index `floor` up, least GPU-seconds s * t(s)
-  // among those with t(s) <= T, else the fastest.
+  // among those with t(s) <= T (the first such in by_cost_), else the fastest.
   size_t preferred_size(size_t i, double T, size_t floor) const {
-    const auto& ti = t_[i];
-    size_t best = sizes_.size(), fastest = floor;
-    for (size_t k = floor; k < sizes_.size(); ++k) {
-      if (ti[k] < ti[fastest]) fastest = k;
-      if (ti[k] > T) continue;
-      const double gpu_s = static_cast<double>(sizes_[k]) * ti[k];
-      if (best == sizes_.size() || gpu_s < static_cast<double>(sizes_[best]) * ti[best]) best = k;
+    const size_t K = sizes_.size();
+    const size_t* o = &by_cost_[i * K];
+    for (size_t j = 0; j < K; ++j) {
+      if (o[j] >= floor && t(i, o[j]) <= T) return o[j];
     }
-    return best == sizes_.size() ? fastest : best;
+    size_t fastest = floor;
+    for (size_t k = floor + 1; k < K; ++k) {
+      if (t(i, k) < t(i, fastest)) fastest = k;
+    }
+    return fastest;
   }
 
   // Samples by preferred size (from `floor` up), then time, both descending, each into an open group where it
-  // finishes by T (least GPU-seconds, then least slack left), else into a new group of its preferred size
-  // while ranks remain. nullopt when a sample finds no place.
-  // Open groups of each size are kept in a set ordered by (load, group), so the best fit of a size (the largest
-  // load that still finishes by T, lowest group among equal loads) is a lookup, not a scan: O(n K log G).
+  // finishes by T (least GPU-seconds, then least slack left, then lowest group), else into a new group of its
+  // preferred size while ranks remain. nullopt when a sample finds no place.
+  // Open groups of each size are kept in a set ordered by (load, SIZE_MAX - group), so the best fit of a size
+  // (the largest load that still finishes by T, lowest group among equal loads) is one lookup; sizes are tried
+  // in the sample's GPU-seconds order and the search stops at the first size dearer than a fit: O(n K log G).
   std::optional<Layout> fill(double T, size_t floor) const {
-    const size_t K = sizes_.size();
-    std::vector<size_t> pref(ids_.size());
-    for (size_t i = 0; i < ids_.size(); ++i) pref[i] = preferred_size(i, T, floor);
-    std::vector<size_t> order;
-    order.reserve(ids_.size());
-    for (size_t k = K; k-- > floor;) {
-      for (size_t i : by_time_[k]) {
-        if (pref[i] == k) order.push_back(i);
-      }
+    const size_t n = ids_.size(), K = sizes_.size();
+    std::vector<size_t> pref(n), start(K + 1, 0);
+    for (size_t i = 0; i < n; ++i) {
+      pref[i] = preferred_size(i, T, floor);
+      ++start[K - 1 - pref[i] + 1];  // larger sizes first
     }
-    using Entry = std::pair<double, size_t>;
-    std::vector<std::set<Entry>> open(K);
+    for (size_t k = 0; k < K; ++k) start[k + 1] += start[k];
+    std::vector<size_t> order(n);
+    for (size_t i = 0; i < n; ++i) order[start[K - 1 - pref[i]]++] = i;
+    std::vector<LoadSet> open(K);
+    std::vector<LoadSet::iterator> pos;  // of each group in open[its size]
+    std::vector<size_t> group_of(n);
     Layout l;
     int64_t ranks = 0;
     for (size_t i : order) {
       size_t best = l.groups.size();
       double best_cost = kInf, best_slack = kInf;
-      for (size_t k = floor; k < K; ++k) {
+      const size_t* o = &by_cost_[i * K];
+      for (size_t j = 0; j < K; ++j) {
+        const size_t k = o[j];
+        const double tk = t(i, k);
+        if (k < floor || tk > T || open[k].empty()) continue;  // no group of size k can take it by T
+        const double c = gpu_seconds(i, k);
+        if (c > best_cost) break;  // every later size is at least as dear
         const auto& os = open[k];
-        const double t = t_[i][k];
-        if (os.empty() || t == kInf) continue;
-        const double c = static_cast<double>(sizes_[k]) * t;
-        if (c > best_cost) continue;
-        auto fits = [&](const Entry& e) { return T - e.first - t >= 0; };
-        auto it = os.upper_bound(Entry{T - t, SIZE_MAX});
+        auto fits = [&](const Entry& e) { return T - e.first - tk >= 0; };
+        if (!fits(*os.begin())) continue;  // not even the least-loaded group of this size
+        auto it = os.upper_bound(Entry{T - tk, SIZE_MAX});
         while (it != os.end() && fits(*it)) ++it;
         while (it != os.begin() && !fits(*std::prev(it))) --it;
         if (it == os.begin()) continue;
         const double load = std::prev(it)->first;
-        const size_t g = os.lower_bound(Entry{load, 0})->second;
-        const double slack = T - load - t;
-        if (c < best_cost || (c == best_cost && (slack < best_slack || (slack == best_slack && g < best)))) {
+        const size_t g = SIZE_MAX - std::prev(it)->second;  // the last entry of that load: its lowest group
+        const double slack = T - load - tk;
+        if (c < best_cost || slack < best_slack || (slack == best_slack && g < best)) {
           best = g, best_cost = c, best_slack = slack;
         }
       }
+      const double ti = t(i, best == l.groups.size() ? pref[i] : l.groups[best]);
       if (best == l.groups.size()) {
         if (ranks + sizes_[pref[i]] > world_) return std::nullopt;
         ranks += sizes_[pref[i]];
         l.groups.push_back(pref[i]);
-        l.members.emplace_back();
-        l.loads.push_back(0.0);
+        l.loads.push_back(ti);
+        pos.push_back(open[pref[i]].insert(Entry{ti, SIZE_MAX - best}).first);
       } else {
-        open[l.groups[best]].erase(Entry{l.loads[best], best});
+        l.loads[best] += ti;
+        update(open[l.groups[best]], pos[best], l.loads[best]);
       }
-      l.members[best].push_back(i);
-      l.loads[best] += t_[i][l.groups[best]];
-      open[l.groups[best]].insert(Entry{l.loads[best], best});
+      group_of[i] = best;
     }
+    l.order = std::move(order);
+    l.group_of = std::move(group_of);
     return l;
   }
 
   // Ranks left over become groups (largest power of two that fits first), groups are ordered largest first
   // for aligned placement, and local search balances the result.
   Layout finish(Layout l) const {
+    l.members.resize(l.groups.size());  // in placement order
+    for (size_t i : l.order) l.members[l.group_of[i]].push_back(i);
     int64_t left = world_;
     for (size_t k : l.groups) left -= sizes_[k];
     while (left > 0) {
@@ -194,6 +342,9 @@ class OptStep {
     for (size_t g = 0; g < idx.size(); ++g) idx[g] = g;
     std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return l.groups[a] > l.groups[b]; });
     Layout sorted;
+    sorted.groups.reserve(idx.size());
+    sorted.members.reserve(idx.size());
+    sorted.loads.reserve(idx.size());
     for (size_t g : idx) {
       sorted.groups.push_back(l.groups[g]);
       sorted.members.push_back(std::move(l.members[g]));
@@ -210,16 +361,17 @@ class OptStep {
   void improve(Layout& l) const {
     constexpr size_t kSwapPartners = 2;
     const size_t G = l.groups.size(), K = sizes_.size();
-    using Entry = std::pair<double, size_t>;
-    std::set<Entry> all;
-    std::vector<std::set<Entry>> by_size(K);
-    for (size_t g = 0; g < G; ++g) all.insert({l.loads[g], g}), by_size[l.groups[g]].insert({l.loads[g], g});
+    LoadSet all;
+    std::vector<LoadSet> by_size(K);
+    std::vector<LoadSet::iterator> in_all(G), in_size(G);
+    for (size_t g = 0; g < G; ++g) {
+      in_all[g] = all.insert({l.loads[g], g}).first;
+      in_size[g] = by_size[l.groups[g]].insert({l.loads[g], g}).first;
+    }
     auto set_load = [&](size_t g, double v) {
-      all.erase({l.loads[g], g});
-      by_size[l.groups[g]].erase({l.loads[g], g});
       l.loads[g] = v;
-      all.insert({v, g});
-      by_size[l.groups[g]].insert({v, g});
+      update(all, in_all[g], v);
+      update(by_size[l.groups[g]], in_size[g], v);
     };
     const size_t max_iters = 4 * ids_.size() + 100;
     std::vector<size_t> partners;
@@ -247,7 +399,7 @@ class OptStep {
           if (e != by_size[k].end() && e->second == m) ++e;
           if (e == by_size[k].end()) continue;
           const size_t g = e->second;
-          const double v = std::max(top - t_[i][km], l.loads[g] + t_[i][k]);
+          const double v = std::max(top - t(i, km), l.loads[g] + t(i, k));
           if (v < best) best = v, bi = a, bg = g, bj = SIZE_MAX;
         }
       }
@@ -256,10 +408,10 @@ class OptStep {
           const size_t i = mm[a];
           for (size_t g : partners) {
             const size_t kg = l.groups[g];
-            const double base_m = top - t_[i][km], base_g = l.loads[g] + t_[i][kg];
+            const double base_m = top - t(i, km), base_g = l.loads[g] + t(i, kg);
             for (size_t b = 0; b < l.members[g].size(); ++b) {
               const size_t j = l.members[g][b];
-              const double v = std::max(base_m + t_[j][km], base_g - t_[j][kg]);
+              const double v = std::max(base_m + t(j, km), base_g - t(j, kg));
               if (v < best) best = v, bi = a, bg = g, bj = b;
             }
           }
@@ -267,14 +419,14 @@ class OptStep {
       }
       if (bg == G) return;
       const size_t i = mm[bi];
-      double lm = l.loads[m] - t_[i][km], lg = l.loads[bg] + t_[i][l.groups[bg]];
+      double lm = l.loads[m] - t(i, km), lg = l.loads[bg] + t(i, l.groups[bg]);
       if (bj == SIZE_MAX) {
         l.members[m].erase(l.members[m].begin() + static_cast<std::ptrdiff_t>(bi));
         l.members[bg].push_back(i);
       } else {
         const size_t j = l.members[bg][bj];
-        lm += t_[j][km];
-        lg -= t_[j][l.groups[bg]];
+        lm += t(j, km);
+        lg -= t(j, l.groups[bg]);
         l.members[m][bi] = j;
         l.members[bg][bj] = i;
       }
@@ -285,42 +437,56 @@ class OptStep {
 
   // Groups placed largest first (aligned: every offset is a sum of larger powers of two), each packing its
   // samples longest first into micro-batches, merging only when that is not slower than running apart.
+  // A micro-batch's seconds are summed sample by sample in the order CostModel::seconds sums them, so adding a
+  // sample costs one work_seconds (often from the table), not a re-evaluation of the micro-batch.
   std::vector<GroupPlan> pack(const Layout& l) const {
+    const size_t K = sizes_.size();
     std::vector<GroupPlan> out;
     int64_t first = 0;
+    struct Bin {
+      MicroBatch mb;
+      std::vector<int64_t> lengths;
+      double seconds;
+      // Seconds of the same samples at another recompute count, kept until the bin changes: the samples
+      // that follow mostly try a bin at the same count.
+      int64_t other_r = -1;
+      double other_seconds = 0;
+    };
+    std::vector<Bin> bins;
+    std::vector<size_t> members;
     for (size_t g = 0; g < l.groups.size(); ++g) {
-      const int64_t sp = sizes_[l.groups[g]];
-      std::vector<int64_t> ids;
-      for (size_t i : l.members[g]) ids.push_back(ids_[i]);
-      std::stable_sort(ids.begin(), ids.end(),
-                       [&](int64_t a, int64_t b) { return length_of(samples_, a) > length_of(samples_, b); });
-      struct Bin {
-        MicroBatch mb;
-        std::vector<int64_t> lengths;
-        double seconds;
-      };
-      std::vector<Bin> bins;
-      for (int64_t id : ids) {
-        const int64_t len = length_of(samples_, id);
-        const int64_t r_alone = *memory_.min_recompute_layers(len, sp);
-        const double alone = cost_.seconds({len}, sp, r_alone);
+      const size_t k = l.groups[g];
+      const int64_t sp = sizes_[k];
+      members = l.members[g];
+      std::stable_sort(members.begin(), members.end(), [&](size_t a, size_t b) {
+        return length_of(samples_, ids_[a]) > length_of(samples_, ids_[b]);
+      });
+      bins.clear();
+      for (size_t i : members) {
+        const int64_t id = ids_[i], len = length_of(samples_, id);
+        const int64_t r_alone = recompute_[i * K + k];
+        const double alone = cost_.fixed_seconds(sp, r_alone) + work_[i * K + k];
         bool placed = false;
         for (auto& b : bins) {
-          auto r = memory_.min_recompute_layers(b.mb.num_tokens + len, sp);
+          auto r = recompute_for(b.mb.num_tokens + len, k);
           if (!r) continue;
-          std::vector<int64_t> lengths = b.lengths;
-          lengths.push_back(len);
-          const double merged = cost_.seconds(lengths, sp, *r);
+          double base = b.seconds;
+          if (*r != b.mb.recompute_layers) {
+            if (b.other_r != *r) b.other_r = *r, b.other_seconds = cost_.seconds(b.lengths, sp, *r);
+            base = b.other_seconds;
+          }
+          const double merged = base + (*r == r_alone ? work_[i * K + k] : cost_.work_seconds(len, sp, *r));
           if (merged > b.seconds + alone) continue;
+          b.lengths.push_back(len);
+          b.other_r = -1;
           b.mb.sample_ids.push_back(id);
           b.mb.num_tokens += len;
           b.mb.recompute_layers = *r;
-          b.lengths = std::move(lengths);
           b.seconds = merged;
           placed = true;
           break;
         }
-        if (!placed) bins.push_back(Bin{MicroBatch{{id}, len, r_alone}, {len}, alone});
+        if (!placed) bins.push_back(Bin{MicroBatch{{id}, len, r_alone}, {len}, alone, -1, 0.0});
       }
       GroupPlan gp{first, sp, {}};
       for (auto& b : bins) gp.micro_batches.push_back(std::move(b.mb));
@@ -336,8 +502,13 @@ class OptStep {
   int64_t world_;
   const CostModel& cost_;
   const MemoryModel& memory_;
-  std::vector<std::vector<double>> t_;  // [sample index][size index] predicted seconds, inf when infeasible
-  std::vector<std::vector<size_t>> by_time_;  // [size index] sample indices by t_ there, descending, stable
+  // [sample index * K + size index], K = sizes_.size():
+  std::vector<double> t_;            // predicted seconds, inf when infeasible
+  std::vector<int64_t> recompute_;   // fewest recompute layers alone, -1 when infeasible
+  std::vector<double> work_;         // CostModel::work_seconds at that recompute count
+  std::vector<size_t> by_cost_;      // size indices by GPU-seconds, ascending
+  int64_t layers_ = 0;
+  std::vector<int64_t> max_tokens_;  // [size index * (layers_ + 1) + r] MemoryModel::max_tokens(size, r)
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <utility>
 
@@ -74,6 +75,49 @@ StepPlan make_step(const PlannerOptions& opt, int64_t index, std::vector<GroupPl
   }
   p.groups = std::move(groups);
   return p;
+}
+
+int64_t length_bucket(int64_t length) {
+  if (length < 1) throw std::invalid_argument(fmt::format("planner: length {} must be positive", length));
+  // The 1e-9 keeps exact powers 2^(k/4) in bucket k despite rounding in log2.
+  return static_cast<int64_t>(std::ceil(4.0 * std::log2(static_cast<double>(length)) - 1e-9));
+}
+
+std::vector<int64_t> power_of_two_sizes(int64_t world_size, const ModelShape& shape) {
+  std::vector<int64_t> out;
+  for (int64_t s : sp_sizes_allowed(world_size, shape)) {
+    if ((s & (s - 1)) == 0) out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<int64_t> leftover_groups(int64_t world_size, int64_t used, const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> out;
+  int64_t left = world_size - used;
+  for (size_t k = sizes.size(); k-- > 0 && left > 0;) {
+    while (sizes[k] <= left) {
+      out.push_back(sizes[k]);
+      left -= sizes[k];
+    }
+  }
+  return out;
+}
+
+StepRng::StepRng(uint64_t seed, int64_t epoch, int64_t step, uint64_t purpose)
+    : state_(sample_seed(sample_seed(seed, static_cast<uint64_t>(epoch), static_cast<uint64_t>(step)), purpose, 0)) {}
+
+uint64_t StepRng::next() { return sample_seed(state_, ++counter_, 0); }
+
+double StepRng::uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+
+size_t StepRng::below(size_t n) {
+  if (n == 0) throw std::invalid_argument("StepRng::below: n must be positive");
+  // Modulo bias is below n / 2^64, negligible for the sizes planners draw from.
+  return static_cast<size_t>(next() % n);
+}
+
+void StepRng::shuffle(std::vector<int64_t>& v) {
+  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[below(i)]);
 }
 
 }  // namespace planner_detail

@@ -38,4 +38,33 @@ std::vector<int64_t> kept(const std::vector<int64_t>& ids, const std::vector<cha
 /// A StepPlan of these groups, sorted by first rank, with its global token count.
 StepPlan make_step(const PlannerOptions& opt, int64_t index, std::vector<GroupPlan> groups);
 
+/// Quarter-octave length bucket of `length` tokens (positive): the smallest k with length <= 2^(k/4), so bucket
+/// k holds lengths in (2^((k-1)/4), 2^(k/4)]. `bucket` and the reference planners share it.
+int64_t length_bucket(int64_t length);
+
+/// The power-of-two sizes of sp_sizes_allowed, ascending. Placed largest first, groups of these sizes are
+/// aligned blocks for any world_size (every offset is a sum of larger powers of two).
+std::vector<int64_t> power_of_two_sizes(int64_t world_size, const ModelShape& shape);
+
+/// Ranks left after `used` ones, as power-of-two groups of `sizes` (ascending), largest first.
+std::vector<int64_t> leftover_groups(int64_t world_size, int64_t used, const std::vector<int64_t>& sizes);
+
+/// A deterministic random stream (SplitMix64 chained through sample_seed) for one planner step: keyed by
+/// (seed, epoch, step index, purpose), never the global RNG, identical on every rank.
+class StepRng {
+ public:
+  StepRng(uint64_t seed, int64_t epoch, int64_t step, uint64_t purpose);
+  uint64_t next();
+  /// Uniform in [0, 1) with 53 random bits.
+  double uniform();
+  /// Uniform integer in [0, n); n must be positive.
+  size_t below(size_t n);
+  /// Fisher-Yates shuffle.
+  void shuffle(std::vector<int64_t>& v);
+
+ private:
+  uint64_t state_;
+  uint64_t counter_ = 0;
+};
+
 }  // namespace dcp::planner_detail

@@ -2,6 +2,7 @@
 #include "dcp/planners.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <stdexcept>
@@ -12,13 +13,18 @@ namespace dcp {
 
 using namespace planner_detail;
 
-std::vector<std::string> planner_names() { return {"bucket", "packed", "dcp-opt"}; }
+std::vector<std::string> planner_names() {
+  return {"bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-opt"};
+}
 
 Planner planner_by_name(const std::string& name) {
   if (name == "bucket") return plan_bucket;
   if (name == "packed") return plan_packed;
+  if (name == "dcp-intra") return plan_dcp_intra;
+  if (name == "dcp-inter") return plan_dcp_inter;
+  if (name == "dcp-inter-pac") return plan_dcp_inter_pac;
   if (name == "dcp-opt") return plan_dcp_opt;
-  throw std::invalid_argument(fmt::format("unknown planner '{}' (known: bucket, packed, dcp-opt)", name));
+  throw std::invalid_argument(fmt::format("unknown planner '{}' (known: {})", name, fmt::join(planner_names(), ", ")));
 }
 
 StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples, int64_t world_size,

@@ -1,6 +1,38 @@
 #include "dcp/planning.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <stdexcept>
+
 namespace dcp {
+
+namespace {
+
+std::string describe(const ModelShape& s) {
+  return fmt::format("hidden {}, layers {}, heads {}, ffn {}, mlp_matrices {}, vocab {}, bytes_per_element {}",
+                     s.hidden, s.layers, s.heads, s.ffn, s.mlp_matrices, s.vocab, s.bytes_per_element);
+}
+
+}  // namespace
+
+double memory_budget_bytes(const MemoryConfig& memory, const DeviceSpec& device) {
+  return memory.budget_bytes > 0 ? memory.budget_bytes : memory.fraction * device.memory_bytes;
+}
+
+MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& shape, const DeviceSpec& device,
+                             const MemoryConfig& memory, int64_t longest_sample_tokens) {
+  const double budget = memory_budget_bytes(memory, device);
+  if (cost_model == "h200") return MemoryModel::analytic(shape, budget);
+  MemoryModel fitted = MemoryModel::from_profile(cost_model, budget, longest_sample_tokens);
+  if (describe(fitted.shape()) != describe(shape)) {
+    throw std::invalid_argument(fmt::format(
+        "memory profile '{}' was measured for the model ({}); this model is ({}): its memory fit does not carry "
+        "over, rerun `dcp profile` with this model's config",
+        cost_model, describe(fitted.shape()), describe(shape)));
+  }
+  return fitted;
+}
 
 ModelShape model_shape_of(const ModelConfig& model, int64_t bytes_per_element) {
   ModelShape s;
@@ -34,6 +66,17 @@ PlanSet plan_training_epoch(const std::string& planner, const std::vector<Sample
     for (auto& g : step.groups)
       for (auto& mb : g.micro_batches)
         for (auto& id : mb.sample_ids) id = corpus_id(id);
+  }
+  if (set.steps.empty() && !dense.empty()) {
+    const auto shortest = std::min_element(dense.begin(), dense.end(), [](const Sample& a, const Sample& b) {
+      return a.length < b.length;
+    });
+    throw std::invalid_argument(fmt::format(
+        "planner {}: no training sample fits the per-rank memory budget of {:.0f} bytes (memory.budget_bytes / "
+        "memory.fraction): the shortest sample ({} tokens) needs {:.0f} bytes on one rank with every layer "
+        "recomputed, the model's state alone {:.0f} bytes",
+        planner, memory.budget_bytes(), shortest->length, memory.bytes(shortest->length, 1, memory.shape().layers),
+        memory.coefficients().base_bytes));
   }
   for (auto& id : set.skipped_ids) id = corpus_id(id);
   return set;

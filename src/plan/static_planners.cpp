@@ -58,11 +58,7 @@ PlanSet plan_bucket(const std::vector<Sample>& samples, int64_t world_size, cons
     const auto ids = kept(step, st.skipped);
     if (ids.empty()) continue;
     std::map<int64_t, std::vector<int64_t>> buckets;  // quarter-octave index -> ids in step order
-    for (int64_t id : ids) {
-      const double octaves = std::log2(static_cast<double>(length_of(samples, id)));
-      const auto k = static_cast<int64_t>(std::ceil(4.0 * octaves - 1e-9));
-      buckets[k].push_back(id);
-    }
+    for (int64_t id : ids) buckets[length_bucket(length_of(samples, id))].push_back(id);
     std::vector<MicroBatch> mbs;
     for (const auto& [k, members] : buckets) {
       int64_t longest = 0;

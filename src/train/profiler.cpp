@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "dcp/data.h"
+#include "dcp/memory_meter.h"
 #include "dcp/model.h"
 #include "dcp/planning.h"
 
@@ -135,6 +136,59 @@ std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<
   return best;
 }
 
+namespace {
+
+// Sum of squared sample lengths of a point, tokens^2.
+double squares(const ProfilePoint& p) {
+  double q = 0;
+  for (int64_t len : p.lengths) q += static_cast<double>(len) * static_cast<double>(len);
+  return q;
+}
+
+// The memory fit of profile_model (its doc comment): relative residuals over the points not held out.
+void fit_memory(ProfileResult& result) {
+  const double L = static_cast<double>(result.shape.layers);
+  std::vector<std::vector<double>> rows;
+  std::vector<double> targets;
+  for (const ProfilePoint& p : result.points) {
+    if (p.held_out) continue;
+    const double t = static_cast<double>(p.tokens), q = squares(p), r = static_cast<double>(p.recompute_layers);
+    const double m = p.measured_peak_bytes;
+    rows.push_back({1.0 / m, t * (L - r) / m, t * r / m, q * (L - r) / m, q / m});
+    targets.push_back(1.0);
+  }
+  const std::vector<double> x = fit_nonnegative_least_squares(rows, targets);
+  if (!(x[1] > 0 || x[2] > 0)) {
+    throw std::runtime_error(fmt::format(
+        "profile: the memory fit found no bytes per token (measured peaks, by the {}, do not grow with the "
+        "micro-batch)",
+        result.memory_method));
+  }
+  MemoryCoefficients& c = result.memory;
+  c.base_bytes = x[0];
+  c.token_layer_bytes = x[1];
+  c.token_recompute_bytes = x[2];
+  c.token_bytes = 0;  // not separable from a and b: c t = (c / L) (t (L - r) + t r)
+  c.square_layer_bytes = x[3];
+  c.square_bytes = x[4];
+  // Not measurable in one process: the q, k, v stack and send copy of Ulysses (MemoryCoefficients).
+  c.sp_token_bytes = 6.0 * static_cast<double>(result.shape.hidden * result.shape.bytes_per_element);
+
+  const MemoryModel fitted(result.shape, c, result.device.memory_bytes);
+  std::vector<double> heldout_errors, fit_errors;
+  for (ProfilePoint& p : result.points) {
+    p.predicted_peak_bytes = fitted.bytes(p.lengths, 1, p.recompute_layers);
+    const double err = std::abs(p.predicted_peak_bytes - p.measured_peak_bytes) / p.measured_peak_bytes;
+    (p.held_out ? heldout_errors : fit_errors).push_back(err);
+  }
+  result.memory_heldout_median_error = median(heldout_errors);
+  result.memory_heldout_max_error =
+      heldout_errors.empty() ? 0.0 : *std::max_element(heldout_errors.begin(), heldout_errors.end());
+  result.memory_fit_median_error = median(fit_errors);
+}
+
+}  // namespace
+
 ProfileResult profile_model(const Config& cfg, const ProfileOptions& options) {
   if (options.repeats < 1) {
     throw std::invalid_argument(fmt::format("profile: repeats {} must be >= 1", options.repeats));
@@ -159,6 +213,15 @@ ProfileResult profile_model(const Config& cfg, const ProfileOptions& options) {
   Transformer model(cfg.model, cfg.attention);
   model->train();
   const CostModel flop_model(result.shape, DeviceSpec{});
+  // The trainer's resident state during forward+backward: weights, gradients (zeroed in place between runs
+  // here) and AdamW's two moments per parameter.
+  result.memory_method = MemoryMeter::install();
+  std::vector<torch::Tensor> optimizer_state;
+  for (auto& p : model->parameters()) {
+    p.mutable_grad() = torch::zeros_like(p);
+    optimizer_state.push_back(torch::zeros_like(p));
+    optimizer_state.push_back(torch::zeros_like(p));
+  }
 
   // The grid: per length, the (tokens, recompute) combinations rotated by the length's index.
   struct Combo {
@@ -192,11 +255,14 @@ ProfileResult profile_model(const Config& cfg, const ProfileOptions& options) {
     const PackedBatch batch = make_batch(corpus, ids);
     std::vector<double> times;
     for (int64_t run = 0; run <= options.repeats; ++run) {
-      model->zero_grad();
+      model->zero_grad();  // set_to_none false: the gradients stay allocated, as after a trainer's micro-batch
+      MemoryMeter::reset_peak();
       const auto start = std::chrono::steady_clock::now();
       model->loss_sum(batch, p.recompute_layers).backward();
       const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
-      if (run > 0) times.push_back(elapsed.count());  // run 0 is the warm-up
+      if (run == 0) continue;  // the warm-up
+      times.push_back(elapsed.count());
+      p.measured_peak_bytes = std::max(p.measured_peak_bytes, static_cast<double>(MemoryMeter::peak_bytes()));
     }
     p.measured_s = median(times);
   }
@@ -245,6 +311,7 @@ ProfileResult profile_model(const Config& cfg, const ProfileOptions& options) {
   result.heldout_max_error =
       heldout_errors.empty() ? 0.0 : *std::max_element(heldout_errors.begin(), heldout_errors.end());
   result.fit_median_error = median(fit_errors);
+  fit_memory(result);
   result.max_rss_bytes = max_rss_bytes();
   return result;
 }
@@ -261,6 +328,8 @@ void write_profile(const ProfileResult& r, const std::string& path) {
                     {"attention_flops", p.flops.attention},
                     {"measured_s", p.measured_s},
                     {"predicted_s", p.predicted_s},
+                    {"measured_peak_bytes", p.measured_peak_bytes},
+                    {"predicted_peak_bytes", p.predicted_peak_bytes},
                     {"held_out", p.held_out}});
   }
   const nlohmann::json doc = {
@@ -293,13 +362,32 @@ void write_profile(const ProfileResult& r, const std::string& path) {
         {"heldout_median_rel_error", r.heldout_median_error},
         {"heldout_max_rel_error", r.heldout_max_error},
         {"fit_median_rel_error", r.fit_median_error}}},
+      {"memory",
+       {{"formula", "bytes = base_bytes + t * (token_layer_bytes * (L - r) + token_recompute_bytes * r + token_bytes "
+                    "+ [sp > 1] sp_token_bytes) + Q * (square_layer_bytes * (L - r) + square_bytes); t = tokens / sp, "
+                    "Q = sum of squared sample lengths / sp, L layers, r recomputed"},
+        {"weighting", "relative residuals (each point divided by its measured peak bytes), coefficients >= 0"},
+        {"method", r.memory_method},
+        {"base_bytes", r.memory.base_bytes},
+        {"token_layer_bytes", r.memory.token_layer_bytes},
+        {"token_recompute_bytes", r.memory.token_recompute_bytes},
+        {"token_bytes", r.memory.token_bytes},
+        {"square_layer_bytes", r.memory.square_layer_bytes},
+        {"square_bytes", r.memory.square_bytes},
+        {"sp_token_bytes", r.memory.sp_token_bytes},
+        {"heldout_median_rel_error", r.memory_heldout_median_error},
+        {"heldout_max_rel_error", r.memory_heldout_max_error},
+        {"fit_median_rel_error", r.memory_fit_median_error}}},
       {"grid", grid},
       {"threads", r.threads},
       {"repeats", r.repeats},
       {"max_rss_bytes", r.max_rss_bytes},
       {"notes",
-       {"memory is not fitted on CPU: MemoryModel stays analytic; max_rss_bytes is the process high-water mark "
-        "after the run",
+       {"memory: peak bytes of tensor storage per run (memory.method; the fallback is the process high-water "
+        "mark), with weights, gradients and AdamW moments resident as in the trainer; token_bytes is 0 because it "
+        "is not separable from token_layer_bytes and token_recompute_bytes; the division by sp and sp_token_bytes "
+        "= 6 hidden bytes_per_element are assumed (sp 1 only is measured); max_rss_bytes is the process "
+        "high-water mark after the run",
         "sequence parallelism is not profiled: intra_node_bw, inter_node_bw and collective_latency_s are the "
         "DeviceSpec defaults"}}};
   std::ofstream out(path);

@@ -2,27 +2,12 @@
 
 #include <chrono>
 
+#include "dcp/memory_meter.h"
+#include "dcp/runtime.h"
 #include "dcp/sequence_parallel.h"
 #include "dcp/train.h"
 
 namespace dcp {
-namespace {
-
-// Every rank must execute the same plan; a mismatch would silently mix gradients of different steps.
-void check_same_plan(const StepPlan& plan, const Communicator& world) {
-  int64_t h = plan.hash();
-  auto t = torch::tensor({h, -h}, torch::kInt64);
-  world.allreduce_max(t);
-  int64_t max_h = t[0].item<int64_t>(), min_h = -t[1].item<int64_t>();
-  if (max_h != h || min_h != h) {
-    throw std::runtime_error(fmt::format(
-        "step plan mismatch at epoch {} step {}: rank {} holds plan hash {}, ranks hold hashes in [{}, {}]",
-        plan.epoch, plan.index, world.rank(), h, min_h, max_h));
-  }
-}
-
-}  // namespace
-
 StepResult compute_step_gradients(Transformer& model, const Corpus& corpus, const StepPlan& plan,
                                   const ProcessGroups& groups) {
   const Communicator& world = groups.world();
@@ -39,11 +24,13 @@ StepResult compute_step_gradients(Transformer& model, const Corpus& corpus, cons
   }
   const GroupPlan& group = plan.group_of(world.rank());
   const Communicator& sp_group = groups.group(group.sp_size);
-  std::shared_ptr<const AttentionBackend> sp_attention;
-  if (group.sp_size > 1) sp_attention = std::make_shared<SequenceParallelAttention>(model->attention, sp_group);
+  std::shared_ptr<const AttentionWrapper> sp_attention;
+  if (group.sp_size > 1) sp_attention = std::make_shared<SequenceParallelAttention>(sp_group);
   auto params = model->parameters();
   for (auto& p : params) p.mutable_grad() = torch::Tensor();
 
+  // The peak window of this step: forward and backward of its micro-batches (rank_peak_bytes).
+  MemoryMeter::reset_peak();
   auto start = std::chrono::steady_clock::now();
   double loss_sum = 0;
   const double scale = 1.0 / static_cast<double>(plan.global_num_tokens);
@@ -56,17 +43,23 @@ StepResult compute_step_gradients(Transformer& model, const Corpus& corpus, cons
     loss_sum += loss.item<double>();
   }
   double busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const int64_t peak = MemoryMeter::peak_bytes();
 
-  // One reduction per step: all gradients, then the loss and each rank's busy time in its own slot.
+  // One reduction per step: all gradients, then the loss, each rank's busy time in its own slot and its peak
+  // bytes in two slots. float32 holds integers below 2^24 exactly, so the peak travels as (peak / 2^24,
+  // peak mod 2^24); the other ranks add zeros there, which keeps both parts exact up to 2^48 bytes.
   const int64_t world_size = world.size();
+  constexpr int64_t kSplit = int64_t{1} << 24;
   std::vector<torch::Tensor> parts;
   parts.reserve(params.size() + 1);
   for (auto& p : params) {
     parts.push_back(p.grad().defined() ? p.grad().reshape(-1) : torch::zeros({p.numel()}, p.options()));
   }
-  auto extra = torch::zeros({1 + world_size}, torch::kFloat32);
+  auto extra = torch::zeros({1 + 3 * world_size}, torch::kFloat32);
   extra[0] = loss_sum;
   extra[1 + world.rank()] = busy;
+  extra[1 + world_size + 2 * world.rank()] = static_cast<double>(peak / kSplit);
+  extra[2 + world_size + 2 * world.rank()] = static_cast<double>(peak % kSplit);
   parts.push_back(extra);
   torch::Tensor flat = torch::cat(parts);
   world.allreduce_sum(flat);
@@ -80,7 +73,13 @@ StepResult compute_step_gradients(Transformer& model, const Corpus& corpus, cons
   r.loss = flat[offset].item<double>() * scale;
   r.tokens = plan.global_num_tokens;
   r.samples = static_cast<int64_t>(plan.sample_ids().size());
-  for (int64_t i = 0; i < world_size; ++i) r.rank_busy_s.push_back(flat[offset + 1 + i].item<double>());
+  auto slots = flat.slice(0, offset).to(torch::kFloat64);
+  const double* v = slots.data_ptr<double>();
+  for (int64_t i = 0; i < world_size; ++i) {
+    r.rank_busy_s.push_back(v[1 + i]);
+    r.rank_peak_bytes.push_back(static_cast<int64_t>(v[1 + world_size + 2 * i]) * kSplit +
+                                static_cast<int64_t>(v[2 + world_size + 2 * i]));
+  }
   return r;
 }
 

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "dcp/memory_meter.h"
 #include "dcp/planning.h"
 #include "dcp/train.h"
 #include "train/checkpoint.h"
@@ -47,6 +48,25 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const Tr
   param_groups.emplace_back(decay, opts(cfg.weight_decay));
   param_groups.emplace_back(no_decay, opts(0.0));
   return std::make_unique<torch::optim::AdamW>(param_groups, torch::optim::AdamWOptions(cfg.lr));
+}
+
+// Per rank: the memory model's peak bytes for the largest of its micro-batches in `plan` (exact sample lengths),
+// or the model's resident bytes for a rank without micro-batches.
+std::vector<double> predicted_rank_peaks(const StepPlan& plan, const std::vector<Sample>& samples,
+                                         int64_t world_size, const MemoryModel& memory) {
+  std::vector<double> out(static_cast<size_t>(world_size), memory.coefficients().base_bytes);
+  for (const auto& g : plan.groups) {
+    double peak = memory.coefficients().base_bytes;
+    for (const auto& mb : g.micro_batches) {
+      std::vector<int64_t> lengths;
+      for (int64_t id : mb.sample_ids) lengths.push_back(samples[static_cast<size_t>(id)].length);
+      peak = std::max(peak, memory.bytes(lengths, g.sp_size, mb.recompute_layers));
+    }
+    for (int64_t r = g.first_rank; r < g.first_rank + g.sp_size && r < world_size; ++r) {
+      out[static_cast<size_t>(r)] = peak;
+    }
+  }
+  return out;
 }
 
 // On resume, lines past the checkpoint belong to steps that will run again.
@@ -146,7 +166,20 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   const ModelShape shape = model_shape_of(cfg.model, 4);  // fp32 on this build
   const DeviceSpec device = DeviceSpec::named(cfg.train.cost_model);
   const CostModel cost(shape, device);
-  const MemoryModel memory(shape, device);
+  int64_t longest_sample = 0;
+  for (int64_t id : corpus.train_ids()) {
+    longest_sample = std::max(longest_sample, corpus.samples()[static_cast<size_t>(id)].length);
+  }
+  const MemoryModel memory = memory_model_for(cfg.train.cost_model, shape, device, cfg.memory, longest_sample);
+  spdlog::info("memory: per-rank budget {:.1f} MB ({}), {} memory model, peaks measured by the {}",
+               memory.budget_bytes() / 1e6,
+               cfg.memory.budget_bytes > 0 ? "memory.budget_bytes"
+                                           : fmt::format("memory.fraction {} x {:.1f} GB", cfg.memory.fraction,
+                                                         device.memory_bytes / 1e9),
+               memory.source(), MemoryMeter::install());
+  bool warned_over_budget = false;  // static and file plans do not consult the memory model: say so once
+  int64_t peak_bytes = 0;
+  std::vector<double> memory_errors;  // |predicted / measured - 1| per rank and step
   std::map<std::string, int64_t> planner_skips;
   DataParallelOptions dp{env.world_size, cfg.train.global_batch_tokens, cfg.train.micro_batch_tokens,
                          cfg.model.recompute_layers, cfg.parallel.sp_size};
@@ -185,6 +218,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     }
     const StepPlan& plan = plans[static_cast<size_t>(state.index_in_epoch)];
     const double raw_prediction = evaluate_step(plan, corpus.samples(), env.world_size, cost, memory).step_s;
+    const std::vector<double> predicted_peaks = predicted_rank_peaks(plan, corpus.samples(), env.world_size, memory);
     const auto step_start = std::chrono::steady_clock::now();
     StepResult r = compute_step_gradients(model, corpus, plan, groups);
     double grad_norm = 0;
@@ -200,11 +234,30 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     ++state.index_in_epoch;
     state.tokens_trained += r.tokens;
     state.samples_trained += r.samples;
+    for (size_t i = 0; i < r.rank_peak_bytes.size(); ++i) {
+      peak_bytes = std::max(peak_bytes, r.rank_peak_bytes[i]);
+      memory_errors.push_back(std::abs(predicted_peaks[i] / static_cast<double>(r.rank_peak_bytes[i]) - 1.0));
+    }
+    const double predicted_peak = *std::max_element(predicted_peaks.begin(), predicted_peaks.end());
+    if (predicted_peak > memory.budget_bytes() && !warned_over_budget) {
+      spdlog::warn("step {}: predicted peak {:.1f} MB exceeds the memory budget {:.1f} MB ({} plans do not consult "
+                   "the memory model; a planner such as dcp-opt does)",
+                   state.step + 1, predicted_peak / 1e6, memory.budget_bytes() / 1e6,
+                   file_plans.empty() ? cfg.train.planner : "plan-file");
+      warned_over_budget = true;
+    }
     double max_busy = *std::max_element(r.rank_busy_s.begin(), r.rank_busy_s.end());
     double mean_busy = 0;
     for (double b : r.rank_busy_s) mean_busy += b / static_cast<double>(r.rank_busy_s.size());
-    std::vector<int64_t> sp_sizes;
-    for (const auto& g : plan.groups) sp_sizes.push_back(g.sp_size);
+    std::vector<int64_t> sp_sizes, rank_recompute(static_cast<size_t>(env.world_size), 0);
+    for (const auto& g : plan.groups) {
+      sp_sizes.push_back(g.sp_size);
+      int64_t most = 0;  // the most layers any micro-batch of the group recomputes (the plan's answer to memory)
+      for (const auto& mb : g.micro_batches) most = std::max(most, mb.recompute_layers);
+      for (int64_t r = g.first_rank; r < g.first_rank + g.sp_size && r < env.world_size; ++r) {
+        rank_recompute[static_cast<size_t>(r)] = most;
+      }
+    }
     double tokens_per_s = static_cast<double>(r.tokens) / step_time;
     // Online recalibration: the model's prediction times an EMA of measured / predicted over past steps.
     const json predicted = state.cost_calibration > 0 ? json(state.cost_calibration * raw_prediction) : json();
@@ -222,6 +275,9 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                    {"lr", lr},
                    {"grad_norm", grad_norm},
                    {"rank_busy_s", r.rank_busy_s},
+                   {"rank_peak_bytes", r.rank_peak_bytes},
+                   {"rank_predicted_peak_bytes", predicted_peaks},
+                   {"rank_recompute_layers", rank_recompute},
                    {"imbalance", max_busy > 0 ? 1.0 - mean_busy / max_busy : 0.0},
                    {"sp_sizes", sp_sizes},
                    {"predicted_step_s", predicted}};
@@ -266,6 +322,16 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                     {"predicted_step_median_rel_err", [&]() -> json {
                        if (prediction_errors.empty()) return json();
                        auto e = prediction_errors;
+                       std::nth_element(e.begin(), e.begin() + static_cast<long>(e.size() / 2), e.end());
+                       return e[e.size() / 2];
+                     }()},
+                    {"peak_bytes", peak_bytes},
+                    {"memory_budget_bytes", memory.budget_bytes()},
+                    {"memory_model", memory.source()},
+                    {"memory_meter", MemoryMeter::method()},
+                    {"predicted_peak_median_rel_err", [&]() -> json {
+                       if (memory_errors.empty()) return json();
+                       auto e = memory_errors;
                        std::nth_element(e.begin(), e.begin() + static_cast<long>(e.size() / 2), e.end());
                        return e[e.size() / 2];
                      }()},

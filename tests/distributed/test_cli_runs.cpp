@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -162,6 +163,58 @@ TEST(CliRuns, ResumeWithoutHeldOutDataAndRefusesAChangedModel) {
   fs::remove_all(dir);
 }
 
+TEST(CliRuns, FittedMemoryModelKeepsMeasuredPeaksUnderTheBudget) {
+  // Profile the test model, then train with its fitted memory model and a budget that admits a micro-batch of
+  // 512 tokens without recompute: every rank's measured peak of every step must stay under it.
+  fs::path dir = make_workdir("memory");
+  std::vector<std::string> model = {"--model.d_model=32", "--model.n_layers=2", "--model.n_heads=2",
+                                    "--model.d_ff=64", "--data.max_seq_len=128", "--train.threads=1"};
+  std::vector<std::string> profile = {DCP_BINARY, "profile", "--out", (dir / "profile.json").string(),
+                                      "--repeats", "1"};
+  profile.insert(profile.end(), model.begin(), model.end());
+  Child p = Child::spawn(profile, {}, (dir / "profile.log").string());
+  ASSERT_TRUE(exited_ok(p.wait(120))) << p.log();
+  const auto doc = nlohmann::json::parse(std::ifstream(dir / "profile.json"));
+  const auto& m = doc.at("memory");
+  const double base = m.at("base_bytes");
+  const double budget =  // 512 tokens of samples up to 128 long, none of the 2 layers recomputed
+      base + 512.0 * (2 * m.at("token_layer_bytes").get<double>()) +
+      512.0 * 128.0 * (2 * m.at("square_layer_bytes").get<double>() + m.at("square_bytes").get<double>());
+
+  auto train = [&](double budget_bytes, const std::string& name) {
+    Child c = Child::spawn(launch(2, train_args(dir, {"--train.max_steps=4", "--train.planner=dcp-opt",
+                                                      "--train.cost_model=" + (dir / "profile.json").string(),
+                                                      "--memory.budget_bytes=" + std::to_string(budget_bytes),
+                                                      "--run.dir=" + (dir / name).string()})),
+                           {}, (dir / (name + ".log")).string());
+    const int status = c.wait(120);
+    return std::make_pair(status, c.log());
+  };
+  auto [status, log] = train(budget, "fits");
+  ASSERT_TRUE(exited_ok(status)) << log;
+  const auto summary = nlohmann::json::parse(std::ifstream(dir / "fits" / "summary.json"));
+  EXPECT_EQ(summary.at("memory_model"), "profile");
+  EXPECT_NEAR(summary.at("memory_budget_bytes").get<double>(), budget, 1.0);
+  int64_t max_peak = 0;
+  std::ifstream metrics(dir / "fits" / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto peaks = nlohmann::json::parse(line).at("rank_peak_bytes").get<std::vector<int64_t>>();
+    ASSERT_EQ(peaks.size(), 2u) << line;
+    for (int64_t b : peaks) {
+      EXPECT_GT(static_cast<double>(b), base / 2) << line;  // the resident state is counted
+      max_peak = std::max(max_peak, b);
+    }
+  }
+  EXPECT_EQ(summary.at("peak_bytes").get<int64_t>(), max_peak);
+  EXPECT_LE(static_cast<double>(max_peak), summary.at("memory_budget_bytes").get<double>());
+
+  // A budget below the model's resident state: a clear error, not an endless loop over empty epochs.
+  auto [small_status, small_log] = train(base / 2, "too_small");
+  EXPECT_FALSE(exited_ok(small_status));
+  EXPECT_NE(small_log.find("no training sample fits the per-rank memory budget"), std::string::npos) << small_log;
+  fs::remove_all(dir);
+}
+
 TEST(CliRuns, KilledRankStopsThePeerWithAnError) {
   fs::path dir = make_workdir("kill");
   auto [r0, r1] = start_two_ranks(dir, {"--train.max_steps=100000"}, test_port());
@@ -226,5 +279,66 @@ TEST(CliRuns, BadInputsGiveClearErrors) {
     EXPECT_FALSE(exited_ok(status)) << c.expected;
     EXPECT_NE(ch.log().find(c.expected), std::string::npos) << ch.log();
   }
+  fs::remove_all(dir);
+}
+
+TEST(CliRuns, BenchComparesPlannersOnTheSameSamples) {
+  fs::path dir = make_workdir("bench");
+  std::vector<std::string> args = train_args(dir, {"--train.max_steps=4"});
+  args.erase(args.begin());  // "train": the bench runs it
+  args.erase(std::remove_if(args.begin(), args.end(), [](const std::string& a) { return a.rfind("--run.dir=", 0) == 0; }),
+             args.end());
+  std::vector<std::string> bench = {DCP_BINARY, "bench", "--nproc", "2", "--planners", "bucket,dcp-opt", "--slices",
+                                    "2", "--grace", "3", "--out", (dir / "bench").string()};
+  bench.insert(bench.end(), args.begin(), args.end());
+  Child c = Child::spawn(bench, {}, (dir / "bench.log").string());
+  ASSERT_TRUE(exited_ok(c.wait(240))) << c.log();
+  for (const char* f : {"bench.md", "bench.csv", "bench.png", "bucket/metrics.jsonl", "dcp-opt/bench_slice2.log"}) {
+    EXPECT_TRUE(fs::exists(dir / "bench" / f)) << f;
+  }
+  std::ifstream csv(dir / "bench" / "bench.csv");
+  std::map<std::string, std::vector<std::string>> rows;
+  for (std::string line; std::getline(csv, line);) {
+    std::vector<std::string> fields;
+    std::stringstream ss(line);
+    for (std::string f; std::getline(ss, f, ',');) fields.push_back(f);
+    rows[fields.at(0)] = fields;
+  }
+  ASSERT_TRUE(rows.count("bucket") && rows.count("dcp-opt")) << c.log();
+  for (const char* p : {"bucket", "dcp-opt"}) {
+    EXPECT_EQ(rows[p].at(1), "4") << p;  // steps
+    EXPECT_EQ(rows[p].at(2), "2") << p;  // steps measured: the first step of each of the 2 slices is a warm-up
+    // both slices of a planner continue one run: 4 lines of metrics, one per step
+    EXPECT_EQ(count_lines(dir / "bench" / p / "metrics.jsonl"), 4) << p;
+  }
+  EXPECT_EQ(rows["bucket"].at(5), "1.0000");  // speedup of bucket over itself
+  std::ifstream md_in(dir / "bench" / "bench.md");
+  std::string md((std::istreambuf_iterator<char>(md_in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(md.find("| bucket | 4 (2) |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| dcp-opt | 4 (2) |"), std::string::npos) << md;
+  EXPECT_NE(md.find("bench --nproc 2 --planners bucket,dcp-opt"), std::string::npos) << md;
+  fs::remove_all(dir);
+}
+
+TEST(CliRuns, BenchRejectsBadInputsBeforeTraining) {
+  fs::path dir = make_workdir("bench_bad");
+  struct Case {
+    std::vector<std::string> args;
+    std::string expected;
+  };
+  std::vector<Case> cases = {
+      {{"--planners", "bucket,no-such-planner"}, "unknown planner 'no-such-planner'"},
+      {{"--train.planner=packed"}, "train.planner"},
+      {{"--model.n_layers=-2"}, "model.n_layers"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> args = {DCP_BINARY, "bench", "--out", (dir / "bench").string()};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    Child ch = Child::spawn(args, {}, (dir / "bad.log").string());
+    int status = ch.wait(60);
+    EXPECT_TRUE(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 2) << c.expected << "\n" << ch.log();
+    EXPECT_NE(ch.log().find(c.expected), std::string::npos) << ch.log();
+  }
+  EXPECT_FALSE(fs::exists(dir / "bench" / "bucket")) << "no run may start on bad input";
   fs::remove_all(dir);
 }

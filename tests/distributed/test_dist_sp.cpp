@@ -25,9 +25,10 @@ StepPlan make_plan(std::vector<GroupPlan> groups) {
 
 }  // namespace
 
-TEST(SequenceParallel, ForwardLogitsEqualSingleRank) {
+namespace {
+
+void expect_sp_logits_equal_single_rank(const Config& cfg) {
   ASSERT_EQ(groups().world().size(), 4);
-  Config cfg = tiny_config();
   Corpus corpus = tiny_corpus(cfg);
   const std::vector<int64_t> ids = {1, 5, 2, 9};  // lengths 20, 11, 33, 37: a stream of 101 tokens
   Transformer model = fresh_model(cfg);
@@ -37,7 +38,7 @@ TEST(SequenceParallel, ForwardLogitsEqualSingleRank) {
   for (int64_t sp : {2, 4}) {
     const Communicator& group = groups().group(sp);
     PackedBatch shard = make_shard(corpus, ids, group.rank(), sp);
-    shard.attention = std::make_shared<SequenceParallelAttention>(model->attention, group);
+    shard.attention = std::make_shared<SequenceParallelAttention>(group);
     torch::Tensor local = model->forward(shard);
     const int64_t begin = group.rank() * shard.num_tokens();
     const int64_t real = std::max<int64_t>(0, std::min(total - begin, shard.num_tokens()));
@@ -45,6 +46,31 @@ TEST(SequenceParallel, ForwardLogitsEqualSingleRank) {
     EXPECT_TRUE(torch::allclose(local.slice(0, 0, real), full.slice(0, begin, begin + real), 1e-5, 1e-5))
         << "sp " << sp << " rank " << group.rank();
     EXPECT_TRUE((shard.targets.slice(0, real) == -100).all().item<bool>());  // padding never reaches the loss
+  }
+}
+
+std::string joined(const std::vector<std::string>& parts) {
+  std::string s;
+  for (const auto& p : parts) s += (s.empty() ? "" : " ") + p;
+  return s;
+}
+
+// Flexformer keeps per-layer, per-head parameters: under SP each rank must attend with exactly its heads' ones.
+const std::vector<std::vector<std::string>> kFlexformerVariants{
+    {"--attention.backend=flexformer", "--attention.num_features=8", "--attention.chunk_size=8"},
+    {"--attention.backend=flexformer", "--attention.feature_map=nonstationary", "--attention.normalizer=none",
+     "--attention.input_norm=rms", "--attention.num_features=6", "--attention.chunk_size=5"},
+    {"--attention.backend=flexformer", "--attention.feature_map=elu", "--attention.mode=recurrent"},
+};
+
+}  // namespace
+
+TEST(SequenceParallel, ForwardLogitsEqualSingleRank) { expect_sp_logits_equal_single_rank(tiny_config()); }
+
+TEST(SequenceParallel, FlexformerForwardLogitsEqualSingleRank) {
+  for (const auto& variant : kFlexformerVariants) {
+    SCOPED_TRACE(joined(variant));
+    expect_sp_logits_equal_single_rank(tiny_config(variant));
   }
 }
 
@@ -68,6 +94,41 @@ TEST(SequenceParallel, OneGroupOfFourGradientEqualsSingleProcess) {
   Corpus corpus = tiny_corpus(cfg);
   StepPlan plan = make_plan({GroupPlan{0, 4, {micro_batch(corpus, {1, 2, 3}, 2), micro_batch(corpus, {10}, 0)}}});
   expect_step_matches_reference(cfg, corpus, plan);
+}
+
+TEST(SequenceParallel, FlexformerMixedPlanGradientEqualsSingleProcess) {
+  for (const auto& variant : kFlexformerVariants) {
+    SCOPED_TRACE(joined(variant));
+    Config cfg = tiny_config(variant);
+    Corpus corpus = tiny_corpus(cfg);
+    // SP 4, and SP 2 next to two single ranks, with recompute.
+    const std::vector<StepPlan> plans{
+        make_plan({GroupPlan{0, 4, {micro_batch(corpus, {1, 2, 3}, 2), micro_batch(corpus, {10}, 0)}}}),
+        make_plan({
+            GroupPlan{0, 2, {micro_batch(corpus, {0, 3}, 1), micro_batch(corpus, {6}, 3)}},
+            GroupPlan{2, 1, {micro_batch(corpus, {2, 1}, 0)}},
+            GroupPlan{3, 1, {micro_batch(corpus, {4}, 2), micro_batch(corpus, {5, 8}, 0)}},
+        })};
+    for (const StepPlan& plan : plans) {
+      expect_step_matches_reference(cfg, corpus, plan);
+      // Each attention parameter on its own scale: every head slice must get exactly its heads' gradient.
+      Transformer model = fresh_model(cfg);
+      compute_step_gradients(model, corpus, plan, groups());
+      Transformer reference = fresh_model(cfg);
+      reference_step_gradients(reference, corpus, plan);
+      auto ref = reference->named_parameters();
+      int checked = 0;
+      for (const auto& p : model->named_parameters()) {
+        if (p.key().find(".attention.") == std::string::npos) continue;
+        const torch::Tensor& want = ref[p.key()].grad();
+        const double scale = want.abs().max().item<double>();
+        ASSERT_GT(scale, 0.0) << p.key();
+        EXPECT_LT((p.value().grad() - want).abs().max().item<double>(), 1e-4 * scale) << p.key();
+        ++checked;
+      }
+      EXPECT_GE(checked, cfg.model.n_layers);
+    }
+  }
 }
 
 TEST(SequenceParallel, HeadsNotDivisibleBySpSizeIsAClearError) {

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -215,10 +216,19 @@ TEST(Attention, SoftmaxMatchesDenseBlockDiagonalReference) {
 
 TEST(Attention, UnknownBackendThrowsConfigError) {
   AttentionConfig attn;
-  EXPECT_NE(std::dynamic_pointer_cast<SoftmaxAttention>(make_attention_backend(attn)), nullptr);
+  EXPECT_NE(std::dynamic_pointer_cast<SoftmaxAttention>(make_attention_backend(attn, tiny_config())), nullptr);
   attn.backend = "bogus";
-  EXPECT_THROW(make_attention_backend(attn), ConfigError);
+  EXPECT_THROW(make_attention_backend(attn, tiny_config()), ConfigError);
   EXPECT_THROW(Transformer(tiny_config(), attn), ConfigError);
+}
+
+TEST(Attention, EveryBlockOwnsItsBackendAndSoftmaxRegistersNothing) {
+  Transformer model(tiny_config());
+  std::set<const AttentionBackend*> backends;
+  for (size_t i = 0; i < model->blocks->size(); ++i) backends.insert(model->blocks->ptr<BlockImpl>(i)->attention.get());
+  EXPECT_EQ(backends.size(), model->blocks->size());
+  for (const auto& p : model->named_parameters()) EXPECT_EQ(p.key().find("attention"), std::string::npos) << p.key();
+  for (const auto& b : model->named_buffers()) EXPECT_EQ(b.key().find("attention"), std::string::npos) << b.key();
 }
 
 TEST(Rotary, HalfSplitPairsAndFrequencies) {

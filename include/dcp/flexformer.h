@@ -1,0 +1,184 @@
+// Flexformer: linear attention whose random-Fourier-feature kernel has trainable frequencies (Zhang & Zhou,
+// "Flexformer: Flexible Linear Transformer with Learnable Attention Kernel", arXiv:2606.27748), built on
+// random feature attention (Peng et al. ICLR 2021, RFA) and causal linear attention (Katharopoulos et al. 2020).
+// The paper's exact feature map and normaliser are not public; the formulation implemented here is the one
+// derived in docs/flexformer.md (spec: shared/specs/flexformer.md).
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dcp/config.h"
+#include "dcp/model.h"
+
+namespace dcp {
+
+/// attention.feature_map: phi applied to the conditioned queries and keys.
+enum class FeatureMap {
+  kStationary,     ///< m^{-1/2} [cos(Omega x); sin(Omega x)], Omega trained (FF-S)
+  kNonstationary,  ///< (4m)^{-1/2} [cos(Omega1 x) + cos(Omega2 x); sin(Omega1 x) + sin(Omega2 x)], both trained (FF-NS)
+  kFixed,          ///< stationary map with untrained frequencies (RFA / Performer style)
+  kElu,            ///< elu(x) + 1 (Katharopoulos et al. 2020), no frequencies
+};
+/// attention.input_norm: how q and k are conditioned before the feature map.
+enum class InputNorm {
+  kL2,     ///< x / |x| (RFA)
+  kRms,    ///< x / rms(x) * d^{-1/4} (QK-RMSNorm folded with the softmax 1/sqrt(d))
+  kScale,  ///< x * d^{-1/4}, keys also weighted by exp(|b|^2/2 - c) (softmax recovery, distillation)
+};
+/// attention.normalizer: how the attention average is kept well defined despite signed kernel estimates.
+enum class Normalizer {
+  kShift,  ///< append a feature alpha >= 1 to q and k features: kernel alpha^2 + K >= 0
+  kClamp,  ///< divide by max(denominator, kClampEps) (RFA)
+  kNone,   ///< no denominator; per-head output RMSNorm with a learned gain (fla LinearAttention default)
+};
+/// attention.mode: the three computations of the same operator.
+enum class LinearAttentionForm {
+  kQuadratic,  ///< masked phi(Q) phi(K)^T per sequence: the O(L^2) reference
+  kChunk,      ///< chunked causal scan: O(T C F + T F Dv), working memory O(C^2 + F Dv) per head
+  kRecurrent,  ///< token-by-token state update, as in decoding
+};
+
+/// Denominators below this are clamped by Normalizer::kClamp (features are bounded by 1, see docs/flexformer.md).
+inline constexpr double kClampEps = 1e-2;
+/// Added to the denominator under Normalizer::kShift, which is >= 0 by construction (exactly 0 only if alpha = 1).
+inline constexpr double kShiftEps = 1e-6;
+
+/// The attention.* switches of the flexformer backend, parsed.
+struct FlexformerOptions {
+  FeatureMap feature_map = FeatureMap::kStationary;
+  int64_t num_features = 64;  ///< m: frequencies per head; features F = 2m (trig) or head_dim (elu)
+  InputNorm input_norm = InputNorm::kL2;
+  Normalizer normalizer = Normalizer::kShift;
+  LinearAttentionForm mode = LinearAttentionForm::kChunk;
+  int64_t chunk_size = 64;
+
+  /// Throws ConfigError naming the attention.* key and value that is not allowed.
+  static FlexformerOptions from_config(const AttentionConfig& cfg);
+};
+
+/// Per-sequence state of causal linear attention: for every sequence and head, S = sum_s phi(k_s) v_s^T and
+/// z = sum_s phi(k_s) over the tokens seen so far. Kept in fp32 (fp64 for fp64 inputs) whatever the input dtype.
+struct LinearAttentionState {
+  torch::Tensor s;  ///< [n_seq, heads, F, Dv]
+  torch::Tensor z;  ///< [n_seq, heads, F]
+};
+
+/// Result of causal_linear_attention; y_t = numerator_t / denominator_t is the kernelised attention average.
+struct LinearAttentionOutput {
+  torch::Tensor numerator;          ///< [T, heads, Dv]: phi(q_t)^T S_t
+  torch::Tensor denominator;        ///< [T, heads]: phi(q_t)^T z_t
+  LinearAttentionState final_state; ///< each sequence's state after its last token; set only when requested
+};
+
+/// Causal linear attention over a packed stream of features, unnormalised (Katharopoulos et al. 2020; chunked
+/// form as fla's naive_chunk_linear_attn). Sequence i is tokens [cu_seqlens[i], cu_seqlens[i+1]); each starts
+/// from `initial` (null: zero state) and nothing crosses a boundary. S_t includes token t.
+/// phi_q, phi_k: [T, heads, F]; v: [T, heads, Dv]; all of one dtype, float32 or float64, on one device.
+/// cu_seqlens: [n_seq + 1] int64, non-decreasing from 0 to T (read on the host). chunk_size (>= 1) is used by
+/// kChunk only. The three forms give the same result up to rounding.
+/// Throws std::invalid_argument naming the argument for a bad shape, dtype, cu_seqlens, chunk_size or state.
+LinearAttentionOutput causal_linear_attention(const torch::Tensor& phi_q, const torch::Tensor& phi_k,
+                                              const torch::Tensor& v, const torch::Tensor& cu_seqlens,
+                                              LinearAttentionForm form, int64_t chunk_size,
+                                              const LinearAttentionState* initial = nullptr,
+                                              bool return_final_state = false);
+
+/// Conditions q or k [T, heads, d] for the feature map (see InputNorm); same shape and dtype.
+torch::Tensor condition_input(const torch::Tensor& x, InputNorm norm);
+
+/// Stationary random Fourier features (Rahimi & Recht 2007; RFA): x [T, heads, d], omega [heads, m, d] ->
+/// m^{-1/2} [cos(omega x); sin(omega x)], [T, heads, 2m]. phi(x)^T phi(y) = (1/m) sum_i cos(omega_i^T (x - y)).
+/// Throws std::invalid_argument for mismatched shapes.
+torch::Tensor fourier_features(const torch::Tensor& x, const torch::Tensor& omega);
+
+/// Nonstationary Fourier features (Ton et al. 2018): (4m)^{-1/2} [cos(omega1 x) + cos(omega2 x);
+/// sin(omega1 x) + sin(omega2 x)], [T, heads, 2m]; equals fourier_features(x, omega1) when omega2 == omega1.
+/// Throws std::invalid_argument for mismatched shapes.
+torch::Tensor nonstationary_fourier_features(const torch::Tensor& x, const torch::Tensor& omega1,
+                                             const torch::Tensor& omega2);
+
+/// elu(x) + 1 (Katharopoulos et al. 2020): [T, heads, d] -> [T, heads, d], strictly positive.
+torch::Tensor elu_features(const torch::Tensor& x);
+
+/// The Flexformer attention operator of one layer: trained frequencies per head, the chosen input norm,
+/// feature map and normaliser, computed in one of the three forms. Parameters (names as in checkpoints):
+/// "omega" [heads, m, head_dim] (Omega1 for nonstationary; a buffer for fixed), "omega2" [heads, m, head_dim]
+/// (nonstationary), "alpha_raw" [heads] (shift: alpha = 1 + softplus(alpha_raw)), "out_norm_weight"
+/// [heads * head_dim] (none), buffer "key_norm_offset" [heads] (the constant c of the scale mode's key weight).
+/// Initialisation: Omega ~ N(0, I) (sigma0 = 1), so that at step 0 phi(q)^T phi(k) is an unbiased estimate of
+/// exp(-|a - b|^2 / 2) for the conditioned a, b: softmax over cosine similarity (l2), over RMS-normalised q, k
+/// with 1/sqrt(d) (rms), or softmax itself (scale, with the key weight). Nonstationary: Omega2 ~ N(0, I),
+/// Omega1 = Omega2 + 0.01 N(0, I), i.e. it starts at the stationary kernel.
+class FlexformerAttention : public torch::nn::Module, public AttentionBackend {
+ public:
+  /// Throws std::invalid_argument for n_heads, head_dim, num_features or chunk_size < 1.
+  FlexformerAttention(const FlexformerOptions& opt, int64_t n_heads, int64_t head_dim);
+
+  /// Causal attention with options().mode and options().chunk_size over all heads: q, k, v [T, heads,
+  /// head_dim] -> [T, heads, head_dim] in v's dtype.
+  torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& cu_seqlens) const override;
+  /// The same on heads [head_offset, head_offset + h) of the layer, q, k, v [T, h, head_dim], with those
+  /// heads' parameters (gradients reach only their slices).
+  torch::Tensor forward_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& cu_seqlens, int64_t head_offset) const override;
+
+  /// forward with an explicit form and chunk size, an optional initial state per sequence and, when
+  /// `final_state` is not null, each sequence's state after its last token written there (decoding: prefill,
+  /// then one token per sequence with the previous state). States cover the h heads of the call.
+  /// Throws std::invalid_argument for shapes that do not match the layer (naming them) or bad cu_seqlens.
+  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const torch::Tensor& cu_seqlens, int64_t head_offset, LinearAttentionForm form,
+                       int64_t chunk_size, const LinearAttentionState* initial = nullptr,
+                       LinearAttentionState* final_state = nullptr) const;
+
+  /// Query / key features of heads [head_offset, head_offset + x.size(1)) including the shift feature and the
+  /// key weight: x [T, h, head_dim] -> [T, h, feature_dim()] in fp32 (fp64 for fp64 x).
+  torch::Tensor query_features(const torch::Tensor& x, int64_t head_offset) const;
+  torch::Tensor key_features(const torch::Tensor& x, int64_t head_offset) const;
+
+  /// Turns numerator [T, h, Dv] and denominator [T, h] into the output per the normaliser.
+  torch::Tensor normalize(const torch::Tensor& numerator, const torch::Tensor& denominator,
+                          int64_t head_offset) const;
+
+  const FlexformerOptions& options() const { return opt_; }
+  int64_t num_heads() const { return n_heads_; }
+  int64_t head_dim() const { return head_dim_; }
+  int64_t feature_dim() const;  ///< F' = (2m or head_dim) + 1 for the shift feature
+
+  torch::Tensor omega, omega2, alpha_raw, out_norm_weight, key_norm_offset;  ///< undefined when not used
+
+ private:
+  torch::Tensor features(const torch::Tensor& x, int64_t head_offset, bool is_key) const;
+  void check_heads(const torch::Tensor& x, int64_t head_offset, const char* what) const;
+
+  FlexformerOptions opt_;
+  int64_t n_heads_, head_dim_;
+};
+
+/// Recurrent decoding of a flexformer Transformer: passed as PackedBatch::attention, it runs every block's
+/// FlexformerAttention from that layer's carried state and keeps the state after the batch. A call with one
+/// token per sequence uses the recurrent form, a longer one (the prefill) the chunked form. Positions must
+/// continue where the previous batch stopped; call reset() to start new sequences.
+/// Throws std::invalid_argument when a block's backend is not a FlexformerAttention or the sequence count
+/// differs from the carried state's.
+class FlexformerDecoding : public AttentionWrapper {
+ public:
+  explicit FlexformerDecoding(int64_t n_layers);
+  torch::Tensor forward(const AttentionBackend& inner, int64_t layer, const torch::Tensor& q,
+                        const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& cu_seqlens) const override;
+  void reset();
+  /// Layer `layer`'s carried state (undefined tensors before the first batch).
+  const LinearAttentionState& state(int64_t layer) const;
+
+ private:
+  // Mutable: forward is const in the AttentionWrapper interface, and carrying this state is its purpose.
+  mutable std::vector<LinearAttentionState> states_;
+};
+
+}  // namespace dcp

@@ -1,0 +1,166 @@
+// DCP for a user's own LibTorch model and training loop: plan every global batch, run each micro-batch under
+// its sequence-parallel group and recompute setting, finish the step with one gradient reduction.
+// docs/integration.md shows the diff against a plain loop (about ten changed lines); examples/byte_gpt.cpp is
+// a complete user-style program.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dcp/cost_model.h"
+#include "dcp/dist.h"
+#include "dcp/plan.h"
+#include "dcp/planners.h"
+
+namespace dcp {
+
+/// How a Runtime plans.
+struct RuntimeOptions {
+  ModelShape shape;                  ///< the user's model as the cost and memory models see it
+  std::string planner = "dcp-opt";   ///< a name of planner_names()
+  std::string cost_model = "h200";   ///< DeviceSpec::named: "h200" or a `dcp profile` JSON file
+  double memory_budget_bytes = 0;    ///< per-rank budget, bytes; 0 = memory_fraction x device memory
+  double memory_fraction = 0.9;
+  int64_t tokens_per_step = 1 << 20; ///< global batch: a step takes samples of the epoch order up to this many tokens
+  uint64_t seed = 1234;              ///< epoch order (identical on every rank)
+  std::string sp_sizes = "pow2";     ///< process groups created at start-up (resolve_sp_sizes)
+  double timeout_s = 60;             ///< rendezvous and every collective, seconds
+};
+
+/// Where the current micro-batch runs; read by dcp::attention and dcp::layer inside the model.
+struct MicroBatchContext {
+  const Communicator* sp_group = nullptr;  ///< the micro-batch's SP group; null = no sequence parallelism
+  int64_t sp_size = 1;
+  int64_t sp_rank = 0;
+  int64_t recompute_layers = 0;  ///< layers with index < this recompute their activations in backward
+};
+
+/// This rank's tokens of a packed micro-batch: the samples' streams are concatenated in order and padded to a
+/// multiple of sp_size; the rank holds tokens [begin, end) of that stream.
+struct ShardRange {
+  int64_t begin = 0, end = 0;       ///< tokens, end - begin = padded total / sp_size
+  std::vector<int64_t> cu_seqlens;  ///< cumulative lengths of the whole padded stream; the padding, if any, is
+                                    ///< a segment of its own so nothing attends across it
+};
+/// Throws std::invalid_argument for empty or non-positive lengths or sp_rank outside [0, sp_size).
+ShardRange shard_range(const std::vector<int64_t>& lengths, int64_t sp_rank, int64_t sp_size);
+
+/// One micro-batch of this rank's group.
+struct MicroBatchWork {
+  std::vector<int64_t> sample_ids;  ///< in stream order
+  ShardRange shard;                 ///< the tokens this rank computes
+  MicroBatchContext context;        ///< install with MicroBatchScope while running the model on it
+};
+
+/// What one global step measured, identical on every rank after finish_step's reduction.
+struct StepStats {
+  double loss = 0;                  ///< mean token loss of the step (the sum of loss_sum / global_num_tokens)
+  int64_t tokens = 0;               ///< plan.global_num_tokens
+  std::vector<double> rank_busy_s;  ///< per rank: seconds from micro_batches() to finish_step()
+};
+
+/// Installs a micro-batch's context for the current thread until destroyed (restores the previous one).
+class MicroBatchScope {
+ public:
+  explicit MicroBatchScope(const MicroBatchContext& context);
+  ~MicroBatchScope();
+  MicroBatchScope(const MicroBatchScope&) = delete;
+  MicroBatchScope& operator=(const MicroBatchScope&) = delete;
+
+ private:
+  MicroBatchContext previous_;
+};
+
+/// The context installed on this thread (default: one rank, no recompute).
+const MicroBatchContext& current_micro_batch();
+
+/// Attention of the user's model, q, k, v: [T_local, heads, head_dim] (this rank's tokens), cu_seqlens as in
+/// ShardRange (the whole stream). Calls fn(q, k, v, cu_seqlens) with the whole stream's tokens: directly when
+/// the current micro-batch has no sequence parallelism, else inside Ulysses all-to-alls over the SP group
+/// (fn then sees heads / sp_size heads and the whole padded stream; Jacobs et al. 2023, DeepSpeed-Ulysses).
+/// Returns [T_local, heads, head_dim]. Throws std::invalid_argument when heads is not divisible by sp_size.
+using AttentionFn = std::function<at::Tensor(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& cu_seqlens)>;
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                     const AttentionFn& fn);
+
+/// Layer `index` (0-based) of the user's model: fn(x), recomputed in backward (activation checkpointing) when
+/// index < current_micro_batch().recompute_layers. The context is captured, so a recomputation in backward
+/// runs under the same SP group. fn must follow dcp::recompute's rules (deterministic, owns what it reads).
+at::Tensor layer(int64_t index, const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& x);
+
+/// Throws std::runtime_error naming the step and the hashes when the ranks hold different plans (all-reduce
+/// of the plan hash over `world`).
+void check_same_plan(const StepPlan& plan, const Communicator& world);
+
+/// The micro-batches of `plan` that this rank's group runs, with their shards and contexts. `lengths`: tokens of
+/// every sample id the plan names. Throws std::invalid_argument when the plan has no tokens, an sp_size does not
+/// divide `heads`, or an id has no length; std::out_of_range when no process group of an sp_size exists.
+std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::vector<int64_t>& lengths,
+                                               const ProcessGroups& groups, int64_t heads);
+
+/// The step's single reduction: sums every parameter gradient (undefined ones count as zero), `loss_sum` and
+/// each rank's `busy_s` over the world, then writes the summed gradients back into .grad. With every
+/// micro-batch's loss divided by plan.global_num_tokens before backward, every rank then holds the gradient of
+/// the step's mean token loss. Throws std::runtime_error when a peer fails.
+StepStats reduce_step(const StepPlan& plan, const std::vector<at::Tensor>& parameters, double loss_sum,
+                      double busy_s, const Communicator& world);
+
+/// DCP for a user's model (about ten lines, docs/integration.md):
+///   dcp::Runtime dcp(options);                                  // rendezvous, process groups, cost model
+///   auto plans = dcp.plan_epoch(lengths, epoch).steps;         // identical on every rank
+///   for (auto& step : plans) {
+///     for (auto& mb : dcp.micro_batches(step, lengths)) {
+///       dcp::MicroBatchScope scope(mb.context);
+///       dcp.backward(my_loss_sum(model, mb), step);             // model calls dcp::attention / dcp::layer
+///     }
+///     dcp.finish_step(step, model->parameters());
+///     optimizer.step();
+///   }
+class Runtime {
+ public:
+  /// Reads the launcher's variables (DistEnv::from_environment) and creates the process groups. Throws what
+  /// DistEnv, ProcessGroups, DeviceSpec::named and the models throw, std::invalid_argument for an unknown planner.
+  explicit Runtime(RuntimeOptions options);
+  /// Uses process groups created by the caller (they must outlive the Runtime).
+  Runtime(RuntimeOptions options, const ProcessGroups& groups);
+
+  int64_t rank() const { return groups_->env().rank; }
+  int64_t world_size() const { return groups_->env().world_size; }
+  const ProcessGroups& groups() const { return *groups_; }
+  const CostModel& cost() const { return cost_; }
+  const MemoryModel& memory() const { return memory_; }
+
+  /// One epoch of samples 0..n-1 with these lengths (tokens) cut into steps of options.tokens_per_step and
+  /// planned; a pure function of its inputs, so every rank computes the same plans without communication.
+  /// Throws what the planner throws (std::invalid_argument for non-positive lengths).
+  PlanSet plan_epoch(const std::vector<int64_t>& lengths, int64_t epoch) const;
+  /// Checks that every rank holds the same step (check_same_plan), starts the step's busy clock and returns
+  /// rank_micro_batches.
+  std::vector<MicroBatchWork> micro_batches(const StepPlan& step, const std::vector<int64_t>& lengths);
+  /// Back-propagates loss_sum (the sum of token losses of this rank's shard) / step.global_num_tokens and
+  /// accumulates its value for the step's loss. loss_sum: scalar.
+  void backward(const at::Tensor& loss_sum, const StepPlan& step);
+  /// reduce_step over the world with the accumulated loss and busy time; resets them for the next step.
+  StepStats finish_step(const StepPlan& step, const std::vector<at::Tensor>& parameters);
+
+ private:
+  // groups null: the owned ones.
+  Runtime(RuntimeOptions options, std::unique_ptr<ProcessGroups> owned, const ProcessGroups* groups);
+
+  RuntimeOptions options_;
+  std::unique_ptr<ProcessGroups> owned_groups_;
+  const ProcessGroups* groups_;
+  CostModel cost_;
+  MemoryModel memory_;
+  double loss_sum_ = 0;
+  std::chrono::steady_clock::time_point step_start_;
+};
+
+}  // namespace dcp

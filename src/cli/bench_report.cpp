@@ -1,0 +1,237 @@
+#include "cli/bench_report.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+namespace dcp {
+namespace {
+
+using json = nlohmann::json;
+
+std::optional<double> number_or_none(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_number()) return std::nullopt;
+  return it->get<double>();
+}
+
+std::optional<double> max_of(std::optional<double> a, std::optional<double> b) {
+  if (!a) return b;
+  if (!b) return a;
+  return std::max(*a, *b);
+}
+
+double median(std::vector<double> v) {
+  const size_t mid = v.size() / 2;
+  std::nth_element(v.begin(), v.begin() + static_cast<long>(mid), v.end());
+  if (v.size() % 2 == 1) return v[mid];
+  const double upper = v[mid];
+  return 0.5 * (upper + *std::max_element(v.begin(), v.begin() + static_cast<long>(mid)));
+}
+
+BenchStep parse_step(const json& j) {
+  BenchStep s;
+  s.step = j.at("step").get<int64_t>();
+  s.tokens = j.at("tokens").get<int64_t>();
+  s.step_time_s = j.at("step_time_s").get<double>();
+  s.imbalance = j.at("imbalance").get<double>();
+  s.predicted_step_s = number_or_none(j, "predicted_step_s");
+  if (auto it = j.find("rank_peak_bytes"); it != j.end() && it->is_array()) {
+    for (const auto& b : *it) {
+      if (b.is_number()) s.peak_bytes = max_of(s.peak_bytes, b.get<double>());
+    }
+  }
+  return s;
+}
+
+// The steps whose numbers count: not a warm-up step, positive time.
+std::vector<const BenchStep*> measured_steps(const BenchRun& run, const std::set<int64_t>& warmup_steps) {
+  std::vector<const BenchStep*> out;
+  for (const auto& s : run.steps) {
+    if (!warmup_steps.count(s.step) && s.step_time_s > 0) out.push_back(&s);
+  }
+  return out;
+}
+
+std::string fixed_or_na(const std::optional<double>& v, int digits) {
+  return v ? fmt::format("{:.{}f}", *v, digits) : "n/a";
+}
+
+std::string fixed_or_empty(const std::optional<double>& v, int digits) {
+  return v ? fmt::format("{:.{}f}", *v, digits) : "";
+}
+
+std::optional<double> megabytes(const std::optional<double>& bytes) {
+  if (!bytes) return std::nullopt;
+  return *bytes / 1e6;
+}
+
+std::optional<double> percent(const std::optional<double>& share) {
+  if (!share) return std::nullopt;
+  return 100.0 * *share;
+}
+
+}  // namespace
+
+BenchRun read_bench_run(const std::string& planner, const std::string& run_dir) {
+  BenchRun run;
+  run.planner = planner;
+  const std::string metrics_path = run_dir + "/metrics.jsonl";
+  std::ifstream metrics(metrics_path);
+  if (!metrics) throw std::runtime_error(fmt::format("cannot read '{}'", metrics_path));
+  int64_t line_no = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    ++line_no;
+    if (line.empty()) continue;
+    try {
+      run.steps.push_back(parse_step(json::parse(line)));
+    } catch (const json::exception& e) {
+      throw std::runtime_error(fmt::format("'{}' line {}: {}", metrics_path, line_no, e.what()));
+    }
+  }
+  const std::string summary_path = run_dir + "/summary.json";
+  std::ifstream summary_in(summary_path);
+  if (!summary_in) throw std::runtime_error(fmt::format("cannot read '{}'", summary_path));
+  try {
+    const json summary = json::parse(summary_in);
+    run.heldout_bits_per_byte_final = number_or_none(summary, "heldout_bits_per_byte_final");
+    run.peak_bytes = number_or_none(summary, "peak_bytes");
+    run.threads_per_rank = summary.value("threads_per_rank", int64_t{0});
+    run.world_size = summary.value("world_size", int64_t{0});
+  } catch (const json::exception& e) {
+    throw std::runtime_error(fmt::format("'{}': {}", summary_path, e.what()));
+  }
+  return run;
+}
+
+BenchRow summarize_bench_run(const BenchRun& run, const std::set<int64_t>& warmup_steps) {
+  BenchRow row;
+  row.planner = run.planner;
+  row.steps = static_cast<int64_t>(run.steps.size());
+  const auto steps = measured_steps(run, warmup_steps);
+  if (steps.empty()) {
+    throw std::runtime_error(fmt::format("planner {}: no step left to measure ({} steps, {} warm-up steps)",
+                                         run.planner, run.steps.size(), warmup_steps.size()));
+  }
+  row.steps_measured = static_cast<int64_t>(steps.size());
+  double seconds = 0, imbalance = 0;
+  double predicted_sum = 0, measured_sum = 0;
+  std::vector<double> errors;
+  for (const BenchStep* s : steps) {
+    row.tokens += s->tokens;
+    seconds += s->step_time_s;
+    imbalance += s->imbalance;
+    row.peak_bytes = max_of(row.peak_bytes, s->peak_bytes);
+    if (s->predicted_step_s) {
+      predicted_sum += *s->predicted_step_s;
+      measured_sum += s->step_time_s;
+      errors.push_back(std::abs(*s->predicted_step_s / s->step_time_s - 1.0));
+    }
+  }
+  row.tokens_per_s = static_cast<double>(row.tokens) / seconds;
+  row.mean_imbalance = imbalance / static_cast<double>(steps.size());
+  row.steps_predicted = static_cast<int64_t>(errors.size());
+  if (!errors.empty()) {
+    row.mean_predicted_s = predicted_sum / static_cast<double>(errors.size());
+    row.mean_measured_s = measured_sum / static_cast<double>(errors.size());
+    row.median_prediction_error = median(errors);
+  }
+  row.peak_bytes = max_of(row.peak_bytes, run.peak_bytes);
+  row.heldout_bits_per_byte_final = run.heldout_bits_per_byte_final;
+  return row;
+}
+
+std::vector<BenchRow> summarize_bench(const std::vector<BenchRun>& runs, const std::set<int64_t>& warmup_steps) {
+  std::vector<BenchRow> rows;
+  for (const auto& run : runs) rows.push_back(summarize_bench_run(run, warmup_steps));
+  auto bucket = std::find_if(rows.begin(), rows.end(), [](const BenchRow& r) { return r.planner == "bucket"; });
+  if (bucket != rows.end()) {
+    const double base = bucket->tokens_per_s;
+    for (auto& r : rows) r.speedup_vs_bucket = r.tokens_per_s / base;
+  }
+  std::stable_sort(rows.begin(), rows.end(),
+                   [](const BenchRow& a, const BenchRow& b) { return a.tokens_per_s > b.tokens_per_s; });
+  return rows;
+}
+
+std::optional<double> overall_median_prediction_error(const std::vector<BenchRun>& runs,
+                                                      const std::set<int64_t>& warmup_steps) {
+  std::vector<double> errors;
+  for (const auto& run : runs) {
+    for (const BenchStep* s : measured_steps(run, warmup_steps)) {
+      if (s->predicted_step_s) errors.push_back(std::abs(*s->predicted_step_s / s->step_time_s - 1.0));
+    }
+  }
+  if (errors.empty()) return std::nullopt;
+  return median(errors);
+}
+
+std::string bench_markdown_table(const std::vector<BenchRow>& rows) {
+  std::string out =
+      "| planner | steps (measured) | tokens/s | speedup vs bucket | mean imbalance | mean predicted step s | "
+      "mean measured step s | median prediction error | peak memory MB | held-out bits/byte |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& r : rows) {
+    out += fmt::format("| {} | {} ({}) | {:.0f} | {} | {:.3f} | {} | {} | {} | {} | {} |\n", r.planner, r.steps,
+                       r.steps_measured, r.tokens_per_s, fixed_or_na(r.speedup_vs_bucket, 3), r.mean_imbalance,
+                       fixed_or_na(r.mean_predicted_s, 3), fixed_or_na(r.mean_measured_s, 3),
+                       r.median_prediction_error ? fmt::format("{:.1f}%", 100.0 * *r.median_prediction_error) : "n/a",
+                       fixed_or_na(megabytes(r.peak_bytes), 1), fixed_or_na(r.heldout_bits_per_byte_final, 4));
+  }
+  return out;
+}
+
+std::string bench_csv(const std::vector<BenchRow>& rows) {
+  std::string out =
+      "planner,steps,steps_measured,tokens_measured,tokens_per_s,speedup_vs_bucket,mean_imbalance,steps_predicted,"
+      "mean_predicted_step_s,mean_measured_step_s,median_prediction_error_pct,peak_memory_mb,"
+      "heldout_bits_per_byte_final\n";
+  for (const auto& r : rows) {
+    out += fmt::format("{},{},{},{},{:.1f},{},{:.4f},{},{},{},{},{},{}\n", r.planner, r.steps, r.steps_measured,
+                       r.tokens, r.tokens_per_s, fixed_or_empty(r.speedup_vs_bucket, 4), r.mean_imbalance,
+                       r.steps_predicted, fixed_or_empty(r.mean_predicted_s, 4), fixed_or_empty(r.mean_measured_s, 4),
+                       fixed_or_empty(percent(r.median_prediction_error), 2),
+                       fixed_or_empty(megabytes(r.peak_bytes), 1), fixed_or_empty(r.heldout_bits_per_byte_final, 5));
+  }
+  return out;
+}
+
+std::string bench_gnuplot_script(const std::string& csv_path, const std::string& png_path) {
+  // Columns as bench_csv writes them: 1 planner, 5 tokens_per_s, 9 mean_predicted_step_s, 10 mean_measured_step_s.
+  // gnuplot's string quoting: double quotes, so paths with a double quote or backslash are escaped.
+  auto quoted = [](const std::string& s) {
+    std::string q = "\"";
+    for (char c : s) {
+      if (c == '"' || c == '\\') q += '\\';
+      q += c;
+    }
+    return q + "\"";
+  };
+  return fmt::format(
+      "set terminal pngcairo size 1200,480 font \",10\"\n"
+      "set output {png}\n"
+      "set datafile separator \",\"\n"
+      "set style data histograms\n"
+      "set style fill solid 0.8 border -1\n"
+      "set boxwidth 0.8\n"
+      "set grid ytics\n"
+      "set xtics rotate by -30\n"
+      "set yrange [0:*]\n"
+      "set offsets 0, 0, graph 0.12, 0\n"  // headroom above the tallest bar
+      "set key top right horizontal\n"
+      "set multiplot layout 1,2\n"
+      "set title \"Measured throughput (tokens/s)\"\n"
+      "set style histogram clustered gap 1\n"
+      "plot {csv} skip 1 using 5:xtic(1) title \"tokens/s\" linecolor rgb \"#4477aa\"\n"
+      "set title \"Step time: predicted (calibrated) vs measured, mean s\"\n"
+      "set style histogram clustered gap 1\n"
+      "plot {csv} skip 1 using 9:xtic(1) title \"predicted\" linecolor rgb \"#ee7733\", \\\n"
+      "     '' skip 1 using 10 title \"measured\" linecolor rgb \"#4477aa\"\n"
+      "unset multiplot\n",
+      fmt::arg("png", quoted(png_path)), fmt::arg("csv", quoted(csv_path)));
+}
+
+}  // namespace dcp

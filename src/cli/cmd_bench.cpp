@@ -1,0 +1,301 @@
+// `dcp bench`: train the same samples with several planners on real local processes, in alternating time slices
+// (each slice a `dcp launch ... train --resume` child), then compare what they measured (cli/bench_report.h).
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "cli/bench_report.h"
+#include "cli/commands.h"
+#include "dcp/planners.h"
+
+namespace fs = std::filesystem;
+
+namespace dcp {
+namespace {
+
+struct BenchOptions {
+  std::string config_path;
+  int nproc = 2;
+  std::string planners = "all";
+  std::string out_dir = "runs/bench";
+  std::string report;  ///< prefix of the .md/.csv/.png files; default out_dir/bench
+  int slices = 3;  ///< time slices per planner
+  double grace_s = 10.0;
+  bool plot = true;
+};
+
+// Keys the bench sets itself on every slice.
+const char* const kBenchOwnedKeys[] = {"train.planner", "train.stop_after_steps", "run.dir"};
+
+std::vector<std::string> known_planners() {
+  auto names = planner_names();
+  names.push_back("static");  // the trainer's plain data-parallel layout (parallel.sp_size), as a baseline
+  return names;
+}
+
+std::vector<std::string> parse_planners(const std::string& list) {
+  const auto known = known_planners();
+  std::vector<std::string> out;
+  auto add = [&](const std::string& name) {
+    if (std::find(out.begin(), out.end(), name) != out.end()) {
+      throw CLI::ValidationError(fmt::format("--planners: planner '{}' is listed twice in '{}'", name, list));
+    }
+    out.push_back(name);
+  };
+  std::stringstream ss(list);
+  for (std::string name; std::getline(ss, name, ',');) {
+    if (name == "all") {
+      for (const auto& n : planner_names()) add(n);
+    } else if (std::find(known.begin(), known.end(), name) != known.end()) {
+      add(name);
+    } else {
+      throw CLI::ValidationError(
+          fmt::format("--planners: unknown planner '{}' (known: {}, or all)", name, fmt::join(known, ", ")));
+    }
+  }
+  if (out.empty()) throw CLI::ValidationError(fmt::format("--planners: no planner in '{}'", list));
+  return out;
+}
+
+bool gnuplot_available() {
+  const char* path = std::getenv("PATH");
+  std::stringstream ss(path ? path : "");
+  for (std::string dir; std::getline(ss, dir, ':');) {
+    if (!dir.empty() && access((fs::path(dir) / "gnuplot").c_str(), X_OK) == 0) return true;
+  }
+  return false;
+}
+
+// The exact command line of this process, shell-quoted where needed, for the report.
+std::string own_command_line() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::vector<std::string> args;
+  for (std::string a; std::getline(in, a, '\0');) args.push_back(a);
+  std::string out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string a = i == 0 ? fs::path(args[0]).string() : args[i];
+    const bool plain = !a.empty() && a.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                                         "0123456789-_./=,:+@%") == std::string::npos;
+    if (!plain) {
+      std::string q = "'";
+      for (char c : a) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+      a = q + "'";
+    }
+    out += (i ? " " : "") + a;
+  }
+  return out;
+}
+
+double load_average_1min() {
+  std::ifstream in("/proc/loadavg");
+  double load = -1;
+  in >> load;
+  return load;
+}
+
+// Runs argv (argv[0] is a path) with stdout and stderr into log_path and waits. Returns its exit code, or 128 +
+// the signal that killed it.
+int run_child(const std::vector<std::string>& args, const fs::path& log_path) {
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error(fmt::format("fork failed: {}", std::strerror(errno)));
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // a bench killed with SIGKILL takes its slice (and so its ranks) along
+    int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) {
+      fmt::print(stderr, "dcp bench: cannot write '{}': {}\n", log_path.string(), std::strerror(errno));
+      _exit(127);
+    }
+    dup2(fd, 1);
+    dup2(fd, 2);
+    close(fd);
+    std::vector<std::string> copy = args;
+    std::vector<char*> argv;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    fmt::print(stderr, "dcp bench: cannot start {}: {}\n", args[0], std::strerror(errno));
+    _exit(127);
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) throw std::runtime_error(fmt::format("waitpid failed: {}", std::strerror(errno)));
+  }
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+  if (!out) throw std::runtime_error(fmt::format("cannot write '{}'", path.string()));
+}
+
+std::string bench_markdown(const BenchOptions& opt, const Config& cfg, const std::vector<BenchRun>& runs,
+                           const std::vector<BenchRow>& rows, const std::set<int64_t>& warmup, int64_t slice_steps,
+                           int64_t slices, double load_start, double load_end, const std::string& png_name) {
+  std::string md = fmt::format("# dcp bench: {} planners on {} processes\n\n", rows.size(), opt.nproc);
+  md += fmt::format("Command:\n\n```\n{}\n```\n\n", own_command_line());
+  md += fmt::format(
+      "Machine: {} hardware threads, {} ranks, {} intra-op threads per rank; 1-minute load average {:.2f} at the "
+      "start, {:.2f} at the end.\n\n",
+      std::thread::hardware_concurrency(), opt.nproc, runs.front().threads_per_rank, load_start, load_end);
+  md += fmt::format(
+      "Each planner trains {} steps of {} tokens with seed {} (the same samples in every step, only their layout "
+      "differs), config `{}` with the command's overrides, in {} slices of {} steps (one `dcp launch ... train --resume` each); the planners take turns "
+      "slice by slice and the first planner rotates, so machine drift hits all alike. Model d_model {}, {} layers; data.max_seq_len {}; "
+      "cost model `{}`, calibrated online (prediction x EMA of measured/predicted), so a run's first step has no "
+      "prediction.\n\n",
+      cfg.train.max_steps, cfg.train.global_batch_tokens, cfg.run.seed,
+      opt.config_path.empty() ? "(defaults)" : opt.config_path, slices, slice_steps, cfg.model.d_model,
+      cfg.model.n_layers, cfg.data.max_seq_len, cfg.train.cost_model);
+  md += fmt::format(
+      "Measured steps: all but the first step of each slice (process start, lazy allocations: {} warm-up step(s) per "
+      "planner). tokens/s = sum of tokens / sum of step_time_s; predicted and measured step seconds are means over "
+      "the measured steps that have a prediction; prediction error = median |predicted/measured - 1| over the same "
+      "steps. Peak memory: the trainer's `peak_bytes`/`rank_peak_bytes` (n/a where the trainer does not write "
+      "them). Rows are sorted by measured tokens/s, fastest first.\n\n",
+      warmup.size());
+  md += bench_markdown_table(rows);
+  std::vector<std::string> order;
+  for (const auto& r : rows) order.push_back(r.planner);
+  md += fmt::format("\nMeasured ordering (tokens/s, fastest first): {}.\n", fmt::join(order, " > "));
+  if (auto err = overall_median_prediction_error(runs, warmup)) {
+    md += fmt::format("Median step-time prediction error over every planner's measured steps: {:.1f}%.\n",
+                      100.0 * *err);
+  }
+  std::vector<double> bpb;
+  for (const auto& r : rows) {
+    if (r.heldout_bits_per_byte_final) bpb.push_back(*r.heldout_bits_per_byte_final);
+  }
+  if (!bpb.empty()) {
+    auto [lo, hi] = std::minmax_element(bpb.begin(), bpb.end());
+    md += fmt::format("Held-out bits per byte after the same samples: {:.4f} .. {:.4f} (spread {:.2g}).\n", *lo, *hi,
+                      *hi - *lo);
+  }
+  if (!png_name.empty()) md += fmt::format("\n![tokens/s and step times]({})\n", png_name);
+  md += fmt::format("\nRuns (metrics.jsonl, summary.json, logs/, one bench_slice<N>.log per slice): `{}/<planner>/`.\n",
+                    opt.out_dir);
+  return md;
+}
+
+void run_bench(const BenchOptions& opt, const std::vector<std::string>& overrides) {
+  const std::vector<std::string> planners = parse_planners(opt.planners);
+  for (const auto& o : overrides) {
+    for (const char* key : kBenchOwnedKeys) {
+      if (o.rfind(fmt::format("--{}=", key), 0) == 0) {
+        throw CLI::ValidationError(fmt::format("'{}': dcp bench sets {} itself (use --planners / --out)", o, key));
+      }
+    }
+  }
+  std::vector<std::string> config_args;
+  for (const auto& o : overrides) config_args.push_back(o.substr(2));
+  const Config cfg = Config::load(opt.config_path, config_args);  // bad keys fail here, before any child runs
+  if (opt.plot && !gnuplot_available()) {
+    throw std::runtime_error("gnuplot not found in PATH; install it (scripts/install-deps.sh installs gnuplot-nox) "
+                             "or pass --no-plot");
+  }
+  const int64_t max_steps = cfg.train.max_steps;
+  const int64_t slice_steps = (max_steps + opt.slices - 1) / opt.slices;
+  const int64_t slices = (max_steps + slice_steps - 1) / slice_steps;
+  const fs::path out_dir(opt.out_dir);
+  const fs::path report = opt.report.empty() ? out_dir / "bench" : fs::path(opt.report);
+  fs::create_directories(out_dir);
+  if (report.has_parent_path()) fs::create_directories(report.parent_path());
+
+  fmt::print("dcp bench: {} on {} processes, {} steps each in {} slices of {} steps; runs in {}/\n",
+             fmt::join(planners, ", "), opt.nproc, max_steps, slices, slice_steps, out_dir.string());
+  std::fflush(stdout);
+  const double load_start = load_average_1min();
+  std::set<int64_t> warmup;
+  for (int64_t r = 0; r < slices; ++r) {
+    warmup.insert(r * slice_steps + 1);
+    for (size_t i = 0; i < planners.size(); ++i) {
+      const std::string& planner = planners[(static_cast<size_t>(r) + i) % planners.size()];
+      const fs::path run_dir = out_dir / planner;
+      fs::create_directories(run_dir);
+      std::vector<std::string> args = {"/proc/self/exe", "launch", "--nproc", std::to_string(opt.nproc),
+                                       "--grace", fmt::format("{}", opt.grace_s), "--", "train"};
+      if (!opt.config_path.empty()) args.insert(args.end(), {"--config", opt.config_path});
+      args.insert(args.end(), overrides.begin(), overrides.end());
+      args.insert(args.end(), {"--train.planner=" + planner, fmt::format("--train.stop_after_steps={}", slice_steps),
+                               "--run.dir=" + run_dir.string()});
+      if (r > 0) args.push_back("--resume");
+      const fs::path log = run_dir / fmt::format("bench_slice{}.log", r + 1);
+      const auto start = std::chrono::steady_clock::now();
+      const int code = run_child(args, log);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (code != 0) {
+        throw std::runtime_error(fmt::format("planner {}, slice {}: `dcp {}` failed with exit code {}; see {}",
+                                             planner, r + 1, fmt::join(args.begin() + 1, args.end(), " "), code,
+                                             log.string()));
+      }
+      fmt::print("slice {}/{}: {:<14} steps {}-{} in {:.1f} s\n", r + 1, slices, planner, r * slice_steps + 1,
+                 std::min(max_steps, (r + 1) * slice_steps), seconds);
+      std::fflush(stdout);
+    }
+  }
+  const double load_end = load_average_1min();
+
+  std::vector<BenchRun> runs;
+  for (const auto& p : planners) runs.push_back(read_bench_run(p, (out_dir / p).string()));
+  const std::vector<BenchRow> rows = summarize_bench(runs, warmup);
+  const fs::path csv = report.string() + ".csv", md = report.string() + ".md", png = report.string() + ".png";
+  write_text(csv, bench_csv(rows));
+  if (opt.plot) {
+    const fs::path script = out_dir / "bench.gnuplot";
+    write_text(script, bench_gnuplot_script(csv.string(), png.string()));
+    const fs::path log = out_dir / "gnuplot.log";
+    const int code = run_child({"/bin/sh", "-c", "exec gnuplot \"$0\"", script.string()}, log);
+    if (code != 0) {
+      throw std::runtime_error(
+          fmt::format("gnuplot {} failed with exit code {}; see {}", script.string(), code, log.string()));
+    }
+  }
+  const std::string text = bench_markdown(opt, cfg, runs, rows, warmup, slice_steps, slices, load_start, load_end,
+                                          opt.plot ? png.filename().string() : "");
+  write_text(md, text);
+  fmt::print("\n{}\nwrote {}, {}{}\n", bench_markdown_table(rows), md.string(), csv.string(),
+             opt.plot ? ", " + png.string() : "");
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+  auto* sub = app.add_subcommand("bench", "Train the same samples with several planners side by side and compare "
+                                          "measured throughput, imbalance, predicted vs measured step time");
+  auto opt = std::make_shared<BenchOptions>();
+  sub->add_option("--config", opt->config_path, "YAML config file of the training run (see configs/)")
+      ->check(CLI::ExistingFile);
+  sub->add_option("--nproc", opt->nproc, "local processes (ranks) of every run")->check(CLI::Range(1, 1024));
+  sub->add_option("--planners", opt->planners,
+                  fmt::format("comma-separated planners; all = {}; static (parallel.sp_size everywhere) is also known",
+                              fmt::join(planner_names(), ",")));
+  sub->add_option("--out", opt->out_dir, "folder of the runs, one per planner (DIR/<planner>)");
+  sub->add_option("--report", opt->report, "path prefix of the .md, .csv and .png results (default: OUT/bench)");
+  sub->add_option("--slices", opt->slices, "time slices per planner; the planners take turns slice by slice")
+      ->check(CLI::Range(1, 1000000));
+  sub->add_option("--grace", opt->grace_s, "dcp launch --grace of every slice")->check(CLI::Range(0.0, 3600.0));
+  sub->add_flag("!--no-plot", opt->plot, "skip the gnuplot PNG");
+  sub->allow_extras();
+  sub->footer("Config keys are overridden as --section.key=value for every run, e.g. --train.max_steps=30; "
+              "train.planner, train.stop_after_steps and run.dir are set by the bench.");
+  sub->callback([sub, opt] { run_bench(*opt, config_overrides(*sub)); });
+}
+
+}  // namespace dcp

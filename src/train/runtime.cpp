@@ -1,0 +1,214 @@
+#include "dcp/runtime.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+#include "dcp/model.h"
+#include "dcp/sequence_parallel.h"
+
+namespace dcp {
+namespace {
+
+thread_local MicroBatchContext current_context;
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Lets a user's attention function stand where the Ulysses wrapper expects a backend.
+class FunctionAttention : public AttentionBackend {
+ public:
+  explicit FunctionAttention(const AttentionFn& fn) : fn_(fn) {}
+  torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& cu_seqlens) const override {
+    return fn_(q, k, v, cu_seqlens);
+  }
+
+ private:
+  const AttentionFn& fn_;
+};
+
+}  // namespace
+
+ShardRange shard_range(const std::vector<int64_t>& lengths, int64_t sp_rank, int64_t sp_size) {
+  if (lengths.empty()) throw std::invalid_argument("shard_range: empty list of sample lengths");
+  if (sp_size < 1 || sp_rank < 0 || sp_rank >= sp_size) {
+    throw std::invalid_argument(fmt::format("shard_range: sp_rank {} outside [0, sp_size {})", sp_rank, sp_size));
+  }
+  ShardRange r;
+  r.cu_seqlens.reserve(lengths.size() + 2);
+  r.cu_seqlens.push_back(0);
+  for (int64_t len : lengths) {
+    if (len < 1) throw std::invalid_argument(fmt::format("shard_range: sample length {} is not positive", len));
+    r.cu_seqlens.push_back(r.cu_seqlens.back() + len);
+  }
+  const int64_t total = r.cu_seqlens.back();
+  const int64_t padded = (total + sp_size - 1) / sp_size * sp_size;
+  if (padded > total) r.cu_seqlens.push_back(padded);
+  const int64_t local = padded / sp_size;
+  r.begin = sp_rank * local;
+  r.end = r.begin + local;
+  return r;
+}
+
+MicroBatchScope::MicroBatchScope(const MicroBatchContext& context) : previous_(current_context) {
+  current_context = context;
+}
+MicroBatchScope::~MicroBatchScope() { current_context = previous_; }
+
+const MicroBatchContext& current_micro_batch() { return current_context; }
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& cu_seqlens, const AttentionFn& fn) {
+  const MicroBatchContext& ctx = current_context;
+  if (ctx.sp_group == nullptr || ctx.sp_size == 1) return fn(q, k, v, cu_seqlens);
+  SequenceParallelAttention ulysses(std::make_shared<FunctionAttention>(fn), *ctx.sp_group);
+  return ulysses.forward(q, k, v, cu_seqlens);
+}
+
+torch::Tensor layer(int64_t index, const std::function<torch::Tensor(const torch::Tensor&)>& fn,
+                    const torch::Tensor& x) {
+  const MicroBatchContext ctx = current_context;
+  if (index >= ctx.recompute_layers) return fn(x);
+  // Backward reruns fn after this frame and the caller's scope may be gone: keep fn and the context.
+  return recompute(
+      [fn, ctx](const torch::Tensor& h) {
+        MicroBatchScope scope(ctx);
+        return fn(h);
+      },
+      x);
+}
+
+void check_same_plan(const StepPlan& plan, const Communicator& world) {
+  const int64_t h = plan.hash();
+  auto t = torch::tensor({h, -h}, torch::kInt64);
+  world.allreduce_max(t);
+  const int64_t max_h = t[0].item<int64_t>(), min_h = -t[1].item<int64_t>();
+  if (max_h != h || min_h != h) {
+    throw std::runtime_error(fmt::format(
+        "step plan mismatch at epoch {} step {}: rank {} holds plan hash {}, ranks hold hashes in [{}, {}]",
+        plan.epoch, plan.index, world.rank(), h, min_h, max_h));
+  }
+}
+
+std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::vector<int64_t>& lengths,
+                                               const ProcessGroups& groups, int64_t heads) {
+  if (plan.global_num_tokens <= 0) {
+    throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}) has no tokens", plan.epoch, plan.index));
+  }
+  for (const auto& g : plan.groups) {  // checked on every rank before any work, so all ranks fail alike
+    if (heads % g.sp_size != 0) {
+      throw std::invalid_argument(fmt::format(
+          "step plan (epoch {}, index {}): sp_size {} does not divide the model's {} heads (Ulysses shards heads)",
+          plan.epoch, plan.index, g.sp_size, heads));
+    }
+  }
+  const GroupPlan& group = plan.group_of(groups.world().rank());
+  const Communicator& sp_group = groups.group(group.sp_size);
+  std::vector<MicroBatchWork> out;
+  for (const auto& mb : group.micro_batches) {
+    std::vector<int64_t> mb_lengths;
+    for (int64_t id : mb.sample_ids) {
+      if (id < 0 || id >= static_cast<int64_t>(lengths.size())) {
+        throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}) names sample {} but only {} lengths "
+                                                "are known", plan.epoch, plan.index, id, lengths.size()));
+      }
+      mb_lengths.push_back(lengths[static_cast<size_t>(id)]);
+    }
+    MicroBatchWork w;
+    w.sample_ids = mb.sample_ids;
+    w.shard = shard_range(mb_lengths, sp_group.rank(), group.sp_size);
+    w.context = MicroBatchContext{group.sp_size > 1 ? &sp_group : nullptr, group.sp_size, sp_group.rank(),
+                                  mb.recompute_layers};
+    out.push_back(std::move(w));
+  }
+  return out;
+}
+
+StepStats reduce_step(const StepPlan& plan, const std::vector<torch::Tensor>& parameters, double loss_sum,
+                      double busy_s, const Communicator& world) {
+  const int64_t world_size = world.size();
+  std::vector<torch::Tensor> parts;
+  parts.reserve(parameters.size() + 1);
+  for (const auto& p : parameters) {
+    parts.push_back(p.grad().defined() ? p.grad().reshape(-1) : torch::zeros({p.numel()}, p.options()));
+  }
+  auto extra = torch::zeros({1 + world_size}, parameters.empty() ? torch::kFloat32 : parameters[0].scalar_type());
+  extra[0] = loss_sum;
+  extra[1 + world.rank()] = busy_s;
+  parts.push_back(extra);
+  torch::Tensor flat = torch::cat(parts);
+  world.allreduce_sum(flat);
+
+  int64_t offset = 0;
+  for (const auto& p : parameters) {
+    torch::Tensor handle = p;  // shares p's storage and grad slot
+    handle.mutable_grad() = flat.slice(0, offset, offset + p.numel()).view(p.sizes()).clone();
+    offset += p.numel();
+  }
+  StepStats s;
+  s.loss = flat[offset].item<double>() / static_cast<double>(plan.global_num_tokens);
+  s.tokens = plan.global_num_tokens;
+  for (int64_t i = 0; i < world_size; ++i) s.rank_busy_s.push_back(flat[offset + 1 + i].item<double>());
+  return s;
+}
+
+namespace {
+
+MemoryModel memory_model_of(const RuntimeOptions& o, const DeviceSpec& device) {
+  const double fraction =
+      o.memory_budget_bytes > 0 ? o.memory_budget_bytes / device.memory_bytes : o.memory_fraction;
+  return MemoryModel(o.shape, device, fraction);
+}
+
+std::unique_ptr<ProcessGroups> make_groups(const RuntimeOptions& o) {
+  const DistEnv env = DistEnv::from_environment();
+  return std::make_unique<ProcessGroups>(env, o.timeout_s, resolve_sp_sizes(o.sp_sizes, env.world_size));
+}
+
+}  // namespace
+
+Runtime::Runtime(RuntimeOptions options) : Runtime(options, make_groups(options), nullptr) {}
+
+Runtime::Runtime(RuntimeOptions options, const ProcessGroups& groups)
+    : Runtime(std::move(options), nullptr, &groups) {}
+
+Runtime::Runtime(RuntimeOptions options, std::unique_ptr<ProcessGroups> owned, const ProcessGroups* groups)
+    : options_(std::move(options)),
+      owned_groups_(std::move(owned)),
+      groups_(groups ? groups : owned_groups_.get()),
+      cost_(options_.shape, DeviceSpec::named(options_.cost_model)),
+      memory_(memory_model_of(options_, cost_.device())) {
+  planner_by_name(options_.planner);  // fail at start-up, not at the first epoch
+}
+
+PlanSet Runtime::plan_epoch(const std::vector<int64_t>& lengths, int64_t epoch) const {
+  PlannerOptions opt;
+  opt.seed = options_.seed;
+  opt.epoch = epoch;
+  opt.tokens_per_step = options_.tokens_per_step;
+  return planner_by_name(options_.planner)(samples_from_lengths(lengths, "sample"), world_size(), cost_, memory_,
+                                           opt);
+}
+
+std::vector<MicroBatchWork> Runtime::micro_batches(const StepPlan& step, const std::vector<int64_t>& lengths) {
+  check_same_plan(step, groups_->world());
+  loss_sum_ = 0;
+  step_start_ = std::chrono::steady_clock::now();
+  return rank_micro_batches(step, lengths, *groups_, options_.shape.heads);
+}
+
+void Runtime::backward(const torch::Tensor& loss_sum, const StepPlan& step) {
+  (loss_sum / static_cast<double>(step.global_num_tokens)).backward();
+  loss_sum_ += loss_sum.item<double>();
+}
+
+StepStats Runtime::finish_step(const StepPlan& step, const std::vector<torch::Tensor>& parameters) {
+  StepStats s = reduce_step(step, parameters, loss_sum_, seconds_since(step_start_), groups_->world());
+  loss_sum_ = 0;
+  return s;
+}
+
+}  // namespace dcp
