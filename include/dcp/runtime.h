@@ -58,11 +58,15 @@ struct MicroBatchWork {
   MicroBatchContext context;        ///< install with MicroBatchScope while running the model on it
 };
 
-/// What one global step measured, identical on every rank after finish_step's reduction.
+/// What one global step measured, identical on every rank after the step's single gradient reduction.
 struct StepStats {
-  double loss = 0;                  ///< mean token loss of the step (the sum of loss_sum / global_num_tokens)
+  double loss = 0;                  ///< mean token loss of the step over its global_num_tokens (nats)
   int64_t tokens = 0;               ///< plan.global_num_tokens
-  std::vector<double> rank_busy_s;  ///< per rank: seconds from micro_batches() to finish_step()
+  int64_t samples = 0;              ///< samples in the step, all groups
+  std::vector<double> rank_busy_s;  ///< per rank: forward+backward seconds before the reduction
+  /// Per rank: peak bytes during the forward+backward of its micro-batches (MemoryMeter, dcp/memory_meter.h:
+  /// tensor storage with the counting allocator, else the process high-water mark). Carried exactly.
+  std::vector<int64_t> rank_peak_bytes;
 };
 
 /// Installs a micro-batch's context for the current thread until destroyed (restores the previous one).
@@ -105,12 +109,13 @@ void check_same_plan(const StepPlan& plan, const Communicator& world);
 std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::vector<int64_t>& lengths,
                                                const ProcessGroups& groups, int64_t heads);
 
-/// The step's single reduction: sums every parameter gradient (undefined ones count as zero), `loss_sum` and
-/// each rank's `busy_s` over the world, then writes the summed gradients back into .grad. With every
+/// The step's single reduction: sums every parameter gradient (undefined ones count as zero), `loss_sum`, and
+/// each rank's `busy_s` and `peak_bytes` in its own slots over the world, then writes the summed gradients back
+/// into .grad. With every
 /// micro-batch's loss divided by plan.global_num_tokens before backward, every rank then holds the gradient of
 /// the step's mean token loss. Throws std::runtime_error when a peer fails.
 StepStats reduce_step(const StepPlan& plan, const std::vector<at::Tensor>& parameters, double loss_sum,
-                      double busy_s, const Communicator& world);
+                      double busy_s, int64_t peak_bytes, const Communicator& world);
 
 /// DCP for a user's model (about ten lines, docs/integration.md):
 ///   dcp::Runtime dcp(options);                                  // rendezvous, process groups, cost model
@@ -141,13 +146,13 @@ class Runtime {
   /// planned; a pure function of its inputs, so every rank computes the same plans without communication.
   /// Throws what the planner throws (std::invalid_argument for non-positive lengths).
   PlanSet plan_epoch(const std::vector<int64_t>& lengths, int64_t epoch) const;
-  /// Checks that every rank holds the same step (check_same_plan), starts the step's busy clock and returns
-  /// rank_micro_batches.
+  /// Checks that every rank holds the same step (check_same_plan), starts the step's busy clock and peak-memory
+  /// window and returns rank_micro_batches.
   std::vector<MicroBatchWork> micro_batches(const StepPlan& step, const std::vector<int64_t>& lengths);
   /// Back-propagates loss_sum (the sum of token losses of this rank's shard) / step.global_num_tokens and
   /// accumulates its value for the step's loss. loss_sum: scalar.
   void backward(const at::Tensor& loss_sum, const StepPlan& step);
-  /// reduce_step over the world with the accumulated loss and busy time; resets them for the next step.
+  /// reduce_step over the world with the accumulated loss, busy time and peak bytes; resets the loss.
   StepStats finish_step(const StepPlan& step, const std::vector<at::Tensor>& parameters);
 
  private:

@@ -10,29 +10,20 @@
 #include "dcp/dist.h"
 #include "dcp/model.h"
 #include "dcp/plan.h"
+#include "dcp/runtime.h"
 
 namespace dcp {
 
-/// What one rank measured in one global step, after the step's single gradient reduction.
-struct StepResult {
-  double loss = 0;                  ///< mean next-token loss over the step's global_num_tokens (nats)
-  int64_t tokens = 0;               ///< global_num_tokens
-  int64_t samples = 0;              ///< samples in the step, all groups
-  std::vector<double> rank_busy_s;  ///< per rank: forward+backward seconds before the reduction
-  /// Per rank: peak bytes during the forward+backward of its micro-batches (MemoryMeter, dcp/memory_meter.h:
-  /// tensor storage with the counting allocator, else the process high-water mark). Carried exactly.
-  std::vector<int64_t> rank_peak_bytes;
-};
-
-/// Runs this rank's micro-batches of `plan` (forward, backward with every token loss divided by
+/// Runs this rank's micro-batches of `plan` (rank_micro_batches in dcp/runtime.h; forward, backward with every token loss divided by
 /// plan.global_num_tokens; in a group of sp_size > 1 each rank holds one shard of every micro-batch and
-/// attention exchanges across the group), then one SUM all-reduce over the world of all parameter gradients together with
-/// the loss, the per-rank busy times and the per-rank peak bytes (MemoryMeter::reset_peak() starts the window).
+/// attention exchanges across the group), then reduce_step: one SUM all-reduce over the world of all parameter gradients
+/// together with the loss, the per-rank busy times and the per-rank peak bytes (MemoryMeter::reset_peak() starts
+/// the window).
 /// Afterwards every rank holds the gradient of the step's mean token loss. Gradients are overwritten, not
 /// accumulated. Throws std::runtime_error when the ranks' plans differ
 /// (hash check, naming the step) or a peer fails, std::out_of_range when no process group of a plan's
 /// sp_size exists, std::invalid_argument when n_heads is not divisible by an sp_size.
-StepResult compute_step_gradients(Transformer& model, const Corpus& corpus, const StepPlan& plan,
+StepStats compute_step_gradients(Transformer& model, const Corpus& corpus, const StepPlan& plan,
                                   const ProcessGroups& groups);
 
 /// The plain single-process reference of a step: loads every sample of `plan` into one packed stream on this

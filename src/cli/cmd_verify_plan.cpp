@@ -35,7 +35,7 @@ void verify_as_rank(const VerifyArgs& a, const std::vector<std::string>& overrid
   torch::set_num_threads(1);
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   Transformer model(cfg.model, cfg.attention);
-  StepResult r = compute_step_gradients(model, corpus, plan, groups);
+  StepStats r = compute_step_gradients(model, corpus, plan, groups);
   if (env.rank != 0) return;
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   Transformer reference(cfg.model, cfg.attention);

@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 
+#include "dcp/memory_meter.h"
 #include "dcp/model.h"
 #include "dcp/sequence_parallel.h"
 
@@ -101,7 +102,7 @@ std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::
   for (const auto& g : plan.groups) {  // checked on every rank before any work, so all ranks fail alike
     if (heads % g.sp_size != 0) {
       throw std::invalid_argument(fmt::format(
-          "step plan (epoch {}, index {}): sp_size {} does not divide the model's {} heads (Ulysses shards heads)",
+          "step plan (epoch {}, index {}): sp_size {} does not divide model.n_heads {} (Ulysses shards heads)",
           plan.epoch, plan.index, g.sp_size, heads));
     }
   }
@@ -128,16 +129,22 @@ std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::
 }
 
 StepStats reduce_step(const StepPlan& plan, const std::vector<torch::Tensor>& parameters, double loss_sum,
-                      double busy_s, const Communicator& world) {
+                      double busy_s, int64_t peak_bytes, const Communicator& world) {
+  // Gradients, then the loss, each rank's busy time in its own slot and its peak bytes in two slots. float32
+  // holds integers below 2^24 exactly, so the peak travels as (peak / 2^24, peak mod 2^24); the other ranks add
+  // zeros there, which keeps both parts exact up to 2^48 bytes.
   const int64_t world_size = world.size();
+  constexpr int64_t kSplit = int64_t{1} << 24;
   std::vector<torch::Tensor> parts;
   parts.reserve(parameters.size() + 1);
   for (const auto& p : parameters) {
     parts.push_back(p.grad().defined() ? p.grad().reshape(-1) : torch::zeros({p.numel()}, p.options()));
   }
-  auto extra = torch::zeros({1 + world_size}, parameters.empty() ? torch::kFloat32 : parameters[0].scalar_type());
+  auto extra = torch::zeros({1 + 3 * world_size}, parameters.empty() ? torch::kFloat32 : parameters[0].scalar_type());
   extra[0] = loss_sum;
   extra[1 + world.rank()] = busy_s;
+  extra[1 + world_size + 2 * world.rank()] = static_cast<double>(peak_bytes / kSplit);
+  extra[2 + world_size + 2 * world.rank()] = static_cast<double>(peak_bytes % kSplit);
   parts.push_back(extra);
   torch::Tensor flat = torch::cat(parts);
   world.allreduce_sum(flat);
@@ -149,9 +156,16 @@ StepStats reduce_step(const StepPlan& plan, const std::vector<torch::Tensor>& pa
     offset += p.numel();
   }
   StepStats s;
-  s.loss = flat[offset].item<double>() / static_cast<double>(plan.global_num_tokens);
   s.tokens = plan.global_num_tokens;
-  for (int64_t i = 0; i < world_size; ++i) s.rank_busy_s.push_back(flat[offset + 1 + i].item<double>());
+  s.samples = static_cast<int64_t>(plan.sample_ids().size());
+  auto slots = flat.slice(0, offset).to(torch::kFloat64);
+  const double* v = slots.data_ptr<double>();
+  s.loss = v[0] / static_cast<double>(plan.global_num_tokens);
+  for (int64_t i = 0; i < world_size; ++i) {
+    s.rank_busy_s.push_back(v[1 + i]);
+    s.rank_peak_bytes.push_back(static_cast<int64_t>(v[1 + world_size + 2 * i]) * kSplit +
+                                static_cast<int64_t>(v[2 + world_size + 2 * i]));
+  }
   return s;
 }
 
@@ -196,6 +210,7 @@ PlanSet Runtime::plan_epoch(const std::vector<int64_t>& lengths, int64_t epoch) 
 std::vector<MicroBatchWork> Runtime::micro_batches(const StepPlan& step, const std::vector<int64_t>& lengths) {
   check_same_plan(step, groups_->world());
   loss_sum_ = 0;
+  MemoryMeter::reset_peak();
   step_start_ = std::chrono::steady_clock::now();
   return rank_micro_batches(step, lengths, *groups_, options_.shape.heads);
 }
@@ -206,7 +221,8 @@ void Runtime::backward(const torch::Tensor& loss_sum, const StepPlan& step) {
 }
 
 StepStats Runtime::finish_step(const StepPlan& step, const std::vector<torch::Tensor>& parameters) {
-  StepStats s = reduce_step(step, parameters, loss_sum_, seconds_since(step_start_), groups_->world());
+  StepStats s = reduce_step(step, parameters, loss_sum_, seconds_since(step_start_), MemoryMeter::peak_bytes(),
+                            groups_->world());
   loss_sum_ = 0;
   return s;
 }

@@ -220,7 +220,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     const double raw_prediction = evaluate_step(plan, corpus.samples(), env.world_size, cost, memory).step_s;
     const std::vector<double> predicted_peaks = predicted_rank_peaks(plan, corpus.samples(), env.world_size, memory);
     const auto step_start = std::chrono::steady_clock::now();
-    StepResult r = compute_step_gradients(model, corpus, plan, groups);
+    StepStats r = compute_step_gradients(model, corpus, plan, groups);
     double grad_norm = 0;
     if (cfg.train.grad_clip > 0) {
       grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), cfg.train.grad_clip);

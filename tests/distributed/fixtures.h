@@ -40,7 +40,7 @@ inline Transformer fresh_model(const Config& cfg) {
 /// Runs `plan` distributed and checks the gradients against the single-process reference on this rank.
 inline void expect_step_matches_reference(const Config& cfg, const Corpus& corpus, const StepPlan& plan) {
   Transformer model = fresh_model(cfg);
-  StepResult r = compute_step_gradients(model, corpus, plan, groups());
+  StepStats r = compute_step_gradients(model, corpus, plan, groups());
   Transformer reference = fresh_model(cfg);
   double ref_loss = reference_step_gradients(reference, corpus, plan);
   GradientComparison c = compare_gradients(model, reference);
