@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "dcp/config.h"
 #include "dcp/cost_model.h"
 #include "dcp/dist.h"
 #include "dcp/plan.h"
@@ -25,8 +26,7 @@ struct RuntimeOptions {
   ModelShape shape;                  ///< the user's model as the cost and memory models see it
   std::string planner = "dcp-opt";   ///< a name of planner_names()
   std::string cost_model = "h200";   ///< DeviceSpec::named: "h200" or a `dcp profile` JSON file
-  double memory_budget_bytes = 0;    ///< per-rank budget, bytes; 0 = memory_fraction x device memory
-  double memory_fraction = 0.9;
+  MemoryConfig memory;               ///< per-rank budget (memory.budget_bytes, memory.fraction of the device)
   int64_t tokens_per_step = 1 << 20; ///< global batch: a step takes samples of the epoch order up to this many tokens
   uint64_t seed = 1234;              ///< epoch order (identical on every rank)
   std::string sp_sizes = "pow2";     ///< process groups created at start-up (resolve_sp_sizes)

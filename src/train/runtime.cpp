@@ -7,6 +7,7 @@
 
 #include "dcp/memory_meter.h"
 #include "dcp/model.h"
+#include "dcp/planning.h"
 #include "dcp/sequence_parallel.h"
 
 namespace dcp {
@@ -171,12 +172,6 @@ StepStats reduce_step(const StepPlan& plan, const std::vector<torch::Tensor>& pa
 
 namespace {
 
-MemoryModel memory_model_of(const RuntimeOptions& o, const DeviceSpec& device) {
-  const double fraction =
-      o.memory_budget_bytes > 0 ? o.memory_budget_bytes / device.memory_bytes : o.memory_fraction;
-  return MemoryModel(o.shape, device, fraction);
-}
-
 std::unique_ptr<ProcessGroups> make_groups(const RuntimeOptions& o) {
   const DistEnv env = DistEnv::from_environment();
   return std::make_unique<ProcessGroups>(env, o.timeout_s, resolve_sp_sizes(o.sp_sizes, env.world_size));
@@ -194,7 +189,7 @@ Runtime::Runtime(RuntimeOptions options, std::unique_ptr<ProcessGroups> owned, c
       owned_groups_(std::move(owned)),
       groups_(groups ? groups : owned_groups_.get()),
       cost_(options_.shape, DeviceSpec::named(options_.cost_model)),
-      memory_(memory_model_of(options_, cost_.device())) {
+      memory_(memory_model_for(options_.cost_model, options_.shape, cost_.device(), options_.memory, 0)) {
   planner_by_name(options_.planner);  // fail at start-up, not at the first epoch
 }
 
