@@ -156,14 +156,28 @@ dcp::StepStats dcp_step(dcp::Runtime& dcp, Gpt& model, const std::vector<std::st
   return dcp.finish_step(step, model->parameters());
 }
 
-// --check: the gradient of a step under DCP (the planner's plan, and the same samples as one SP group over
-// all ranks with recompute) against the plain one-process gradient of the same samples.
+// --check: the gradient of a step under DCP (the planner's plan; the same samples as one SP group over all ranks
+// with recompute; one data-parallel group per rank) against the plain one-process gradient of the same samples.
 int check(dcp::Runtime& dcp, Gpt& model, const std::vector<std::string>& samples, const std::vector<int64_t>& lengths) {
   dcp::StepPlan planned = dcp.plan_epoch(lengths, 0).steps.at(0);
   dcp::StepPlan one_group = planned;
   dcp::GroupPlan g{0, dcp.world_size(), {}};
   g.micro_batches.push_back(dcp::MicroBatch{planned.sample_ids(), planned.global_num_tokens, 1});
   one_group.groups = {g};
+  dcp::StepPlan data_parallel = planned;
+  data_parallel.groups.clear();
+  for (int64_t r = 0; r < dcp.world_size(); ++r) data_parallel.groups.push_back(dcp::GroupPlan{r, 1, {}});
+  const auto ids = planned.sample_ids();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    data_parallel.groups[i % data_parallel.groups.size()].micro_batches.push_back(
+        dcp::MicroBatch{{ids[i]}, lengths[static_cast<size_t>(ids[i])], 0});
+  }
+  std::string planned_sizes;
+  for (const auto& group : planned.groups) planned_sizes += " " + std::to_string(group.sp_size);
+  const std::vector<std::pair<std::string, const dcp::StepPlan*>> cases = {
+      {"planned step (sp sizes" + planned_sizes + ")", &planned},
+      {"one SP group of all ranks, 1 layer recomputed", &one_group},
+      {"one data-parallel group per rank", &data_parallel}};
 
   model->zero_grad();
   dcp::ShardRange whole = dcp::shard_range([&] {
@@ -177,7 +191,7 @@ int check(dcp::Runtime& dcp, Gpt& model, const std::vector<std::string>& samples
   for (const auto& p : model->parameters()) reference.push_back(p.grad().clone());
 
   int failures = 0;
-  for (const auto* plan : {&planned, &one_group}) {
+  for (const auto& [name, plan] : cases) {
     model->zero_grad();
     dcp_step(dcp, model, samples, lengths, *plan);
     double err = 0, scale = 0;
@@ -189,8 +203,7 @@ int check(dcp::Runtime& dcp, Gpt& model, const std::vector<std::string>& samples
     const bool ok = err <= 1e-4 * scale;
     failures += ok ? 0 : 1;
     if (dcp.rank() == 0) {
-      std::cout << (plan == &planned ? "planned step" : "one SP group of all ranks, 1 layer recomputed")
-                << ": max |g - g_ref| / max |g_ref| = " << err / scale << (ok ? "  ok" : "  FAIL") << "\n";
+      std::cout << name << ": max |g - g_ref| / max |g_ref| = " << err / scale << (ok ? "  ok" : "  FAIL") << "\n";
     }
   }
   return failures == 0 ? 0 : 1;
