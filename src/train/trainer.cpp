@@ -69,6 +69,13 @@ std::vector<double> predicted_rank_peaks(const StepPlan& plan, const std::vector
   return out;
 }
 
+// The upper median of `values` (null when empty): summary.json's relative prediction errors.
+json upper_median_or_null(std::vector<double> values) {
+  if (values.empty()) return json();
+  std::nth_element(values.begin(), values.begin() + static_cast<long>(values.size() / 2), values.end());
+  return values[values.size() / 2];
+}
+
 // On resume, lines past the checkpoint belong to steps that will run again.
 void truncate_metrics(const fs::path& path, int64_t keep_through_step) {
   std::vector<std::string> kept;
@@ -319,22 +326,12 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                      }()},
                     {"planner", file_plans.empty() ? cfg.train.planner : "plan-file"},
                     {"cost_model", cfg.train.cost_model},
-                    {"predicted_step_median_rel_err", [&]() -> json {
-                       if (prediction_errors.empty()) return json();
-                       auto e = prediction_errors;
-                       std::nth_element(e.begin(), e.begin() + static_cast<long>(e.size() / 2), e.end());
-                       return e[e.size() / 2];
-                     }()},
+                    {"predicted_step_median_rel_err", upper_median_or_null(prediction_errors)},
                     {"peak_bytes", peak_bytes},
                     {"memory_budget_bytes", memory.budget_bytes()},
                     {"memory_model", memory.source()},
                     {"memory_meter", MemoryMeter::method()},
-                    {"predicted_peak_median_rel_err", [&]() -> json {
-                       if (memory_errors.empty()) return json();
-                       auto e = memory_errors;
-                       std::nth_element(e.begin(), e.begin() + static_cast<long>(e.size() / 2), e.end());
-                       return e[e.size() / 2];
-                     }()},
+                    {"predicted_peak_median_rel_err", upper_median_or_null(memory_errors)},
                     {"documents_skipped", corpus.skipped().total()},
                     {"documents_kept", corpus.num_documents()},
                     {"train_samples_per_epoch", corpus.train_ids().size()},
