@@ -1,4 +1,5 @@
 #include "cli/bench_report.h"
+#include "util/stats.h"
 
 #include <fmt/format.h>
 
@@ -22,14 +23,6 @@ std::optional<double> max_of(std::optional<double> a, std::optional<double> b) {
   if (!a) return b;
   if (!b) return a;
   return std::max(*a, *b);
-}
-
-double median(std::vector<double> v) {
-  const size_t mid = v.size() / 2;
-  std::nth_element(v.begin(), v.begin() + static_cast<long>(mid), v.end());
-  if (v.size() % 2 == 1) return v[mid];
-  const double upper = v[mid];
-  return 0.5 * (upper + *std::max_element(v.begin(), v.begin() + static_cast<long>(mid)));
 }
 
 BenchStep parse_step(const json& j) {

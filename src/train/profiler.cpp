@@ -17,6 +17,7 @@
 #include "dcp/memory_meter.h"
 #include "dcp/model.h"
 #include "dcp/planning.h"
+#include "util/stats.h"
 
 namespace dcp {
 
@@ -49,13 +50,6 @@ bool solve(std::vector<std::vector<double>> a, std::vector<double> b, std::vecto
     x[i] = v / a[i][i];
   }
   return true;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
 }
 
 // Printable ASCII, so that the corpus keeps every document (no NUL, valid UTF-8).

@@ -13,6 +13,7 @@
 #include "train/checkpoint.h"
 #include "train/progress.h"
 #include "util/logging.h"
+#include "util/stats.h"
 
 namespace dcp {
 namespace fs = std::filesystem;
@@ -69,12 +70,8 @@ std::vector<double> predicted_rank_peaks(const StepPlan& plan, const std::vector
   return out;
 }
 
-// The upper median of `values` (null when empty): summary.json's relative prediction errors.
-json upper_median_or_null(std::vector<double> values) {
-  if (values.empty()) return json();
-  std::nth_element(values.begin(), values.begin() + static_cast<long>(values.size() / 2), values.end());
-  return values[values.size() / 2];
-}
+// summary.json's relative prediction errors: their median, null when there is none.
+json median_or_null(const std::vector<double>& values) { return values.empty() ? json() : json(median(values)); }
 
 // On resume, lines past the checkpoint belong to steps that will run again.
 void truncate_metrics(const fs::path& path, int64_t keep_through_step) {
@@ -326,12 +323,12 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                      }()},
                     {"planner", file_plans.empty() ? cfg.train.planner : "plan-file"},
                     {"cost_model", cfg.train.cost_model},
-                    {"predicted_step_median_rel_err", upper_median_or_null(prediction_errors)},
+                    {"predicted_step_median_rel_err", median_or_null(prediction_errors)},
                     {"peak_bytes", peak_bytes},
                     {"memory_budget_bytes", memory.budget_bytes()},
                     {"memory_model", memory.source()},
                     {"memory_meter", MemoryMeter::method()},
-                    {"predicted_peak_median_rel_err", upper_median_or_null(memory_errors)},
+                    {"predicted_peak_median_rel_err", median_or_null(memory_errors)},
                     {"documents_skipped", corpus.skipped().total()},
                     {"documents_kept", corpus.num_documents()},
                     {"train_samples_per_epoch", corpus.train_ids().size()},
