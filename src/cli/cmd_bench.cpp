@@ -211,6 +211,12 @@ void run_bench(const BenchOptions& opt, const std::vector<std::string>& override
                              "or pass --no-plot");
   }
   const int64_t max_steps = cfg.train.max_steps;
+  // The first step of every slice is a warm-up and is not measured: each slice needs a second step.
+  if (max_steps < 2 * opt.slices) {
+    throw CLI::ValidationError(fmt::format("train.max_steps {} is too few for --slices {}: every slice's first step "
+                                           "is a warm-up, so dcp bench needs train.max_steps >= 2 x slices = {}",
+                                           max_steps, opt.slices, 2 * opt.slices));
+  }
   const int64_t slice_steps = (max_steps + opt.slices - 1) / opt.slices;
   const int64_t slices = (max_steps + slice_steps - 1) / slice_steps;
   const fs::path out_dir(opt.out_dir);

@@ -55,7 +55,7 @@ void add_plan_command(CLI::App& app) {
   auto* sub = app.add_subcommand("plan", "Print the StepPlans a planner makes for given sequence lengths");
   auto a = std::make_shared<PlanArgs>();
   add_planning_options(sub, *a);
-  sub->add_option("--planner", a->planner, "bucket, packed or dcp-opt");
+  sub->add_option("--planner", a->planner, "a planner: bucket, packed, dcp-intra, dcp-inter, dcp-inter-pac or dcp-opt");
   sub->footer("With --json the output is a plan file (docs/step_plan.md); its sample ids are line numbers "
               "(0-based) of --lengths, or indices of the generated workload.");
   sub->callback([a] { run_plan(*a); });

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 
 #include "cli/commands.h"
@@ -31,6 +33,12 @@ void add_profile_command(CLI::App& app) {
               "--section.key=value.");
   sub->callback([sub, config_path, out_path, options] {
     const Config cfg = Config::load(*config_path, config_overrides(*sub));
+    {  // profiling takes minutes: find an unwritable --out before, not after (and leave no empty file behind)
+      const bool existed = std::filesystem::exists(*out_path);
+      const bool writable = !out_path->empty() && std::ofstream(*out_path, std::ios::app).good();
+      if (!existed && writable) std::filesystem::remove(*out_path);
+      if (!writable) throw CLI::ValidationError(fmt::format("--out '{}': cannot write this file", *out_path));
+    }
     const ProfileResult r = profile_model(cfg, *options);
     write_profile(r, *out_path);
     fmt::print("model d_model {} n_layers {} n_heads {} d_ff {}; {} threads, median of {} runs after a warm-up\n\n",

@@ -140,7 +140,7 @@ void add_simulate_command(CLI::App& app) {
   auto* sub = app.add_subcommand("simulate", "Plan an epoch with each planner and compare predicted epoch times");
   auto a = std::make_shared<SimulateArgs>();
   add_planning_options(sub, *a);
-  sub->add_option("--planners", a->planners, "'all' or a comma-separated list of bucket, packed, dcp-opt");
+  sub->add_option("--planners", a->planners, "'all' or a comma-separated list of bucket, packed, dcp-intra, dcp-inter, dcp-inter-pac, dcp-opt");
   sub->footer("Every plan is validated (groups partition the ranks, every sample exactly once, memory within the "
               "budget). speedup_vs_bucket = bucket's predicted epoch (with the same --static-sp) / this planner's; "
               "lower_bound_ratio = lower bound / predicted epoch (1 is optimal).");

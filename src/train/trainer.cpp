@@ -244,9 +244,9 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     }
     const double predicted_peak = *std::max_element(predicted_peaks.begin(), predicted_peaks.end());
     if (predicted_peak > memory.budget_bytes() && !warned_over_budget) {
-      spdlog::warn("step {}: predicted peak {:.1f} MB exceeds the memory budget {:.1f} MB ({} plans do not consult "
-                   "the memory model; a planner such as dcp-opt does)",
-                   state.step + 1, predicted_peak / 1e6, memory.budget_bytes() / 1e6,
+      spdlog::warn("step {}: predicted peak {:.0f} bytes exceeds the memory budget {:.0f} bytes ({} plans do not "
+                   "consult the memory model; a planner such as dcp-opt does)",
+                   state.step, predicted_peak, memory.budget_bytes(),
                    file_plans.empty() ? cfg.train.planner : "plan-file");
       warned_over_budget = true;
     }
