@@ -192,17 +192,17 @@ std::string bench_csv(const std::vector<BenchRow>& rows) {
   return out;
 }
 
+std::string gnuplot_quoted(const std::string& s) {
+  std::string q = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') q += '\\';
+    q += c;
+  }
+  return q + "\"";
+}
+
 std::string bench_gnuplot_script(const std::string& csv_path, const std::string& png_path) {
   // Columns as bench_csv writes them: 1 planner, 5 tokens_per_s, 9 mean_predicted_step_s, 10 mean_measured_step_s.
-  // gnuplot's string quoting: double quotes, so paths with a double quote or backslash are escaped.
-  auto quoted = [](const std::string& s) {
-    std::string q = "\"";
-    for (char c : s) {
-      if (c == '"' || c == '\\') q += '\\';
-      q += c;
-    }
-    return q + "\"";
-  };
   return fmt::format(
       "set terminal pngcairo size 1200,480 font \",10\"\n"
       "set output {png}\n"
@@ -224,7 +224,7 @@ std::string bench_gnuplot_script(const std::string& csv_path, const std::string&
       "plot {csv} skip 1 using 9:xtic(1) title \"predicted\" linecolor rgb \"#ee7733\", \\\n"
       "     '' skip 1 using 10 title \"measured\" linecolor rgb \"#4477aa\"\n"
       "unset multiplot\n",
-      fmt::arg("png", quoted(png_path)), fmt::arg("csv", quoted(csv_path)));
+      fmt::arg("png", gnuplot_quoted(png_path)), fmt::arg("csv", gnuplot_quoted(csv_path)));
 }
 
 }  // namespace dcp

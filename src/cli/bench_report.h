@@ -67,6 +67,9 @@ std::string bench_markdown_table(const std::vector<BenchRow>& rows);
 /// The same columns as CSV, with a header line; missing numbers are empty fields.
 std::string bench_csv(const std::vector<BenchRow>& rows);
 
+/// `s` as a gnuplot string literal: in double quotes, with double quotes and backslashes escaped.
+std::string gnuplot_quoted(const std::string& s);
+
 /// A gnuplot script that reads `csv_path` (as bench_csv writes it) and draws `png_path`: tokens/s per planner,
 /// and mean predicted vs measured step seconds per planner.
 std::string bench_gnuplot_script(const std::string& csv_path, const std::string& png_path);

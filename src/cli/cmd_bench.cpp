@@ -1,24 +1,17 @@
 // `dcp bench`: train the same samples with several planners on real local processes, in alternating time slices
 // (each slice a `dcp launch ... train --resume` child), then compare what they measured (cli/bench_report.h).
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
-#include <csignal>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <set>
 #include <sstream>
 #include <thread>
 
+#include "cli/bench_common.h"
 #include "cli/bench_report.h"
 #include "cli/commands.h"
 #include "dcp/planners.h"
@@ -70,80 +63,6 @@ std::vector<std::string> parse_planners(const std::string& list) {
   }
   if (out.empty()) throw CLI::ValidationError(fmt::format("--planners: no planner in '{}'", list));
   return out;
-}
-
-bool gnuplot_available() {
-  const char* path = std::getenv("PATH");
-  std::stringstream ss(path ? path : "");
-  for (std::string dir; std::getline(ss, dir, ':');) {
-    if (!dir.empty() && access((fs::path(dir) / "gnuplot").c_str(), X_OK) == 0) return true;
-  }
-  return false;
-}
-
-// The exact command line of this process, shell-quoted where needed, for the report.
-std::string own_command_line() {
-  std::ifstream in("/proc/self/cmdline", std::ios::binary);
-  std::vector<std::string> args;
-  for (std::string a; std::getline(in, a, '\0');) args.push_back(a);
-  std::string out;
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string a = i == 0 ? fs::path(args[0]).string() : args[i];
-    const bool plain = !a.empty() && a.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                                                         "0123456789-_./=,:+@%") == std::string::npos;
-    if (!plain) {
-      std::string q = "'";
-      for (char c : a) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-      a = q + "'";
-    }
-    out += (i ? " " : "") + a;
-  }
-  return out;
-}
-
-double load_average_1min() {
-  std::ifstream in("/proc/loadavg");
-  double load = -1;
-  in >> load;
-  return load;
-}
-
-// Runs argv (argv[0] is a path) with stdout and stderr into log_path and waits. Returns its exit code, or 128 +
-// the signal that killed it.
-int run_child(const std::vector<std::string>& args, const fs::path& log_path) {
-  pid_t pid = fork();
-  if (pid < 0) throw std::runtime_error(fmt::format("fork failed: {}", std::strerror(errno)));
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);  // a bench killed with SIGKILL takes its slice (and so its ranks) along
-    int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) {
-      fmt::print(stderr, "dcp bench: cannot write '{}': {}\n", log_path.string(), std::strerror(errno));
-      _exit(127);
-    }
-    dup2(fd, 1);
-    dup2(fd, 2);
-    close(fd);
-    std::vector<std::string> copy = args;
-    std::vector<char*> argv;
-    for (auto& a : copy) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    fmt::print(stderr, "dcp bench: cannot start {}: {}\n", args[0], std::strerror(errno));
-    _exit(127);
-  }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) throw std::runtime_error(fmt::format("waitpid failed: {}", std::strerror(errno)));
-  }
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
-}
-
-void write_text(const fs::path& path, const std::string& text) {
-  std::ofstream out(path);
-  out << text;
-  if (!out) throw std::runtime_error(fmt::format("cannot write '{}'", path.string()));
 }
 
 std::string bench_markdown(const BenchOptions& opt, const Config& cfg, const std::vector<BenchRun>& runs,
@@ -264,14 +183,7 @@ void run_bench(const BenchOptions& opt, const std::vector<std::string>& override
   const fs::path csv = report.string() + ".csv", md = report.string() + ".md", png = report.string() + ".png";
   write_text(csv, bench_csv(rows));
   if (opt.plot) {
-    const fs::path script = out_dir / "bench.gnuplot";
-    write_text(script, bench_gnuplot_script(csv.string(), png.string()));
-    const fs::path log = out_dir / "gnuplot.log";
-    const int code = run_child({"/bin/sh", "-c", "exec gnuplot \"$0\"", script.string()}, log);
-    if (code != 0) {
-      throw std::runtime_error(
-          fmt::format("gnuplot {} failed with exit code {}; see {}", script.string(), code, log.string()));
-    }
+    run_gnuplot(bench_gnuplot_script(csv.string(), png.string()), out_dir / "bench.gnuplot", out_dir / "gnuplot.log");
   }
   const std::string text = bench_markdown(opt, cfg, runs, rows, warmup, slice_steps, slices, load_start, load_end,
                                           opt.plot ? png.filename().string() : "");

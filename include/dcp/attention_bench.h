@@ -1,0 +1,66 @@
+// `dcp bench-attention`: forward+backward seconds and peak bytes of one layer's attention operator (softmax and
+// the Flexformer variants, docs/flexformer.md) on one sequence of growing length, on this process's CPU.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace dcp {
+
+/// The operators compared: "softmax" (SoftmaxAttention) and the flexformer feature maps "stationary",
+/// "nonstationary", "fixed" and "elu", in this order.
+const std::vector<std::string>& attention_bench_variants();
+
+/// What bench_attention measures. Every flexformer variant uses the chunked form with `chunk_size` and the
+/// given input_norm / normalizer (attention.* values, docs/config.md).
+struct AttentionBenchOptions {
+  std::vector<int64_t> lengths;        ///< tokens of the one sequence, measured in this order (ascending)
+  std::vector<std::string> variants;   ///< names from attention_bench_variants()
+  int64_t heads = 4;
+  int64_t head_dim = 32;
+  int64_t num_features = 64;           ///< m, frequencies per head
+  int64_t chunk_size = 64;             ///< tokens per chunk of the chunked form
+  std::string input_norm = "l2";
+  std::string normalizer = "shift";
+  int64_t repetitions = 3;             ///< timed runs per point after one warm-up; the point's time is their median
+  double max_bytes = 0;                ///< softmax points whose predicted peak exceeds this are skipped, bytes
+  /// Once one run of a variant takes longer, its remaining repetitions and longer lengths are skipped, seconds.
+  double max_seconds = 0;
+  uint64_t seed = 1234;                ///< seeds q, k, v, the output gradient and the flexformer frequencies
+};
+
+/// One (variant, length) point: measured, or skipped with the reason.
+struct AttentionBenchPoint {
+  std::string variant;
+  int64_t length = 0;
+  bool measured = false;
+  std::string skip_reason;      ///< set when !measured, e.g. "needs 17.2 GB > --max-bytes 12.0 GB"
+  double seconds = 0;           ///< median forward+backward seconds of the timed runs
+  int64_t runs = 0;             ///< timed runs behind `seconds` (fewer than repetitions once one ran past max_seconds)
+  double peak_bytes = 0;        ///< largest peak over the timed runs, above the bytes resident before the run
+  double predicted_bytes = 0;   ///< softmax only: softmax_attention_peak_bytes; 0 for the flexformer variants
+};
+
+/// Predicted peak bytes of tensor storage that one forward+backward of SoftmaxAttention on one fp32 sequence of
+/// `length` tokens allocates beyond its inputs: three [heads, L, L] fp32 score-sized tensors alive at once
+/// (during the softmax backward: the saved probabilities, their gradient and the scores' gradient), the two
+/// [L, L] bool masks, and the token-linear terms (q, k, v copies and gradients). Used to skip lengths that do not
+/// fit; test_attention_bench checks it against the measured peak.
+double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim);
+
+/// Measures every variant over every length: q, k, v [L, heads, head_dim] fp32 ~ N(0, 1) requiring grad,
+/// cu_seqlens {0, L}; a run is the backend's forward and the backward of sum(out * g) with a fixed g ~ N(0, 1),
+/// which also computes the flexformer parameters' gradients, timed with std::chrono::steady_clock. The peak is
+/// MemoryMeter::peak_bytes() minus the bytes resident before the run (inputs, parameters); gradients are
+/// dropped between runs. Uses torch's current intra-op thread count. Skips (never drops) a point: softmax when
+/// softmax_attention_peak_bytes > max_bytes, and every length of a variant after one of its runs exceeded
+/// max_seconds. Calls `on_point` after each point. Points come variant by variant, lengths ascending.
+/// Throws std::invalid_argument naming the option for an unknown variant, a length < 1, or heads, head_dim,
+/// repetitions < 1, and ConfigError for a bad input_norm / normalizer / num_features / chunk_size.
+std::vector<AttentionBenchPoint> bench_attention(
+    const AttentionBenchOptions& options,
+    const std::function<void(const AttentionBenchPoint&)>& on_point = nullptr);
+
+}  // namespace dcp

@@ -1,0 +1,250 @@
+// `dcp bench-attention`: forward+backward time and peak memory of one layer's attention operator, softmax against
+// the Flexformer variants, over sequence lengths (dcp/attention_bench.h), written as markdown, CSV and a PNG.
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <thread>
+
+#include "cli/attention_bench_report.h"
+#include "cli/bench_common.h"
+#include "cli/commands.h"
+#include "dcp/attention_bench.h"
+#include "dcp/memory_meter.h"
+
+namespace fs = std::filesystem;
+
+namespace dcp {
+namespace {
+
+struct BenchAttentionOptions {
+  std::string config_path;
+  std::string lengths = "1024,2048,4096,8192,16384,32768,65536";
+  std::string variants = "all";
+  int64_t heads = 0, head_dim = 0, num_features = 0, chunk_size = 0;  // 0: from the config
+  int64_t repetitions = 3;
+  int64_t threads = 0;       // 0: every hardware thread
+  double max_bytes = 0;      // 0: kDefaultMemoryShare of physical RAM
+  double max_seconds = 60;
+  std::string out;           // empty: bench/results/cpu<cores>_<yyyymm>_attention
+  std::string note;
+  bool plot = true;
+};
+
+// Softmax may use half of the RAM: the rest is for the process, the OS and whatever else shares the machine.
+constexpr double kDefaultMemoryShare = 0.5;
+
+std::vector<std::string> split(const std::string& list) {
+  std::vector<std::string> out;
+  std::stringstream ss(list);
+  for (std::string item; std::getline(ss, item, ',');) out.push_back(item);
+  return out;
+}
+
+std::vector<int64_t> parse_lengths(const std::string& list) {
+  std::vector<int64_t> out;
+  for (const auto& item : split(list)) {
+    size_t used = 0;
+    int64_t len = 0;
+    try {
+      len = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || len < 1) {
+      throw CLI::ValidationError(
+          fmt::format("--lengths: bad length '{}' in '{}' (allowed: comma-separated integers >= 1)", item, list));
+    }
+    if (std::find(out.begin(), out.end(), len) != out.end()) {
+      throw CLI::ValidationError(fmt::format("--lengths: length {} is listed twice in '{}'", len, list));
+    }
+    out.push_back(len);
+  }
+  if (out.empty()) throw CLI::ValidationError(fmt::format("--lengths: no length in '{}'", list));
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<std::string> parse_variants(const std::string& list) {
+  const auto& known = attention_bench_variants();
+  if (list == "all") return known;
+  std::vector<std::string> out;
+  for (const auto& name : split(list)) {
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      throw CLI::ValidationError(
+          fmt::format("--variants: unknown variant '{}' (known: {}, or all)", name, fmt::join(known, ", ")));
+    }
+    if (std::find(out.begin(), out.end(), name) != out.end()) {
+      throw CLI::ValidationError(fmt::format("--variants: variant '{}' is listed twice in '{}'", name, list));
+    }
+    out.push_back(name);
+  }
+  if (out.empty()) throw CLI::ValidationError(fmt::format("--variants: no variant in '{}'", list));
+  return out;
+}
+
+double physical_memory_bytes() {
+  return static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+}
+
+// The current UTC time in strftime `format`.
+std::string utc_now(const std::string& format) {
+  return fmt::format(fmt::runtime("{:" + format + "}"), fmt::gmtime(std::time(nullptr)));
+}
+
+std::string report_markdown(const BenchAttentionOptions& cli, const AttentionBenchOptions& o,
+                            const std::vector<AttentionBenchPoint>& points, int64_t threads, double load_start,
+                            double load_end, double wall_s, const std::string& date, const std::string& png_name) {
+  const auto summaries = summarize_attention_bench(points);
+  const int64_t skipped = std::count_if(points.begin(), points.end(), [](const auto& p) { return !p.measured; });
+  std::string md = fmt::format("# dcp bench-attention: {} variants, {} to {} tokens\n\n", o.variants.size(),
+                               o.lengths.front(), o.lengths.back());
+  md += fmt::format("Command:\n\n```\n{}\n```\n\n", own_command_line());
+  md += fmt::format(
+      "Date: {} UTC. Machine: {} hardware threads, {} intra-op threads, {:.1f} GB physical RAM; LibTorch {}.{}.{}; "
+      "1-minute load average {:.2f} at the start, {:.2f} at the end; the run took {:.0f} s.{}\n\n",
+      date, std::thread::hardware_concurrency(), threads, physical_memory_bytes() / 1e9, TORCH_VERSION_MAJOR,
+      TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, load_start, load_end, wall_s, cli.note.empty() ? "" : " " + cli.note);
+  md += fmt::format(
+      "Setup: one sequence of L tokens (cu_seqlens {{0, L}}), q, k, v [L, {heads}, {d}] fp32 ~ N(0, 1) requiring "
+      "grad; one run = the operator's forward plus the backward of sum(out * g) with a fixed random g (the "
+      "flexformer variants also get their parameters' gradients). Flexformer: chunked form, chunk_size {chunk}, "
+      "num_features {m}, input_norm {norm}, normalizer {normalizer}, built by make_attention_backend as the model "
+      "does. Time: median of {reps} timed runs after one warm-up (std::chrono::steady_clock), lengths outer and "
+      "variants inner so that load drift hits all variants at a length alike. Peak memory: MemoryMeter "
+      "(dcp/memory_meter.h, method {meter}): the most bytes of tensor storage alive during a run minus those alive "
+      "before it (the inputs and parameters).\n\n",
+      fmt::arg("heads", o.heads), fmt::arg("d", o.head_dim), fmt::arg("chunk", o.chunk_size),
+      fmt::arg("m", o.num_features), fmt::arg("norm", o.input_norm), fmt::arg("normalizer", o.normalizer),
+      fmt::arg("reps", o.repetitions), fmt::arg("meter", MemoryMeter::method()));
+  md += fmt::format(
+      "Skips (never silent; {} of {} points): softmax keeps [heads, L, L] scores, so a softmax length is skipped when "
+      "its predicted peak (3 x heads x L^2 x 4 B of scores + 2 x L^2 B of masks + token-linear terms) exceeds "
+      "--max-bytes = {:.1f} GB; once one run of a variant takes more than --max-seconds = {:g} s, its remaining "
+      "runs at that length and its longer lengths are skipped.\n\n",
+      skipped, points.size(), o.max_bytes / 1e9, o.max_seconds);
+  md += "Time slope: least-squares slope of log(time) against log(length) over the measured lengths >= 4K (all "
+        "measured lengths when fewer than 2 are that long); 1 is linear, 2 quadratic. Crossover: the shortest "
+        "length from which the variant is faster than softmax at every longer length where both were measured; "
+        "the interpolated value is where the log time ratio, linear in log length between the two bracketing "
+        "measured lengths, crosses 0 (geometric interpolation).\n\n";
+  md += attention_bench_markdown_tables(points, summaries);
+  if (!png_name.empty()) md += fmt::format("\n![time and peak memory against length]({})\n", png_name);
+  return md;
+}
+
+void run_bench_attention(const BenchAttentionOptions& cli, const std::vector<std::string>& overrides) {
+  const Config cfg = Config::load(cli.config_path, overrides);
+  AttentionBenchOptions o;
+  o.lengths = parse_lengths(cli.lengths);
+  o.variants = parse_variants(cli.variants);
+  o.heads = cli.heads > 0 ? cli.heads : cfg.model.n_heads;
+  o.head_dim = cli.head_dim > 0 ? cli.head_dim : cfg.model.d_model / cfg.model.n_heads;
+  o.num_features = cli.num_features > 0 ? cli.num_features : cfg.attention.num_features;
+  o.chunk_size = cli.chunk_size > 0 ? cli.chunk_size : cfg.attention.chunk_size;
+  o.input_norm = cfg.attention.input_norm;
+  o.normalizer = cfg.attention.normalizer;
+  o.repetitions = cli.repetitions;
+  o.max_bytes = cli.max_bytes > 0 ? cli.max_bytes : kDefaultMemoryShare * physical_memory_bytes();
+  o.max_seconds = cli.max_seconds;
+  o.seed = static_cast<uint64_t>(cfg.run.seed);
+  if (cli.plot && !gnuplot_available()) {
+    throw std::runtime_error("gnuplot not found in PATH; install it (scripts/install-deps.sh installs gnuplot-nox) "
+                             "or pass --no-plot");
+  }
+  const fs::path prefix = cli.out.empty() ? fs::path(fmt::format("bench/results/cpu{}_{}_attention",
+                                                                 std::thread::hardware_concurrency(), utc_now("%Y%m")))
+                                          : fs::path(cli.out);
+  if (prefix.has_parent_path()) fs::create_directories(prefix.parent_path());
+  const fs::path md = prefix.string() + ".md", csv = prefix.string() + ".csv", png = prefix.string() + ".png";
+  {  // an unwritable --out fails now, not after the measurements (and leaves no empty file behind)
+    const bool existed = fs::exists(csv);
+    const bool writable = std::ofstream(csv, std::ios::app).good();
+    if (!existed && writable) fs::remove(csv);
+    if (!writable) throw CLI::ValidationError(fmt::format("--out '{}': cannot write '{}'", cli.out, csv.string()));
+  }
+
+  const int64_t threads = cli.threads > 0 ? cli.threads : std::max<int64_t>(1, std::thread::hardware_concurrency());
+  torch::set_num_threads(static_cast<int>(threads));
+  MemoryMeter::install();
+  const std::string date = utc_now("%Y-%m-%d %H:%M");
+  fmt::print("dcp bench-attention: {} at {} tokens; heads {}, head_dim {}, {} threads, median of {} runs\n",
+             fmt::join(o.variants, ", "), fmt::join(o.lengths, ","), o.heads, o.head_dim, threads, o.repetitions);
+  std::fflush(stdout);
+  const double load_start = load_average_1min();
+  const auto start = std::chrono::steady_clock::now();
+  const auto points = bench_attention(o, [](const AttentionBenchPoint& p) {
+    if (p.measured) {
+      fmt::print("{:>6} {:<14} {:10.1f} ms  peak {:9.1f} MB  (median of {})\n", p.length, p.variant, 1e3 * p.seconds,
+                 p.peak_bytes / 1e6, p.runs);
+    } else {
+      fmt::print("{:>6} {:<14} skipped: {}\n", p.length, p.variant, p.skip_reason);
+    }
+    std::fflush(stdout);
+  });
+  const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double load_end = load_average_1min();
+
+  write_text(csv, attention_bench_csv(points));
+  if (cli.plot) {
+    const fs::path script = prefix.string() + ".gnuplot", log = prefix.string() + ".gnuplot.log";
+    run_gnuplot(attention_bench_gnuplot_script(csv.string(), png.string(), o.variants), script, log);
+    fs::remove(script);
+    fs::remove(log);
+  }
+  write_text(md, report_markdown(cli, o, points, threads, load_start, load_end, wall_s, date,
+                                 cli.plot ? png.filename().string() : ""));
+  fmt::print("\n{}\nwrote {}, {}{}\n", attention_bench_markdown_tables(points, summarize_attention_bench(points)),
+             md.string(), csv.string(), cli.plot ? ", " + png.string() : "");
+}
+
+}  // namespace
+
+void add_bench_attention_command(CLI::App& app) {
+  auto* sub = app.add_subcommand("bench-attention", "Time and measure one attention layer's forward+backward "
+                                                    "against sequence length: softmax vs the flexformer variants");
+  auto opt = std::make_shared<BenchAttentionOptions>();
+  sub->add_option("--config", opt->config_path, "YAML config whose model.n_heads, d_model / n_heads and attention.* "
+                                                "(num_features, chunk_size, input_norm, normalizer) are used")
+      ->check(CLI::ExistingFile);
+  sub->add_option("--lengths", opt->lengths, "comma-separated sequence lengths, tokens")->capture_default_str();
+  sub->add_option("--variants", opt->variants,
+                  fmt::format("comma-separated variants; all = {}", fmt::join(attention_bench_variants(), ",")))
+      ->capture_default_str();
+  sub->add_option("--heads", opt->heads, "attention heads (default: model.n_heads, 4)")->check(CLI::Range(1, 4096));
+  sub->add_option("--head-dim", opt->head_dim, "dimension per head (default: model.d_model / model.n_heads, 32)")
+      ->check(CLI::Range(1, 65536));
+  sub->add_option("--num-features", opt->num_features, "flexformer frequencies per head (default: "
+                                                        "attention.num_features, 64)")
+      ->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--chunk-size", opt->chunk_size, "flexformer chunk size, tokens (default: attention.chunk_size, 64)")
+      ->check(CLI::Range(1, 1 << 30));
+  sub->add_option("--repetitions", opt->repetitions, "timed runs per point after one warm-up (median)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  sub->add_option("--threads", opt->threads, "intra-op threads (default: every hardware thread)")
+      ->check(CLI::Range(1, 4096));
+  sub->add_option("--max-bytes", opt->max_bytes, "skip softmax lengths whose predicted peak exceeds this many bytes "
+                                                 "(default: half of the physical RAM)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--max-seconds", opt->max_seconds, "once a run of a variant takes longer, skip its longer lengths")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--out", opt->out, "path prefix of the .md, .csv and .png results (default: "
+                                     "bench/results/cpu<hardware threads>_<yyyymm>_attention)");
+  sub->add_option("--note", opt->note, "a sentence added to the report's machine line (e.g. what else ran)");
+  sub->add_flag("!--no-plot", opt->plot, "skip the gnuplot PNG");
+  sub->allow_extras();
+  sub->footer("Config keys can be overridden as --section.key=value (e.g. --attention.normalizer=clamp).");
+  sub->callback([sub, opt] { run_bench_attention(*opt, config_overrides(*sub)); });
+}
+
+}  // namespace dcp

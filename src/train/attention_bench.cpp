@@ -1,0 +1,146 @@
+#include "dcp/attention_bench.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <stdexcept>
+
+#include "dcp/memory_meter.h"
+#include "dcp/model.h"
+#include "util/stats.h"
+
+namespace dcp {
+namespace {
+
+std::shared_ptr<AttentionBackend> make_backend(const std::string& variant, const AttentionBenchOptions& o) {
+  AttentionConfig cfg;
+  cfg.backend = variant == "softmax" ? "softmax" : "flexformer";
+  cfg.feature_map = variant;
+  cfg.num_features = o.num_features;
+  cfg.chunk_size = o.chunk_size;
+  cfg.input_norm = o.input_norm;
+  cfg.normalizer = o.normalizer;
+  cfg.mode = "chunk";
+  ModelConfig model;
+  model.n_heads = o.heads;
+  model.d_model = o.heads * o.head_dim;
+  return make_attention_backend(cfg, model);
+}
+
+std::vector<torch::Tensor> parameters_of(const AttentionBackend& backend) {
+  const auto* module = dynamic_cast<const torch::nn::Module*>(&backend);
+  return module ? module->parameters() : std::vector<torch::Tensor>{};
+}
+
+std::string human_bytes(double bytes) {
+  if (bytes >= 1e9) return fmt::format("{:.1f} GB", bytes / 1e9);
+  if (bytes >= 1e6) return fmt::format("{:.1f} MB", bytes / 1e6);
+  return fmt::format("{:.0f} B", bytes);
+}
+
+// Runs the warm-up and up to `repetitions` timed runs of one point; stops early once a timed run exceeds
+// max_seconds. `slowest` gets the longest timed run, seconds.
+AttentionBenchPoint measure(const AttentionBackend& backend, const std::vector<torch::Tensor>& params,
+                            const std::string& variant, int64_t length, const AttentionBenchOptions& o,
+                            double& slowest) {
+  const auto shape = std::vector<int64_t>{length, o.heads, o.head_dim};
+  auto q = torch::randn(shape).requires_grad_();
+  auto k = torch::randn(shape).requires_grad_();
+  auto v = torch::randn(shape).requires_grad_();
+  const auto g = torch::randn(shape);
+  const auto cu_seqlens = torch::tensor(std::vector<int64_t>{0, length}, torch::kInt64);
+  AttentionBenchPoint p;
+  p.variant = variant;
+  p.length = length;
+  p.measured = true;
+  std::vector<double> times;
+  slowest = 0;
+  for (int64_t run = 0; run <= o.repetitions; ++run) {
+    for (auto* t : {&q, &k, &v}) t->mutable_grad() = torch::Tensor();
+    for (auto param : params) param.mutable_grad() = torch::Tensor();
+    const int64_t resident = MemoryMeter::current_bytes();
+    MemoryMeter::reset_peak();
+    const auto start = std::chrono::steady_clock::now();
+    (backend.forward(q, k, v, cu_seqlens) * g).sum().backward();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double peak = static_cast<double>(MemoryMeter::peak_bytes() - resident);
+    if (run == 0) continue;  // the warm-up: lazy allocations, thread pool start
+    times.push_back(seconds);
+    p.peak_bytes = std::max(p.peak_bytes, peak);
+    slowest = std::max(slowest, seconds);
+    if (seconds > o.max_seconds) break;
+  }
+  p.runs = static_cast<int64_t>(times.size());
+  p.seconds = median(times);
+  return p;
+}
+
+}  // namespace
+
+const std::vector<std::string>& attention_bench_variants() {
+  static const std::vector<std::string> names = {"softmax", "stationary", "nonstationary", "fixed", "elu"};
+  return names;
+}
+
+double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim) {
+  const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
+  constexpr double kScoreCopies = 3, kMaskCopies = 2, kTokenCopies = 8, kFloat = 4;
+  return kScoreCopies * h * l * l * kFloat + kMaskCopies * l * l + kTokenCopies * l * h * d * kFloat;
+}
+
+std::vector<AttentionBenchPoint> bench_attention(const AttentionBenchOptions& o,
+                                                 const std::function<void(const AttentionBenchPoint&)>& on_point) {
+  const auto& known = attention_bench_variants();
+  for (const auto& v : o.variants) {
+    if (std::find(known.begin(), known.end(), v) == known.end()) {
+      throw std::invalid_argument(fmt::format("bench_attention: unknown variant '{}'", v));
+    }
+  }
+  for (int64_t len : o.lengths) {
+    if (len < 1) throw std::invalid_argument(fmt::format("bench_attention: length {} must be >= 1", len));
+  }
+  if (o.heads < 1 || o.head_dim < 1 || o.repetitions < 1) {
+    throw std::invalid_argument(fmt::format("bench_attention: heads {}, head_dim {} and repetitions {} must be >= 1",
+                                            o.heads, o.head_dim, o.repetitions));
+  }
+  torch::manual_seed(o.seed);
+  std::map<std::string, std::shared_ptr<AttentionBackend>> backends;
+  for (const auto& v : o.variants) backends[v] = make_backend(v, o);
+
+  // Lengths outer, variants inner: drift of a shared machine hits every variant at a length alike.
+  std::map<std::string, std::string> stopped;  // variant -> why its longer lengths are skipped
+  std::vector<AttentionBenchPoint> points;
+  for (int64_t len : o.lengths) {
+    for (const auto& variant : o.variants) {
+      AttentionBenchPoint p;
+      p.variant = variant;
+      p.length = len;
+      const double predicted = variant == "softmax" ? softmax_attention_peak_bytes(len, o.heads, o.head_dim) : 0;
+      if (stopped.count(variant)) {
+        p.skip_reason = stopped[variant];
+      } else if (predicted > o.max_bytes) {
+        p.skip_reason = fmt::format("needs {} > --max-bytes {}", human_bytes(predicted), human_bytes(o.max_bytes));
+      } else {
+        double slowest = 0;
+        p = measure(*backends[variant], parameters_of(*backends[variant]), variant, len, o, slowest);
+        if (slowest > o.max_seconds) {
+          stopped[variant] = fmt::format("a run at {} tokens took {:.1f} s > --max-seconds {:g}", len, slowest,
+                                         o.max_seconds);
+        }
+      }
+      p.predicted_bytes = predicted;
+      if (on_point) on_point(p);
+      points.push_back(p);
+    }
+  }
+  std::stable_sort(points.begin(), points.end(), [&](const auto& a, const auto& b) {
+    auto rank = [&](const std::string& v) { return std::find(o.variants.begin(), o.variants.end(), v); };
+    return rank(a.variant) < rank(b.variant);
+  });
+  return points;
+}
+
+}  // namespace dcp
