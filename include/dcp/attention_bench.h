@@ -37,9 +37,10 @@ struct AttentionBenchPoint {
   int64_t length = 0;
   bool measured = false;
   std::string skip_reason;      ///< set when !measured, e.g. "needs 17.2 GB > --max-bytes 12.0 GB"
-  double seconds = 0;           ///< median forward+backward seconds of the timed runs
-  int64_t runs = 0;             ///< timed runs behind `seconds` (fewer than repetitions once one ran past max_seconds)
-  double peak_bytes = 0;        ///< largest peak over the timed runs, above the bytes resident before the run
+  double seconds = 0;           ///< median forward+backward seconds of the timed runs (runs 0: of the warm-up)
+  /// Timed runs behind `seconds`: fewer than repetitions once one ran past max_seconds, 0 when the warm-up did.
+  int64_t runs = 0;
+  double peak_bytes = 0;        ///< largest peak over the timed runs (or the warm-up), above the bytes resident before
   double predicted_bytes = 0;   ///< softmax only: softmax_attention_peak_bytes; 0 for the flexformer variants
 };
 
@@ -55,8 +56,10 @@ double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_
 /// which also computes the flexformer parameters' gradients, timed with std::chrono::steady_clock. The peak is
 /// MemoryMeter::peak_bytes() minus the bytes resident before the run (inputs, parameters); gradients are
 /// dropped between runs. Uses torch's current intra-op thread count. Skips (never drops) a point: softmax when
-/// softmax_attention_peak_bytes > max_bytes, and every length of a variant after one of its runs exceeded
-/// max_seconds. Calls `on_point` after each point. Points come variant by variant, lengths ascending.
+/// softmax_attention_peak_bytes > max_bytes, and every length of a variant after one of its runs (the warm-up
+/// included) exceeded max_seconds. Lengths are the outer loop, variants the inner one, so that load drift hits
+/// all variants at a length alike; `on_point` is called after each point. The result is sorted variant by
+/// variant (in `variants` order), lengths ascending.
 /// Throws std::invalid_argument naming the option for an unknown variant, a length < 1, or heads, head_dim,
 /// repetitions < 1, and ConfigError for a bad input_norm / normalizer / num_features / chunk_size.
 std::vector<AttentionBenchPoint> bench_attention(

@@ -205,7 +205,8 @@ std::string attention_bench_markdown_tables(const std::vector<AttentionBenchPoin
               [&](const AttentionBenchPoint& p) {
                 const auto r = time_ratio_to_softmax(points, p);
                 return human_seconds(p.seconds) +
-                       (r && p.variant != "softmax" ? fmt::format(" ({:.2f}x)", *r) : std::string());
+                       (r && p.variant != "softmax" ? fmt::format(" ({:.2f}x)", *r) : std::string()) +
+                       (p.runs == 0 ? " (warm-up only)" : "");
               });
   md += table("Peak memory of the forward+backward (tensor storage above the inputs):",
               [&](const AttentionBenchPoint& p) { return human_bytes(p.peak_bytes); });

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -108,11 +109,18 @@ std::string report_markdown(const BenchAttentionOptions& cli, const AttentionBen
   std::string md = fmt::format("# dcp bench-attention: {} variants, {} to {} tokens\n\n", o.variants.size(),
                                o.lengths.front(), o.lengths.back());
   md += fmt::format("Command:\n\n```\n{}\n```\n\n", own_command_line());
+  // OpenMP's environment changes how intra-op threads wait, which matters on a shared machine.
+  std::string omp_env;
+  for (const char* name : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}) {
+    if (const char* value = std::getenv(name)) omp_env += fmt::format(" {}={}", name, value);
+  }
   md += fmt::format(
       "Date: {} UTC. Machine: {} hardware threads, {} intra-op threads, {:.1f} GB physical RAM; LibTorch {}.{}.{}; "
-      "1-minute load average {:.2f} at the start, {:.2f} at the end; the run took {:.0f} s.{}\n\n",
+      "OpenMP environment:{}; 1-minute load average {:.2f} at the start, {:.2f} at the end; the run took {:.0f} s."
+      "{}\n\n",
       date, std::thread::hardware_concurrency(), threads, physical_memory_bytes() / 1e9, TORCH_VERSION_MAJOR,
-      TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, load_start, load_end, wall_s, cli.note.empty() ? "" : " " + cli.note);
+      TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, omp_env.empty() ? " (none set)" : omp_env, load_start, load_end,
+      wall_s, cli.note.empty() ? "" : " " + cli.note);
   md += fmt::format(
       "Setup: one sequence of L tokens (cu_seqlens {{0, L}}), q, k, v [L, {heads}, {d}] fp32 ~ N(0, 1) requiring "
       "grad; one run = the operator's forward plus the backward of sum(out * g) with a fixed random g (the "
@@ -129,7 +137,8 @@ std::string report_markdown(const BenchAttentionOptions& cli, const AttentionBen
       "Skips (never silent; {} of {} points): softmax keeps [heads, L, L] scores, so a softmax length is skipped when "
       "its predicted peak (3 x heads x L^2 x 4 B of scores + 2 x L^2 B of masks + token-linear terms) exceeds "
       "--max-bytes = {:.1f} GB; once one run of a variant takes more than --max-seconds = {:g} s, its remaining "
-      "runs at that length and its longer lengths are skipped.\n\n",
+      "runs at that length and its longer lengths are skipped (a warm-up past the cap is that length's only time, "
+      "marked \"warm-up only\").\n\n",
       skipped, points.size(), o.max_bytes / 1e9, o.max_seconds);
   md += "Time slope: least-squares slope of log(time) against log(length) over the measured lengths >= 4K (all "
         "measured lengths when fewer than 2 are that long); 1 is linear, 2 quadratic. Crossover: the shortest "
@@ -183,8 +192,8 @@ void run_bench_attention(const BenchAttentionOptions& cli, const std::vector<std
   const auto start = std::chrono::steady_clock::now();
   const auto points = bench_attention(o, [](const AttentionBenchPoint& p) {
     if (p.measured) {
-      fmt::print("{:>6} {:<14} {:10.1f} ms  peak {:9.1f} MB  (median of {})\n", p.length, p.variant, 1e3 * p.seconds,
-                 p.peak_bytes / 1e6, p.runs);
+      fmt::print("{:>6} {:<14} {:10.1f} ms  peak {:9.1f} MB  ({})\n", p.length, p.variant, 1e3 * p.seconds,
+                 p.peak_bytes / 1e6, p.runs ? fmt::format("median of {}", p.runs) : std::string("warm-up only"));
     } else {
       fmt::print("{:>6} {:<14} skipped: {}\n", p.length, p.variant, p.skip_reason);
     }

@@ -41,8 +41,9 @@ std::string human_bytes(double bytes) {
   return fmt::format("{:.0f} B", bytes);
 }
 
-// Runs the warm-up and up to `repetitions` timed runs of one point; stops early once a timed run exceeds
-// max_seconds. `slowest` gets the longest timed run, seconds.
+// Runs the warm-up and up to `repetitions` timed runs of one point; stops early once a run (the warm-up too)
+// exceeds max_seconds: a warm-up past it is the point's only time (runs 0), since the timed runs would each take
+// as long. `slowest` gets the longest run, seconds.
 AttentionBenchPoint measure(const AttentionBackend& backend, const std::vector<torch::Tensor>& params,
                             const std::string& variant, int64_t length, const AttentionBenchOptions& o,
                             double& slowest) {
@@ -67,10 +68,15 @@ AttentionBenchPoint measure(const AttentionBackend& backend, const std::vector<t
     (backend.forward(q, k, v, cu_seqlens) * g).sum().backward();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double peak = static_cast<double>(MemoryMeter::peak_bytes() - resident);
+    slowest = std::max(slowest, seconds);
+    if (run == 0 && seconds > o.max_seconds) {
+      p.seconds = seconds;
+      p.peak_bytes = peak;
+      return p;
+    }
     if (run == 0) continue;  // the warm-up: lazy allocations, thread pool start
     times.push_back(seconds);
     p.peak_bytes = std::max(p.peak_bytes, peak);
-    slowest = std::max(slowest, seconds);
     if (seconds > o.max_seconds) break;
   }
   p.runs = static_cast<int64_t>(times.size());
