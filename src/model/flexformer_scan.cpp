@@ -98,50 +98,60 @@ std::vector<torch::Tensor> recurrent(const Packed& x, const torch::Tensor& initi
   return outs;
 }
 
-// Chunks of C tokens over the whole packed stream; one loop of T/C steps whatever the number of sequences.
-// Inside a chunk the mask is causal and same-sequence; the carried state S belongs to the sequence of the token
-// just before the chunk and only reaches the chunk's leading tokens of that same sequence.
+// Chunks of C tokens over the whole packed stream, all chunks batched: the stream is padded to N = ceil(T/C)
+// chunks of [H, N, C, *] (padding has zero features and values, so it adds nothing). Inside a chunk the mask is
+// causal and same-sequence. The state carried into chunk n belongs to the sequence of its first token and
+// reaches only that sequence's leading tokens; it is the previous chunk's tail (its tokens of the sequence it
+// ends with) plus, when that chunk held no other sequence, the state carried into it. Only this recursion over
+// N small [H, F, Dv+1] states runs in a loop; slicing the stream per chunk instead would make backward allocate
+// a stream-sized gradient per chunk, O(T^2 / C).
 std::vector<torch::Tensor> chunked(const Packed& x, int64_t chunk, std::vector<torch::Tensor>* finals) {
   const int64_t total = x.p.size(1);
   const int64_t n_seq = static_cast<int64_t>(x.bounds.size()) - 1;
-  std::vector<int64_t> seq_of(static_cast<size_t>(total));
+  const int64_t n_chunks = (total + chunk - 1) / chunk, padded = n_chunks * chunk;
+  std::vector<int64_t> seq_of(static_cast<size_t>(padded), -1);
   for (int64_t i = 0; i < n_seq; ++i) {
     std::fill(seq_of.begin() + x.bounds[i], seq_of.begin() + x.bounds[i + 1], i);
   }
-  const torch::Tensor seq_ids = torch::tensor(seq_of, torch::kInt64).to(x.p.device());
-  const auto zero = torch::zeros({x.heads, x.features, x.width}, x.p.options());
-  if (finals) finals->assign(static_cast<size_t>(n_seq), zero);  // empty sequences keep a zero state
-  torch::Tensor state = zero;
-  int64_t state_seq = -1;
-  std::vector<torch::Tensor> outs;
-  for (int64_t c0 = 0; c0 < total; c0 += chunk) {
-    const int64_t c1 = std::min(c0 + chunk, total), len = c1 - c0;
-    auto p = x.p.slice(1, c0, c1), r = x.r.slice(1, c0, c1), v = x.v.slice(1, c0, c1);
-    auto ids = seq_ids.slice(0, c0, c1);
-    auto mask = (ids.unsqueeze(1) == ids.unsqueeze(0)) & torch::ones({len, len}, ids.options().dtype(torch::kBool)).tril();
-    auto out = torch::matmul(torch::matmul(p, r.transpose(1, 2)) * mask, v);  // [H, len, Dv+1]
-    const int64_t first = seq_of[static_cast<size_t>(c0)], last = seq_of[static_cast<size_t>(c1 - 1)];
-    if (state_seq == first) {
-      const int64_t carried = std::min(x.bounds[first + 1], c1) - c0;  // leading tokens of the carried sequence
-      auto inter = torch::matmul(p.slice(1, 0, carried), state);
-      out = carried == len ? out + inter : torch::cat({out.slice(1, 0, carried) + inter, out.slice(1, carried)}, 1);
+  auto blocks = [&](const torch::Tensor& t) {  // [H, T, *] -> [H, N, C, *]
+    auto padded_t = torch::constant_pad_nd(t, {0, 0, 0, padded - total});
+    return padded_t.view({x.heads, n_chunks, chunk, t.size(2)});
+  };
+  const auto p = blocks(x.p), r = blocks(x.r), v = blocks(x.v);
+  const auto ids = torch::tensor(seq_of, torch::kInt64).to(x.p.device()).view({n_chunks, chunk});
+  const auto causal = torch::ones({chunk, chunk}, ids.options().dtype(torch::kBool)).tril();
+  const auto mask = (ids.unsqueeze(2) == ids.unsqueeze(1)) & causal;  // [N, C, C]
+  auto out = torch::matmul(torch::matmul(p, r.transpose(-1, -2)) * mask, v);  // [H, N, C, Dv+1]
+
+  if (n_chunks > 1) {
+    std::vector<int64_t> first(static_cast<size_t>(n_chunks)), last(static_cast<size_t>(n_chunks));
+    for (int64_t n = 0; n < n_chunks; ++n) {
+      first[n] = seq_of[static_cast<size_t>(n * chunk)];
+      last[n] = seq_of[static_cast<size_t>(std::min((n + 1) * chunk, total) - 1)];
     }
-    outs.push_back(out);
-    // Sum of r v^T over this chunk's tokens of sequence i, plus the carried state if i continues it.
-    auto state_of = [&](int64_t i) {
-      const int64_t a = std::max(x.bounds[i], c0) - c0, b = std::min(x.bounds[i + 1], c1) - c0;
-      auto own = torch::matmul(r.slice(1, a, b).transpose(1, 2), v.slice(1, a, b));
-      return state_seq == i ? state + own : own;
-    };
-    if (finals) {
-      for (int64_t i = first; i <= last; ++i) {
-        if (x.bounds[i + 1] <= c1 && x.bounds[i + 1] > x.bounds[i]) (*finals)[static_cast<size_t>(i)] = state_of(i);
+    const auto last_ids = torch::tensor(last, torch::kInt64).to(x.p.device());
+    const auto in_tail = (ids == last_ids.unsqueeze(1)).to(x.r.scalar_type()).unsqueeze(-1);  // [N, C, 1]
+    const auto tails = torch::matmul((r * in_tail).transpose(-1, -2), v).unbind(1);  // N x [H, F, Dv+1]
+    const auto zero = torch::zeros({x.heads, x.features, x.width}, x.p.options());
+    std::vector<torch::Tensor> carried{zero};
+    for (int64_t n = 1; n < n_chunks; ++n) {
+      if (last[n - 1] != first[n]) {
+        carried.push_back(zero);
+      } else {
+        carried.push_back(first[n - 1] == last[n - 1] ? carried.back() + tails[n - 1] : tails[n - 1]);
       }
     }
-    state = state_of(last);
-    state_seq = last;
+    const auto first_ids = torch::tensor(first, torch::kInt64).to(x.p.device());
+    const auto leading = (ids == first_ids.unsqueeze(1)).to(x.p.scalar_type()).unsqueeze(-1);  // [N, C, 1]
+    out = out + torch::matmul(p, torch::stack(carried, 1)) * leading;
   }
-  return outs;
+  if (finals) {
+    for (int64_t i = 0; i < n_seq; ++i) {
+      const int64_t a = x.bounds[i], b = x.bounds[i + 1];
+      finals->push_back(torch::matmul(x.r.slice(1, a, b).transpose(1, 2), x.v.slice(1, a, b)));  // [H, F, Dv+1]
+    }
+  }
+  return {out.view({x.heads, padded, x.width}).slice(1, 0, total)};
 }
 
 }  // namespace
