@@ -198,12 +198,15 @@ struct MemoryCoefficients {
 ///     4 H (2 F + D' + C + F D' / C + 2 P) bytes: phi(q), phi(k); V' = [v, 1]; the chunk's masked scores
 ///     (C per token); the state carried into each chunk (F D' per C tokens, autograd keeps it for phi(Q) S);
 ///     Omega x of q and k (the input of cos/sin). An estimate from the autograd graph of
-///     src/model/flexformer_scan.cpp, not measured. With C = 0 the scores are s per token: q = 4 H (per local
+///     src/model/flexformer_scan.cpp; on the default CPU model (d 128, 4 heads, m 64, C 64) it gives 8.8 KB per
+///     token and layer where `dcp profile` measured 7.9 KB more than for the softmax model
+///     (bench/results/h200-sim_202612_flexformer.md). With C = 0 the scores are s per token: q = 4 H (per local
 ///     squared token per layer), q0 = q, and the state term is dropped.
 /// - fitted (from_profile(): `dcp profile` measures peak bytes of tensor storage on a grid of micro-batches at
 ///   sp 1 and fits base, a, b, q, q0 >= 0; c is 0 because c t = (c / L)(t (L - r) + t r) is not separable
 ///   from a and b). The CPU's softmax attention keeps [heads, s, s] probabilities and masks per sample, hence Q;
-///   a chunked linear-attention model keeps none, and its fit finds q, q0 near 0 by itself.
+///   a chunked linear-attention model keeps none, and its fit finds q, q0 near 0 by itself (1.9 and 1.3 B on the
+///   default CPU model, against 12.7 and 17 B for softmax).
 ///   The sp scaling is assumed, not measured (the profile runs sp 1), and so is e = 6 h b: the stacked q, k, v
 ///   and their contiguous send copy that SequenceParallelAttention allocates and sp 1 does not (a 2-rank run of
 ///   the default model measured up to 2.5 KB per local token above the sp-1 fit; 6 h b = 3 KB there).
