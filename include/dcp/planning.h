@@ -30,8 +30,9 @@ double memory_budget_bytes(const MemoryConfig& memory, const DeviceSpec& device)
 /// (memory_budget_bytes of `device`, the DeviceSpec::named of the same name): "h200" gives the analytic model of
 /// `shape`; a `dcp profile` JSON file gives its fitted model (MemoryModel::from_profile) with
 /// `longest_sample_tokens` (the longest sample the planners will see, tokens; 0 = no bound). Throws
-/// std::invalid_argument naming the file and both shapes when the profile measured another model (its memory
-/// fit does not carry over: rerun `dcp profile` with this model), and what MemoryModel throws.
+/// std::invalid_argument naming the file and both shapes when the profile measured another model, attention
+/// kind included (its memory fit, and for another kind its attention rate, does not carry over: rerun `dcp
+/// profile` with this model), and what MemoryModel throws.
 MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& shape, const DeviceSpec& device,
                              const MemoryConfig& memory, int64_t longest_sample_tokens);
 

@@ -32,8 +32,9 @@ MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& sh
   MemoryModel fitted = MemoryModel::from_profile(cost_model, budget, longest_sample_tokens);
   if (describe(fitted.shape()) != describe(shape)) {
     throw std::invalid_argument(fmt::format(
-        "memory profile '{}' was measured for the model ({}); this model is ({}): its memory fit does not carry "
-        "over, rerun `dcp profile` with this model's config",
+        "memory profile '{}' was measured for the model ({}); this model is ({}): its memory fit (and, for "
+        "another attention kind, its attention rate) does not carry over, rerun `dcp profile` with this model's "
+        "config",
         cost_model, describe(fitted.shape()), describe(shape)));
   }
   return fitted;
