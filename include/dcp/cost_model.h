@@ -10,8 +10,19 @@
 
 namespace dcp {
 
+/// The attention operator of every layer, as the cost and memory models see it.
+enum class AttentionKind {
+  kSoftmax,  ///< exact causal softmax attention (FlashAttention-style kernels): s^2 FLOPs per sample
+  kLinear,   ///< causal (kernelised) linear attention, e.g. Flexformer: FLOPs and memory linear in s
+};
+
+/// "softmax" or "linear" (the names profile JSON files use).
+const char* attention_kind_name(AttentionKind kind);
+
 /// Shape of a dense decoder-only transformer (multi-head attention, two-matrix GELU MLP unless
-/// `mlp_matrices` says otherwise). The default is a 1.3B-parameter GPT-style decoder.
+/// `mlp_matrices` says otherwise). The default is a 1.3B-parameter GPT-style decoder with softmax attention.
+/// The feature_dim, feature_projections and chunk_size fields describe the linear operator (docs/flexformer.md)
+/// and matter only when attention is kLinear; model_shape_of (dcp/planning.h) sets them from a config.
 struct ModelShape {
   int64_t hidden = 2048;
   int64_t layers = 24;
@@ -20,12 +31,22 @@ struct ModelShape {
   int64_t mlp_matrices = 2;      ///< 2 for GELU (fc1, fc2), 3 for SwiGLU (gate, up, down)
   int64_t vocab = 50304;
   int64_t bytes_per_element = 2; ///< bf16 activations, weights and gradients
+  AttentionKind attention = AttentionKind::kSoftmax;
+  int64_t feature_dim = 0;          ///< F: features per head of phi(q), phi(k) (linear only)
+  /// P: rows of Omega applied per head to each of q and k (m frequencies, 2m nonstationary, 0 for elu)
+  int64_t feature_projections = 0;
+  /// C: tokens per chunk of the chunked form (1: the recurrent form); 0: one chunk per sample (the O(s^2)
+  /// quadratic reference form). Linear only.
+  int64_t chunk_size = 0;
 
   /// Weight parameters of one layer: 4*h^2 (Q, K, V, O) + mlp_matrices*h*ffn; biases and norms neglected.
   double params_per_layer() const;
   /// All parameters: layers * params_per_layer + vocab * hidden (tied input/output embedding).
   double params() const;
-  /// Throws std::invalid_argument naming the first non-positive field.
+  /// hidden / heads, the per-head width D.
+  double head_dim() const { return static_cast<double>(hidden) / static_cast<double>(heads); }
+  /// Throws std::invalid_argument naming the first non-positive field (for linear attention: a non-positive
+  /// feature_dim or a negative feature_projections or chunk_size).
   void validate() const;
 };
 
@@ -63,7 +84,7 @@ struct DeviceSpec {
 /// FLOPs of a micro-batch, split by the rate they run at.
 struct FlopCount {
   double linear = 0;     ///< matmuls of the linear layers and the vocabulary projection, FLOPs
-  double attention = 0;  ///< the s^2 attention terms, FLOPs
+  double attention = 0;  ///< the attention operator (s^2 terms for softmax, linear ones for linear), FLOPs
 };
 
 /// Predicted seconds of micro-batches and steps (Ulysses sequence parallelism, FlashAttention-style kernels).
@@ -85,6 +106,19 @@ struct FlopCount {
 ///     - a recomputed layer repeats its forward: 2 P_l s + 2 h s^2 (arXiv 2205.05198);
 ///     - 6 h V s: the output projection to the vocabulary, forward and backward, not recomputed.
 ///     Ulysses splits tokens (linear layers) and heads (attention) evenly over the sp ranks, hence the /sp.
+///   With AttentionKind::kLinear the attention term is instead (3 L + r) * A(s) (backward 2x forward, a
+///   recomputed layer repeats its forward, as above), where A(s), the forward FLOPs of all H heads, counts what
+///   the chunked form of causal linear attention does per head (Katharopoulos et al., arXiv 2006.16236; chunks
+///   as in Yang et al. GLA, arXiv 2312.06635, and fla; src/model/flexformer_scan.cpp), with F = feature_dim,
+///   D' = head_dim + 1 (the denominator rides as an extra value column), C = chunk_size, P = feature_projections:
+///     A(s) = H s (2 C F + 2 C D' + 4 F D' + 4 P D)
+///     - 2 C F: the chunk's scores phi(Q) phi(K)^T, [C, F] x [F, C] per chunk (the full square: the kernel
+///       computes it and masks after), 2 C D': the masked scores times V', [C, C] x [C, D'];
+///     - 4 F D': the carried state read, phi(Q) S [C, F] x [F, D'], and updated, phi(K)^T V' [F, C] x [C, D'];
+///     - 4 P D: the feature map's Omega x for q and k (2 P D each); elementwise cos/sin/elu are neglected.
+///   The chunks run over the packed stream, so A is exactly linear in s whatever the sample boundaries. With
+///   C = 0 (quadratic form) A(s) = H (2 s^2 (F + D') + 4 P D s). The Omega parameters (H P D per layer) are
+///   not counted in params_per_layer (0.8 % of a layer of the 1.3B decoder at m = 64).
 ///   comm = (12 L + 4 r) * s * h * b * (sp - 1) / sp^2 / bw(sp)
 ///     - per layer forward, Ulysses runs 4 all-to-alls (Q, K, V in, O out); backward runs the 8 transposed ones;
 ///       a recomputed layer repeats the 4 forward ones (DeepSpeed-Ulysses blog: aggregate 4 N h per layer);
@@ -142,7 +176,8 @@ struct MemoryCoefficients {
 /// Predicted peak bytes on one rank of a group running one micro-batch, and the per-rank budget they must fit.
 ///
 /// Two sources of coefficients (MemoryCoefficients gives the formula):
-/// - analytic (the constructor and analytic(); the h200 model; q = q0 = 0, FlashAttention keeps no s^2 scores;
+/// - analytic (the constructor and analytic(); the h200 model; q = q0 = 0, FlashAttention keeps no s^2 scores
+///   and neither does chunked linear attention;
 ///   e = 0, the workspace covers communication buffers):
 ///   base = 16 * params + workspace, a = full, b = input, c = full + logits, where
 ///   - 16 * params: mixed-precision Adam, unsharded (every rank holds bf16 weights 2 B, bf16 gradients 2 B,
@@ -158,9 +193,20 @@ struct MemoryCoefficients {
 ///   - the c term's `full`: the working set of the layer being recomputed or back-propagated.
 ///   - logits = vocab * (b + 4) per token: 16-bit logits plus their fp32 softmax for the loss (no chunking).
 ///   - workspace: a fixed reserve for kernels, communication buffers and fragmentation.
+///   - linear attention (AttentionKind::kLinear) keeps the same q, k, v, input and output, plus fp32 tensors
+///     (the operator computes in fp32 whatever the activations' dtype) per token and layer, added to `full`:
+///     4 H (2 F + D' + C + F D' / C + 2 P) bytes: phi(q), phi(k); V' = [v, 1]; the chunk's masked scores
+///     (C per token); the state carried into each chunk (F D' per C tokens, autograd keeps it for phi(Q) S);
+///     Omega x of q and k (the input of cos/sin). An estimate from the autograd graph of
+///     src/model/flexformer_scan.cpp; on the default CPU model (d 128, 4 heads, m 64, C 64) it gives 8.8 KB per
+///     token and layer where `dcp profile` measured 7.9 KB more than for the softmax model
+///     (bench/results/h200-sim_202612_flexformer.md). With C = 0 the scores are s per token: q = 4 H (per local
+///     squared token per layer), q0 = q, and the state term is dropped.
 /// - fitted (from_profile(): `dcp profile` measures peak bytes of tensor storage on a grid of micro-batches at
 ///   sp 1 and fits base, a, b, q, q0 >= 0; c is 0 because c t = (c / L)(t (L - r) + t r) is not separable
-///   from a and b). The CPU's softmax attention keeps [heads, s, s] probabilities and masks per sample, hence Q.
+///   from a and b). The CPU's softmax attention keeps [heads, s, s] probabilities and masks per sample, hence Q;
+///   a chunked linear-attention model keeps none, and its fit finds q, q0 near 0 by itself (1.9 and 1.3 B on the
+///   default CPU model, against 12.7 and 17 B for softmax).
 ///   The sp scaling is assumed, not measured (the profile runs sp 1), and so is e = 6 h b: the stacked q, k, v
 ///   and their contiguous send copy that SequenceParallelAttention allocates and sp 1 does not (a 2-rank run of
 ///   the default model measured up to 2.5 KB per local token above the sp-1 fit; 6 h b = 3 KB there).
@@ -186,7 +232,9 @@ class MemoryModel {
   /// Reads the fitted model of a JSON file written by `dcp profile` (write_profile in dcp/profiler.h): the
   /// "model" object (the shape that was measured; shape() returns it) and the "memory" object's base_bytes,
   /// token_layer_bytes, token_recompute_bytes, token_bytes, square_layer_bytes, square_bytes and
-  /// sp_token_bytes (when absent: 6 * hidden * bytes_per_element, the value `dcp profile` writes). Throws
+  /// sp_token_bytes (when absent: 6 * hidden * bytes_per_element, the value `dcp profile` writes). The "model"
+/// object's attention ("softmax" or "linear"; absent: softmax, profiles written before it was recorded),
+/// feature_dim, feature_projections and chunk_size (required for linear) give the shape's attention. Throws
   /// std::runtime_error naming the file when it cannot be read or is not JSON, std::invalid_argument naming the
   /// file and the field when one is missing or not a number (a profile written before memory was fitted has no
   /// "memory" object: rerun `dcp profile`), and what the coefficient constructor throws.

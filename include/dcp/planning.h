@@ -10,9 +10,18 @@
 
 namespace dcp {
 
-/// The planners' view of a dcp model: SwiGLU (3 MLP matrices), the byte vocabulary, and `bytes_per_element`
-/// (2 for bf16 on GPUs, 4 for this CPU build's fp32).
-ModelShape model_shape_of(const ModelConfig& model, int64_t bytes_per_element = 2);
+/// The planners' view of a dcp model: SwiGLU (3 MLP matrices), the byte vocabulary, `bytes_per_element` (2 for
+/// bf16 on GPUs, 4 for this CPU build's fp32) and the attention of cfg.attention (with_attention).
+ModelShape model_shape_of(const Config& cfg, int64_t bytes_per_element = 2);
+
+/// `shape` with the attention operator of `attention`: softmax, or for backend flexformer linear attention with
+/// feature_dim F = 2 num_features (trig maps) or hidden / heads (elu), plus 1 for normalizer shift (the prepended
+/// alpha, as FlexformerAttention::feature_dim); feature_projections = num_features (stationary, fixed),
+/// 2 num_features (nonstationary) or 0 (elu); chunk_size = attention.chunk_size for mode chunk, 1 for recurrent
+/// (token by token is the chunked form with C = 1, up to its 1x1 scores) and 0 for quadratic. The one mapping
+/// from a config to the cost model's attention; every caller goes through it. Throws std::invalid_argument for
+/// a backend, feature_map or mode it does not know (Config::set already refuses them).
+ModelShape with_attention(ModelShape shape, const AttentionConfig& attention);
 
 /// Per-rank memory budget, bytes: memory.budget_bytes, or memory.fraction x device.memory_bytes when it is 0.
 double memory_budget_bytes(const MemoryConfig& memory, const DeviceSpec& device);
@@ -21,8 +30,9 @@ double memory_budget_bytes(const MemoryConfig& memory, const DeviceSpec& device)
 /// (memory_budget_bytes of `device`, the DeviceSpec::named of the same name): "h200" gives the analytic model of
 /// `shape`; a `dcp profile` JSON file gives its fitted model (MemoryModel::from_profile) with
 /// `longest_sample_tokens` (the longest sample the planners will see, tokens; 0 = no bound). Throws
-/// std::invalid_argument naming the file and both shapes when the profile measured another model (its memory
-/// fit does not carry over: rerun `dcp profile` with this model), and what MemoryModel throws.
+/// std::invalid_argument naming the file and both shapes when the profile measured another model, attention
+/// kind included (its memory fit, and for another kind its attention rate, does not carry over: rerun `dcp
+/// profile` with this model), and what MemoryModel throws.
 MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& shape, const DeviceSpec& device,
                              const MemoryConfig& memory, int64_t longest_sample_tokens);
 

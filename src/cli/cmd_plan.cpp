@@ -57,8 +57,13 @@ void add_plan_command(CLI::App& app) {
   add_planning_options(sub, *a);
   sub->add_option("--planner", a->planner, "a planner: bucket, packed, dcp-intra, dcp-inter, dcp-inter-pac or dcp-opt");
   sub->footer("With --json the output is a plan file (docs/step_plan.md); its sample ids are line numbers "
-              "(0-based) of --lengths, or indices of the generated workload.");
-  sub->callback([a] { run_plan(*a); });
+              "(0-based) of --lengths, or indices of the generated workload. Config overrides --attention.KEY=VALUE (e.g. "
+              "--attention.backend=flexformer), --memory.KEY=VALUE and, with --config, --model.KEY=VALUE set the "
+              "planned model.");
+  sub->callback([sub, a] {
+    a->overrides = config_overrides(*sub);
+    run_plan(*a);
+  });
 }
 
 }  // namespace dcp

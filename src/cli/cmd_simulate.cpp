@@ -3,6 +3,7 @@
 #include <fmt/ranges.h>
 
 #include <chrono>
+#include <map>
 #include <set>
 #include <nlohmann/json.hpp>
 
@@ -14,6 +15,12 @@ namespace {
 
 struct SimulateArgs : PlanningArgs {
   std::string planners = "all";
+  bool by_sp_size = false;
+};
+
+// What a planner's groups of one SP size ran over the epoch.
+struct SizeUse {
+  int64_t groups = 0, micro_batches = 0, samples = 0, tokens = 0, recompute_layers = 0;  // recompute: summed over mbs
 };
 
 struct Row {
@@ -21,6 +28,7 @@ struct Row {
   double epoch_s = 0, lower_bound_s = 0, mean_imbalance = 0, plan_ms_per_step = 0, peak_gb = 0;
   int64_t steps = 0, trained = 0, skipped = 0;
   std::set<int64_t> sp_sizes;  // of groups that ran micro-batches
+  std::map<int64_t, SizeUse> by_sp_size;
 };
 
 std::vector<std::string> split_names(const std::string& list) {
@@ -53,7 +61,16 @@ Row simulate(const std::string& name, const std::vector<Sample>& samples, int64_
     step.validate(world, samples, cost.shape().layers);
     const std::vector<int64_t> ids = step.sample_ids();
     for (const auto& g : step.groups) {
-      if (!g.micro_batches.empty()) row.sp_sizes.insert(g.sp_size);
+      if (g.micro_batches.empty()) continue;
+      row.sp_sizes.insert(g.sp_size);
+      SizeUse& use = row.by_sp_size[g.sp_size];
+      ++use.groups;
+      for (const auto& mb : g.micro_batches) {
+        ++use.micro_batches;
+        use.samples += static_cast<int64_t>(mb.sample_ids.size());
+        use.tokens += mb.num_tokens;
+        use.recompute_layers += mb.recompute_layers;
+      }
     }
     for (int64_t id : ids) ++seen[static_cast<size_t>(id)];
     const StepCost c = evaluate_step(step, samples, world, cost, memory);
@@ -114,14 +131,24 @@ void run_simulate(const SimulateArgs& a) {
                      {"steps", r.steps},
                      {"peak_memory_gb", r.peak_gb},
                      {"sp_sizes", r.sp_sizes}});
+      if (a.by_sp_size) {
+        nlohmann::json uses = nlohmann::json::array();
+        for (const auto& [sp, u] : r.by_sp_size) {
+          uses.push_back({{"sp_size", sp}, {"groups", u.groups}, {"micro_batches", u.micro_batches},
+                          {"samples", u.samples}, {"tokens", u.tokens},
+                          {"mean_recompute_layers", static_cast<double>(u.recompute_layers) / u.micro_batches}});
+        }
+        out.back()["by_sp_size"] = uses;
+      }
     }
     fmt::print("{}\n", out.dump(2));
     return;
   }
   fmt::print("workload {}: {} samples, {} tokens (max {}); world_size {}; cost model {} ({:.2g}-parameter decoder, "
-             "mfu {}, budget {:.1f} GB); steps of {}\n\n",
+             "{} attention, mfu {}, budget {:.1f} GB); steps of {}\n\n",
              source, samples.size(), tokens, *std::max_element(lengths.begin(), lengths.end()), a.world_size,
-             device.name, in.shape.params(), device.mfu, memory.budget_bytes() / 1e9,
+             device.name, in.shape.params(), attention_kind_name(in.shape.attention), device.mfu,
+             memory.budget_bytes() / 1e9,
              opt.samples_per_step > 0 ? fmt::format("{} samples", opt.samples_per_step)
                                       : fmt::format("<= {} tokens", opt.tokens_per_step));
   fmt::print("| planner | predicted_epoch_s | mean_imbalance | speedup_vs_bucket | lower_bound_ratio | "
@@ -132,6 +159,16 @@ void run_simulate(const SimulateArgs& a) {
                r.epoch_s, r.mean_imbalance, bucket_s / r.epoch_s, r.lower_bound_s / r.epoch_s, r.plan_ms_per_step,
                r.trained, r.skipped, r.steps, r.peak_gb, fmt::join(r.sp_sizes, ","));
   }
+  if (!a.by_sp_size) return;
+  fmt::print("\n| planner | sp_size | groups | micro_batches | samples | tokens | token_share | mean_recompute_layers |\n");
+  fmt::print("|---|---|---|---|---|---|---|---|\n");
+  for (const auto& r : rows) {
+    for (const auto& [sp, u] : r.by_sp_size) {
+      fmt::print("| {} | {} | {} | {} | {} | {} | {:.3f} | {:.2f} |\n", r.planner, sp, u.groups, u.micro_batches,
+                 u.samples, u.tokens, static_cast<double>(u.tokens) / static_cast<double>(tokens),
+                 static_cast<double>(u.recompute_layers) / static_cast<double>(u.micro_batches));
+    }
+  }
 }
 
 }  // namespace
@@ -141,10 +178,18 @@ void add_simulate_command(CLI::App& app) {
   auto a = std::make_shared<SimulateArgs>();
   add_planning_options(sub, *a);
   sub->add_option("--planners", a->planners, "'all' or a comma-separated list of bucket, packed, dcp-intra, dcp-inter, dcp-inter-pac, dcp-opt");
-  sub->footer("Every plan is validated (groups partition the ranks, every sample exactly once, memory within the "
+  sub->add_flag("--by-sp-size", a->by_sp_size,
+                "also report, per planner and SP size, the groups, micro-batches, samples, tokens and mean "
+                "recompute_layers of its plans");
+  sub->footer("Config overrides --attention.KEY=VALUE (e.g. --attention.backend=flexformer), --memory.KEY=VALUE "
+              "and, with --config, --model.KEY=VALUE set the planned model. "
+              "Every plan is validated (groups partition the ranks, every sample exactly once, memory within the "
               "budget). speedup_vs_bucket = bucket's predicted epoch (with the same --static-sp) / this planner's; "
               "lower_bound_ratio = lower bound / predicted epoch (1 is optimal).");
-  sub->callback([a] { run_simulate(*a); });
+  sub->callback([sub, a] {
+    a->overrides = config_overrides(*sub);
+    run_simulate(*a);
+  });
 }
 
 }  // namespace dcp

@@ -1,5 +1,7 @@
 #include "cli/planning_inputs.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <optional>
 
@@ -34,6 +36,7 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a) {
   sub->add_option("--mfu", a.mfu, "achieved fraction of the device's peak FLOP/s (default: the device model's own)")->check(CLI::Range(1e-3, 1.0));
   sub->add_option("--seed", a.seed, "seed of the epoch order and of the generated workload");
   sub->add_flag("--json", a.json, "print JSON");
+  sub->allow_extras();
 }
 
 PlanningInputs make_planning_inputs(const PlanningArgs& a) {
@@ -55,16 +58,30 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
   in.samples = samples_from_lengths(in.lengths, in.source);
   DeviceSpec device = DeviceSpec::named(a.cost_model);  // first: its error names the known devices
   if (a.mfu > 0) device.mfu = a.mfu;
-  MemoryConfig memory;
-  // A profile measured one model; its shape and element width (fp32 on the CPU) come with it.
+  bool sets_attention = false;
+  for (const auto& o : a.overrides) {
+    const std::string section = o.substr(2, o.find('.') - 2);
+    if ((section != "model" && section != "attention" && section != "memory") ||
+        (section == "model" && a.config_path.empty())) {
+      throw CLI::ValidationError(fmt::format(
+          "override '{}': planning takes the attention and memory sections{}", o,
+          a.config_path.empty() ? " (model.* needs --config; the default shape is the 1.3B decoder)"
+                                : " and the model section"));
+    }
+    sets_attention = sets_attention || section == "attention";
+  }
+  std::vector<std::string> assignments;
+  for (const auto& o : a.overrides) assignments.push_back(o.substr(2));
+  const Config cfg = Config::load(a.config_path, assignments);
+  MemoryConfig memory = cfg.memory;
+  // A profile measured one model; its shape, element width (fp32 on the CPU) and attention come with it.
   std::optional<ModelShape> profiled;
   if (a.cost_model != "h200") profiled = MemoryModel::from_profile(a.cost_model, 1.0).shape();
   if (!a.config_path.empty()) {
-    const Config cfg = Config::load(a.config_path, {});
-    in.shape = model_shape_of(cfg.model, profiled ? profiled->bytes_per_element : 2);
-    memory = cfg.memory;
-  } else if (profiled) {
-    in.shape = *profiled;
+    in.shape = model_shape_of(cfg, profiled ? profiled->bytes_per_element : 2);
+  } else {
+    if (profiled) in.shape = *profiled;
+    if (sets_attention || !profiled) in.shape = with_attention(in.shape, cfg.attention);
   }
   if (a.memory_budget_bytes > 0) memory.budget_bytes = a.memory_budget_bytes;
   in.cost = std::make_unique<CostModel>(in.shape, device);

@@ -18,6 +18,7 @@ struct PlanningArgs {
   double mfu = 0;  // 0 = the device model's own
   double memory_budget_bytes = 0;  // 0 = the --config's memory section (default 0.9 x device memory)
   bool json = false;
+  std::vector<std::string> overrides;  // --section.key=value for the model, attention and memory sections
 };
 
 /// Everything a planner needs, built from PlanningArgs.
@@ -32,16 +33,21 @@ struct PlanningInputs {
 };
 
 /// Registers --lengths/--workload, --world-size, --cost-model, --config, step sizes, --static-sp, --mfu,
-/// --seed and --json on `sub`.
+/// --seed and --json on `sub`, and lets it take config overrides (the command stores config_overrides(*sub)
+/// in `overrides`).
 void add_planning_options(CLI::App* sub, PlanningArgs& a);
 
 /// Reads or generates the lengths and builds the models. The model shape is the 1.3B default unless --config
-/// names a dcp config, whose model section then gives it (SwiGLU, byte vocabulary). With --cost-model a `dcp
-/// profile` file, the shape is the profiled model's (its element width too; --config must describe the same
-/// model) and the memory model is the profile's fitted one, with the longest given length bounding a sample.
-/// The per-rank budget is --memory-budget-bytes, else --config's memory.budget_bytes / memory.fraction
-/// (memory_budget_bytes in dcp/planning.h). Throws CLI::ValidationError unless exactly one of
-/// --lengths/--workload is given, and what the readers and models throw.
+/// names a dcp config, whose model and attention sections then give it (model_shape_of: SwiGLU, byte
+/// vocabulary). With --cost-model a `dcp profile` file, the shape is the profiled model's (its element width
+/// and attention too; --config must describe the same model) and the memory model is the profile's fitted one,
+/// with the longest given length bounding a sample. Overrides apply to --config (or the defaults); without
+/// --config, attention.* overrides set the attention of the default or profiled shape (with_attention), e.g.
+/// --attention.backend=flexformer plans the 1.3B decoder with Flexformer attention. The per-rank budget is
+/// --memory-budget-bytes, else the memory section's memory.budget_bytes / memory.fraction (memory_budget_bytes
+/// in dcp/planning.h). Throws CLI::ValidationError unless exactly one of --lengths/--workload is given, for an
+/// override outside the model, attention and memory sections and for a model.* override without --config;
+/// ConfigError for a bad override, and what the readers and models throw.
 PlanningInputs make_planning_inputs(const PlanningArgs& a);
 
 }  // namespace dcp

@@ -20,6 +20,10 @@ double ModelShape::params() const {
   return static_cast<double>(layers) * params_per_layer() + static_cast<double>(vocab) * static_cast<double>(hidden);
 }
 
+const char* attention_kind_name(AttentionKind kind) {
+  return kind == AttentionKind::kLinear ? "linear" : "softmax";
+}
+
 void ModelShape::validate() const {
   const std::pair<const char*, int64_t> fields[] = {{"hidden", hidden}, {"layers", layers},
                                                     {"heads", heads},   {"ffn", ffn},
@@ -27,6 +31,11 @@ void ModelShape::validate() const {
                                                     {"bytes_per_element", bytes_per_element}};
   for (const auto& [name, value] : fields) {
     if (value < 1) throw std::invalid_argument(fmt::format("model shape: {} = {} must be positive", name, value));
+  }
+  if (attention == AttentionKind::kLinear && (feature_dim < 1 || feature_projections < 0 || chunk_size < 0)) {
+    throw std::invalid_argument(fmt::format("model shape: linear attention needs feature_dim >= 1 (got {}), "
+                                            "feature_projections >= 0 (got {}) and chunk_size >= 0 (got {})",
+                                            feature_dim, feature_projections, chunk_size));
   }
 }
 
@@ -110,13 +119,25 @@ double CostModel::all_to_all_bandwidth(int64_t sp_size) const {
 
 namespace {
 
-// FLOPs of one sample of s tokens with r of the L layers recomputed (CostModel class comment).
+// Forward FLOPs of one layer's attention operator on a sample of s tokens, all heads (CostModel class comment).
+double attention_forward_flops(const ModelShape& m, double s) {
+  if (m.attention == AttentionKind::kSoftmax) return 2.0 * static_cast<double>(m.hidden) * s * s;
+  const double H = static_cast<double>(m.heads), D = m.head_dim(), Dv = D + 1.0;
+  const double F = static_cast<double>(m.feature_dim), P = static_cast<double>(m.feature_projections);
+  const double features = 4.0 * P * D * s;
+  if (m.chunk_size == 0) return H * (2.0 * s * s * (F + Dv) + features);
+  const double C = static_cast<double>(m.chunk_size);
+  return H * (s * (2.0 * C * (F + Dv) + 4.0 * F * Dv) + features);
+}
+
+// FLOPs of one sample of s tokens with r of the L layers recomputed (CostModel class comment): backward is twice
+// the forward, a recomputed layer repeats its forward.
 FlopCount sample_flops(const ModelShape& m, int64_t length, int64_t recompute_layers) {
   const double s = static_cast<double>(length), h = static_cast<double>(m.hidden);
   const double L = static_cast<double>(m.layers), r = static_cast<double>(recompute_layers);
   const double pl = m.params_per_layer();
   return {L * 6.0 * pl * s + r * 2.0 * pl * s + 6.0 * h * static_cast<double>(m.vocab) * s,
-          L * 6.0 * h * s * s + r * 2.0 * h * s * s};
+          (3.0 * L + r) * attention_forward_flops(m, s)};
 }
 
 }  // namespace
@@ -175,12 +196,24 @@ namespace {
 // The analytic coefficients (MemoryModel class comment), bytes.
 MemoryCoefficients analytic_coefficients(const ModelShape& m, double workspace_bytes) {
   const double h = static_cast<double>(m.hidden), b = static_cast<double>(m.bytes_per_element);
-  const double full = (10.0 * h + 6.0 * static_cast<double>(m.ffn)) * b / 2.0;
+  double full = (10.0 * h + 6.0 * static_cast<double>(m.ffn)) * b / 2.0;
+  double square = 0;
+  if (m.attention == AttentionKind::kLinear) {
+    constexpr double kFp32 = 4.0;  // the operator's features, states and scores, whatever the activations' dtype
+    const double H = static_cast<double>(m.heads), Dv = m.head_dim() + 1.0;
+    const double F = static_cast<double>(m.feature_dim), P = static_cast<double>(m.feature_projections);
+    const double C = static_cast<double>(m.chunk_size);
+    const double chunked = m.chunk_size > 0 ? C + F * Dv / C : 0.0;  // scores and carried states per token
+    full += kFp32 * H * (2.0 * F + Dv + chunked + 2.0 * P);
+    if (m.chunk_size == 0) square = kFp32 * H;  // the quadratic form's [H, s, s] scores
+  }
   MemoryCoefficients c;
   c.base_bytes = 16.0 * m.params() + workspace_bytes;
   c.token_layer_bytes = full;
   c.token_recompute_bytes = h * b;
   c.token_bytes = full + static_cast<double>(m.vocab) * (b + 4.0);
+  c.square_layer_bytes = square;
+  c.square_bytes = square;
   return c;
 }
 
@@ -271,6 +304,19 @@ MemoryModel MemoryModel::from_profile(const std::string& path, double budget_byt
     return static_cast<int64_t>(v);
   };
   ModelShape shape;
+  const nlohmann::json& model = object("model");
+  if (model.contains("attention")) {  // absent: written before the kind was recorded, a softmax model
+    const nlohmann::json& kind = model["attention"];
+    if (kind == "linear") {
+      shape.attention = AttentionKind::kLinear;
+      shape.feature_dim = integer("feature_dim");
+      shape.feature_projections = integer("feature_projections");
+      shape.chunk_size = integer("chunk_size");
+    } else if (kind != "softmax") {
+      throw std::invalid_argument(fmt::format(
+          "memory profile '{}': field 'model.attention' must be \"softmax\" or \"linear\", got {}", path, kind.dump()));
+    }
+  }
   shape.hidden = integer("hidden");
   shape.layers = integer("layers");
   shape.heads = integer("heads");

@@ -10,8 +10,13 @@ namespace dcp {
 namespace {
 
 std::string describe(const ModelShape& s) {
-  return fmt::format("hidden {}, layers {}, heads {}, ffn {}, mlp_matrices {}, vocab {}, bytes_per_element {}",
-                     s.hidden, s.layers, s.heads, s.ffn, s.mlp_matrices, s.vocab, s.bytes_per_element);
+  const std::string attention =
+      s.attention == AttentionKind::kLinear
+          ? fmt::format("linear attention (feature_dim {}, feature_projections {}, chunk_size {})", s.feature_dim,
+                        s.feature_projections, s.chunk_size)
+          : std::string("softmax attention");
+  return fmt::format("hidden {}, layers {}, heads {}, ffn {}, mlp_matrices {}, vocab {}, bytes_per_element {}, {}",
+                     s.hidden, s.layers, s.heads, s.ffn, s.mlp_matrices, s.vocab, s.bytes_per_element, attention);
 }
 
 }  // namespace
@@ -27,23 +32,58 @@ MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& sh
   MemoryModel fitted = MemoryModel::from_profile(cost_model, budget, longest_sample_tokens);
   if (describe(fitted.shape()) != describe(shape)) {
     throw std::invalid_argument(fmt::format(
-        "memory profile '{}' was measured for the model ({}); this model is ({}): its memory fit does not carry "
-        "over, rerun `dcp profile` with this model's config",
+        "memory profile '{}' was measured for the model ({}); this model is ({}): its memory fit (and, for "
+        "another attention kind, its attention rate) does not carry over, rerun `dcp profile` with this model's "
+        "config",
         cost_model, describe(fitted.shape()), describe(shape)));
   }
   return fitted;
 }
 
-ModelShape model_shape_of(const ModelConfig& model, int64_t bytes_per_element) {
+ModelShape model_shape_of(const Config& cfg, int64_t bytes_per_element) {
   ModelShape s;
-  s.hidden = model.d_model;
-  s.layers = model.n_layers;
-  s.heads = model.n_heads;
-  s.ffn = model.d_ff;
+  s.hidden = cfg.model.d_model;
+  s.layers = cfg.model.n_layers;
+  s.heads = cfg.model.n_heads;
+  s.ffn = cfg.model.d_ff;
   s.mlp_matrices = 3;
   s.vocab = kVocabSize;
   s.bytes_per_element = bytes_per_element;
-  return s;
+  return with_attention(s, cfg.attention);
+}
+
+ModelShape with_attention(ModelShape shape, const AttentionConfig& a) {
+  auto unknown = [](const char* key, const std::string& value) {
+    return std::invalid_argument(fmt::format("cost model: unknown {} '{}'", key, value));
+  };
+  if (a.backend == "softmax") {
+    shape.attention = AttentionKind::kSoftmax;
+    shape.feature_dim = shape.feature_projections = shape.chunk_size = 0;
+    return shape;
+  }
+  if (a.backend != "flexformer") throw unknown("attention.backend", a.backend);
+  shape.attention = AttentionKind::kLinear;
+  const int64_t m = a.num_features;
+  if (a.feature_map == "stationary" || a.feature_map == "fixed") {
+    shape.feature_dim = 2 * m, shape.feature_projections = m;
+  } else if (a.feature_map == "nonstationary") {
+    shape.feature_dim = 2 * m, shape.feature_projections = 2 * m;
+  } else if (a.feature_map == "elu") {
+    shape.feature_dim = shape.hidden / shape.heads, shape.feature_projections = 0;
+  } else {
+    throw unknown("attention.feature_map", a.feature_map);
+  }
+  if (a.normalizer == "shift") shape.feature_dim += 1;
+  if (a.mode == "chunk") {
+    shape.chunk_size = a.chunk_size;
+  } else if (a.mode == "recurrent") {
+    shape.chunk_size = 1;
+  } else if (a.mode == "quadratic") {
+    shape.chunk_size = 0;
+  } else {
+    throw unknown("attention.mode", a.mode);
+  }
+  return shape;
 }
 
 PlanSet plan_training_epoch(const std::string& planner, const std::vector<Sample>& samples,

@@ -198,7 +198,7 @@ ProfileResult profile_model(const Config& cfg, const ProfileOptions& options) {
   }
 
   ProfileResult result;
-  result.shape = model_shape_of(cfg.model, 4);
+  result.shape = model_shape_of(cfg, 4);
   result.repeats = options.repeats;
   result.threads = cfg.train.threads > 0 ? cfg.train.threads
                                          : std::max<int64_t>(1, std::thread::hardware_concurrency());
@@ -345,7 +345,11 @@ void write_profile(const ProfileResult& r, const std::string& path) {
         {"ffn", r.shape.ffn},
         {"mlp_matrices", r.shape.mlp_matrices},
         {"vocab", r.shape.vocab},
-        {"bytes_per_element", r.shape.bytes_per_element}}},
+        {"bytes_per_element", r.shape.bytes_per_element},
+        {"attention", attention_kind_name(r.shape.attention)},
+        {"feature_dim", r.shape.feature_dim},
+        {"feature_projections", r.shape.feature_projections},
+        {"chunk_size", r.shape.chunk_size}}},
       {"fit",
        {{"formula", "seconds = fixed_s + linear_flops / linear_flops_per_s + attention_flops / attention_flops_per_s"},
         {"weighting", "relative residuals (each point divided by its measured seconds), coefficients >= 0"},

@@ -167,7 +167,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   }
 
   for (const auto& p : file_plans) p.validate(env.world_size, corpus.samples(), cfg.model.n_layers);
-  const ModelShape shape = model_shape_of(cfg.model, 4);  // fp32 on this build
+  const ModelShape shape = model_shape_of(cfg, 4);  // fp32 on this build
   const DeviceSpec device = DeviceSpec::named(cfg.train.cost_model);
   const CostModel cost(shape, device);
   int64_t longest_sample = 0;

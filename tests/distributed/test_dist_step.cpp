@@ -61,7 +61,7 @@ TEST(DistributedStep, PlanMismatchIsAnErrorNamingTheStep) {
 TEST(DistributedStep, EveryPlannersFirstTwoStepsGiveTheSingleProcessGradient) {
   Config cfg = tiny_config();
   Corpus corpus = tiny_corpus(cfg);
-  const ModelShape shape = model_shape_of(cfg.model);
+  const ModelShape shape = model_shape_of(cfg);
   const DeviceSpec device = DeviceSpec::named("h200");
   PlannerOptions opt;
   opt.tokens_per_step = 150;

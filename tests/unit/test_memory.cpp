@@ -262,6 +262,50 @@ TEST(MemoryModelFile, ProfileWithoutMemoryOrWithABadFieldIsNamed) {
   EXPECT_THROW(MemoryModel::from_profile(temp_file("absent.json").string(), 1e9), std::runtime_error);
 }
 
+TEST(MemoryModelFile, ProfileRecordsTheAttentionKindAndRefusesAnotherKind) {
+  ProfileResult r = profile_with_memory();
+  Config cfg;
+  cfg.model.d_model = 128, cfg.model.n_layers = 4, cfg.model.n_heads = 4, cfg.model.d_ff = 384;
+  cfg.attention.backend = "flexformer";
+  r.shape = model_shape_of(cfg, 4);
+  const std::string path = temp_file("linear.json").string();
+  write_profile(r, path);
+  const ModelShape read = MemoryModel::from_profile(path, 1e9).shape();
+  EXPECT_EQ(read.attention, AttentionKind::kLinear);
+  EXPECT_EQ(read.feature_dim, r.shape.feature_dim);
+  EXPECT_EQ(read.feature_projections, r.shape.feature_projections);
+  EXPECT_EQ(read.chunk_size, r.shape.chunk_size);
+  MemoryConfig memory;
+  EXPECT_EQ(memory_model_for(path, r.shape, DeviceSpec::named(path), memory, 0).shape().attention,
+            AttentionKind::kLinear);
+
+  // The same model with softmax attention: the fit (and the attention rate) does not carry over.
+  cfg.attention.backend = "softmax";
+  const std::string e =
+      test::error_of([&] { memory_model_for(path, model_shape_of(cfg, 4), DeviceSpec::named(path), memory, 0); });
+  EXPECT_NE(e.find(path), std::string::npos) << e;
+  EXPECT_NE(e.find("linear attention"), std::string::npos) << e;
+  EXPECT_NE(e.find("softmax attention"), std::string::npos) << e;
+  EXPECT_THROW(memory_model_for(path, model_shape_of(cfg, 4), DeviceSpec::named(path), memory, 0),
+               std::invalid_argument);
+
+  // A file without the kind (written before it was recorded) is a softmax model; an unknown kind is named.
+  nlohmann::json doc;
+  std::ifstream(path) >> doc;
+  const std::string old = temp_file("no_kind.json").string();
+  nlohmann::json without = doc;
+  without["model"].erase("attention");
+  std::ofstream(old) << without.dump();
+  EXPECT_EQ(MemoryModel::from_profile(old, 1e9).shape().attention, AttentionKind::kSoftmax);
+  const std::string bad = temp_file("bad_kind.json").string();
+  nlohmann::json wrong = doc;
+  wrong["model"]["attention"] = "mamba";
+  std::ofstream(bad) << wrong.dump();
+  const std::string b = test::error_of([&] { MemoryModel::from_profile(bad, 1e9); });
+  EXPECT_NE(b.find("model.attention"), std::string::npos) << b;
+  EXPECT_NE(b.find("mamba"), std::string::npos) << b;
+}
+
 TEST(MemoryBudget, NoSampleFittingIsAnErrorNotAnEmptyEpoch) {
   std::vector<Sample> samples;
   for (int64_t i = 0; i < 8; ++i) samples.push_back({i, 100 + 10 * i, fmt::format("s{}", i)});
