@@ -11,6 +11,7 @@
 #include "dcp/planning.h"
 #include "dcp/train.h"
 #include "train/checkpoint.h"
+#include "train/optimizer.h"
 #include "train/progress.h"
 #include "util/logging.h"
 #include "util/stats.h"
@@ -35,20 +36,6 @@ void check_same_weights(Transformer& model, const Communicator& world) {
     throw std::runtime_error(fmt::format("rank {} starts from different weights than its peers (checksum {})",
                                          world.rank(), sum));
   }
-}
-
-std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const TrainConfig& cfg) {
-  // Decay matrices only; norms' gains are left alone, as in GPT-style training.
-  std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  auto opts = [&](double wd) {
-    return std::make_unique<torch::optim::AdamWOptions>(
-        torch::optim::AdamWOptions(cfg.lr).betas({cfg.beta1, cfg.beta2}).weight_decay(wd));
-  };
-  std::vector<torch::optim::OptimizerParamGroup> param_groups;
-  param_groups.emplace_back(decay, opts(cfg.weight_decay));
-  param_groups.emplace_back(no_decay, opts(0.0));
-  return std::make_unique<torch::optim::AdamW>(param_groups, torch::optim::AdamWOptions(cfg.lr));
 }
 
 // Per rank: the memory model's peak bytes for the largest of its micro-batches in `plan` (exact sample lengths),
@@ -99,6 +86,25 @@ void write_file(const fs::path& path, const std::string& text) {
 
 }  // namespace
 
+std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const TrainConfig& cfg) {
+  // Decay matrices only; norms' gains are left alone, as in GPT-style training.
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  auto opts = [&](double wd) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(cfg.lr).betas({cfg.beta1, cfg.beta2}).weight_decay(wd));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> param_groups;
+  param_groups.emplace_back(decay, opts(cfg.weight_decay));
+  param_groups.emplace_back(no_decay, opts(0.0));
+  return std::make_unique<torch::optim::AdamW>(param_groups, torch::optim::AdamWOptions(cfg.lr));
+}
+
+int64_t threads_per_rank(const TrainConfig& cfg, const DistEnv& env) {
+  return cfg.threads > 0 ? cfg.threads
+                         : std::max<int64_t>(1, std::thread::hardware_concurrency() / env.local_world_size);
+}
+
 void train(const Config& cfg, const ProcessGroups& groups, bool resume, const std::vector<StepPlan>& file_plans) {
   const auto wall_start = std::chrono::steady_clock::now();
   const DistEnv& env = groups.env();
@@ -110,9 +116,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   if (ec) throw std::runtime_error(fmt::format("cannot create run.dir '{}': {}", run_dir.string(), ec.message()));
   init_logging(run_dir.string(), env.rank, cfg.run.log_level);
 
-  int64_t threads = cfg.train.threads > 0
-                        ? cfg.train.threads
-                        : std::max<int64_t>(1, std::thread::hardware_concurrency() / env.local_world_size);
+  const int64_t threads = threads_per_rank(cfg.train, env);
   torch::set_num_threads(static_cast<int>(threads));
   spdlog::info("world_size {} ({} variables), {} threads per rank, process groups ready in {:.2f} s", env.world_size,
                env.launcher, threads, groups.creation_seconds());

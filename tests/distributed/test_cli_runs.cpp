@@ -342,3 +342,56 @@ TEST(CliRuns, BenchRejectsBadInputsBeforeTraining) {
   EXPECT_FALSE(fs::exists(dir / "bench" / "bucket")) << "no run may start on bad input";
   fs::remove_all(dir);
 }
+
+TEST(CliRuns, DistillOnTwoRanksWritesAStudentThatTrainResumes) {
+  fs::path dir = make_workdir("distill");
+  Child t = Child::spawn([&] {
+    auto a = train_args(dir, {"--train.max_steps=3"});
+    a.insert(a.begin(), DCP_BINARY);
+    return a;
+  }(), {}, (dir / "teacher.log").string());
+  ASSERT_TRUE(exited_ok(t.wait(120))) << t.log();
+  const std::string teacher = (dir / "run" / "checkpoint").string(), out = (dir / "student").string();
+  Child d = Child::spawn(launch(2, {DCP_BINARY, "distill", "--teacher", teacher, "--out", out, "--fit-steps", "4",
+                                    "--fit-batch-tokens", "512", "--finetune-steps", "2", "--train.threads=1",
+                                    "--attention.num_features=8"}),
+                         {}, (dir / "distill.log").string());
+  ASSERT_TRUE(exited_ok(d.wait(240))) << d.log();
+  const auto j = nlohmann::json::parse(std::ifstream(fs::path(out) / "distill.json"));
+  for (const char* k : {"teacher", "student_initial", "student_fitted", "student_finetuned"}) {
+    EXPECT_GT(j.at("heldout_bits_per_byte").at(k).get<double>(), 0.0) << k;
+  }
+  EXPECT_EQ(j.at("world_size"), 2);
+  EXPECT_EQ(j.at("layers").size(), 2u);
+  EXPECT_EQ(count_lines(fs::path(out) / "metrics.jsonl"), 2);
+  EXPECT_NE(d.log().find("| student after fine-tuning (2 steps) |"), std::string::npos) << d.log();
+
+  // The student is an ordinary run: `dcp train --resume` goes on from step 2 with the flexformer config.
+  Child r = Child::spawn({DCP_BINARY, "train", "--config", out + "/config.yaml", "--resume", "--train.max_steps=3"},
+                         {}, (dir / "resume.log").string());
+  ASSERT_TRUE(exited_ok(r.wait(120))) << r.log();
+  EXPECT_EQ(count_lines(fs::path(out) / "metrics.jsonl"), 3);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(fs::path(out) / "summary.json")).at("steps"), 3);
+
+  struct Case {
+    std::vector<std::string> args;
+    int code;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {{"--teacher", (dir / "missing").string(), "--out", (dir / "o1").string()}, 2, "missing"},
+      {{"--teacher", teacher, "--out", out}, 2, "is not empty"},
+      {{"--teacher", teacher, "--out", (dir / "o2").string(), "--fit-steps", "-3"}, 2, "--fit-steps"},
+      {{"--teacher", teacher, "--out", (dir / "o3").string(), "--train.max_steps=5"}, 2, "--finetune-steps"},
+      {{"--teacher", out + "/checkpoint", "--out", (dir / "o4").string()}, 1, "needs a softmax teacher"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> args = {DCP_BINARY, "distill"};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    Child ch = Child::spawn(args, {}, (dir / "bad.log").string());
+    const int status = ch.wait(60);
+    EXPECT_TRUE(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == c.code) << c.expected << "\n" << ch.log();
+    EXPECT_NE(ch.log().find(c.expected), std::string::npos) << ch.log();
+  }
+  fs::remove_all(dir);
+}
