@@ -25,7 +25,7 @@ struct AttentionBenchOptions {
   std::string input_norm = "l2";
   std::string normalizer = "shift";
   int64_t repetitions = 3;             ///< timed runs per point after one warm-up; the point's time is their median
-  double max_bytes = 0;                ///< softmax points whose predicted peak exceeds this are skipped, bytes
+  double max_bytes = 0;                ///< points whose predicted peak exceeds this are skipped, bytes
   /// Once one run of a variant takes longer, its remaining repetitions and longer lengths are skipped, seconds.
   double max_seconds = 0;
   uint64_t seed = 1234;                ///< seeds q, k, v, the output gradient and the flexformer frequencies
@@ -36,12 +36,14 @@ struct AttentionBenchPoint {
   std::string variant;
   int64_t length = 0;
   bool measured = false;
-  std::string skip_reason;      ///< set when !measured, e.g. "needs 17.2 GB > --max-bytes 12.0 GB"
+  /// Set when !measured, e.g. "needs 17.2 GB > --max-bytes 12.0 GB" or "allocation failed: <LibTorch's message>".
+  std::string skip_reason;
   double seconds = 0;           ///< median forward+backward seconds of the timed runs (runs 0: of the warm-up)
   /// Timed runs behind `seconds`: fewer than repetitions once one ran past max_seconds, 0 when the warm-up did.
   int64_t runs = 0;
   double peak_bytes = 0;        ///< largest peak over the timed runs (or the warm-up), above the bytes resident before
-  double predicted_bytes = 0;   ///< softmax only: softmax_attention_peak_bytes; 0 for the flexformer variants
+  /// softmax_attention_peak_bytes for softmax, flexformer_attention_peak_bytes for the flexformer variants.
+  double predicted_bytes = 0;
 };
 
 /// Predicted peak bytes of tensor storage that one forward+backward of SoftmaxAttention on one fp32 sequence of
@@ -51,13 +53,26 @@ struct AttentionBenchPoint {
 /// fit; test_attention_bench checks it against the measured peak.
 double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim);
 
+/// Predicted peak bytes of tensor storage that one forward+backward of the chunked FlexformerAttention on one
+/// fp32 sequence of `length` tokens allocates beyond its inputs, linear in length: per token and head, 9
+/// [feature_dim] fp32 feature-sized tensors (the projections, their cos / sin, phi(q), phi(k) and their
+/// gradients), 2 intra-chunk score rows of min(chunk_size, length) (the masked scores and their gradient), 3
+/// chunk states [feature_dim, head_dim + 1] shared by chunk_size tokens (the chunk sums, the carried states,
+/// their gradient) and 8 token copies of head_dim as softmax. feature_dim is FlexformerAttention::feature_dim()
+/// (2m or head_dim, + 1 for the shift normalizer). Fitted to the measured peaks of the four feature maps
+/// (about 28 KB per token at 4 heads x 32, m 64, chunk 64); test_attention_bench checks it within a factor.
+double flexformer_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t feature_dim,
+                                       int64_t chunk_size);
+
 /// Measures every variant over every length: q, k, v [L, heads, head_dim] fp32 ~ N(0, 1) requiring grad,
 /// cu_seqlens {0, L}; a run is the backend's forward and the backward of sum(out * g) with a fixed g ~ N(0, 1),
 /// which also computes the flexformer parameters' gradients, timed with std::chrono::steady_clock. The peak is
 /// MemoryMeter::peak_bytes() minus the bytes resident before the run (inputs, parameters); gradients are
-/// dropped between runs. Uses torch's current intra-op thread count. Skips (never drops) a point: softmax when
-/// softmax_attention_peak_bytes > max_bytes, and every length of a variant after one of its runs (the warm-up
-/// included) exceeded max_seconds. Lengths are the outer loop, variants the inner one, so that load drift hits
+/// dropped between runs. Uses torch's current intra-op thread count. Skips (never drops) a point: when its
+/// predicted peak (softmax_attention_peak_bytes, flexformer_attention_peak_bytes) > max_bytes, when a run's
+/// allocation fails (c10::Error of the allocator, std::bad_alloc; reason "allocation failed: <message>"), and
+/// every length of a variant after one of its runs (the warm-up included) exceeded max_seconds or failed to
+/// allocate. Lengths are the outer loop, variants the inner one, so that load drift hits
 /// all variants at a length alike; `on_point` is called after each point. The result is sorted variant by
 /// variant (in `variants` order), lengths ascending.
 /// Throws std::invalid_argument naming the option for an unknown variant, a length < 1, or heads, head_dim,

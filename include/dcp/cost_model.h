@@ -69,8 +69,8 @@ struct DeviceSpec {
   double effective_attention_mfu() const { return attention_mfu > 0 ? attention_mfu : mfu; }
 
   /// The named device: "h200" (the defaults above), or the path of a JSON file written by `dcp profile`
-  /// (read with from_profile). Throws std::invalid_argument naming `name` and the known devices when it is
-  /// neither; from_profile's errors for a file.
+  /// (read with from_profile). Throws std::invalid_argument naming `name`: as a missing file when it looks like a
+  /// path (contains '/' or ends in .json), else with the known devices; from_profile's errors for a file.
   static DeviceSpec named(const std::string& name);
 
   /// Reads the "device" object of a JSON file written by `dcp profile` (write_profile in dcp/profiler.h): the

@@ -44,9 +44,9 @@ std::vector<AttentionCapture> capture_attention(Transformer& model, const Packed
 /// on the command line). input_norm scale, whose initial kernel estimates softmax itself, is not the default:
 /// on trained q, k its estimate's error is far larger (docs/flexformer.md, "Distillation").
 /// Throws std::invalid_argument when the teacher's attention.backend is not softmax or the result's is not
-/// flexformer with trained frequencies (feature_map stationary or nonstationary), naming the value;
-/// ConfigError for a bad override.
-Config student_config(const Config& teacher, const std::vector<std::string>& overrides);
+/// flexformer, or, when `fit_frequencies` (stage 1 will run), has no trained frequencies (feature_map other than
+/// stationary or nonstationary), naming the value; ConfigError for a bad override.
+Config student_config(const Config& teacher, const std::vector<std::string>& overrides, bool fit_frequencies = true);
 
 /// Builds the model of `student_cfg` (initialised from run.seed) and copies every parameter of `teacher` into
 /// the parameter of the same name; only the flexformer backends' own tensors ("blocks.<i>.attention.*") keep
@@ -113,7 +113,7 @@ struct DistillResult {
 /// train.max_steps > 0, fine-tunes the whole model with train(student_cfg, groups, resume = true). Rank 0
 /// writes run.dir/distill.json (every number of the result, per layer, with the steps and times) after stage 1
 /// and again after stage 2; the trainer writes its usual outputs (metrics.jsonl, summary.json); stage 1 logs to
-/// run.dir/distill/logs.
+/// run.dir/distill/logs, created only once the teacher, the student and the corpus have loaded.
 /// Throws std::runtime_error naming the path for a missing or unreadable teacher checkpoint or corpus, and
 /// std::invalid_argument for a teacher whose attention.backend is not softmax or whose model shape differs from
 /// student_cfg's.

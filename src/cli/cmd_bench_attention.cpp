@@ -134,11 +134,12 @@ std::string report_markdown(const BenchAttentionOptions& cli, const AttentionBen
       fmt::arg("m", o.num_features), fmt::arg("norm", o.input_norm), fmt::arg("normalizer", o.normalizer),
       fmt::arg("reps", o.repetitions), fmt::arg("meter", MemoryMeter::method()));
   md += fmt::format(
-      "Skips (never silent; {} of {} points): softmax keeps [heads, L, L] scores, so a softmax length is skipped when "
-      "its predicted peak (3 x heads x L^2 x 4 B of scores + 2 x L^2 B of masks + token-linear terms) exceeds "
-      "--max-bytes = {:.1f} GB; once one run of a variant takes more than --max-seconds = {:g} s, its remaining "
-      "runs at that length and its longer lengths are skipped (a warm-up past the cap is that length's only time, "
-      "marked \"warm-up only\").\n\n",
+      "Skips (never silent; {} of {} points): a length is skipped when its predicted peak exceeds --max-bytes = "
+      "{:.1f} GB (softmax keeps [heads, L, L] scores: 3 x heads x L^2 x 4 B of scores + 2 x L^2 B of masks + "
+      "token-linear terms; flexformer: linear in L, flexformer_attention_peak_bytes in dcp/attention_bench.h); a "
+      "point whose allocation fails is skipped with LibTorch's message and so are the variant's longer lengths; "
+      "once one run of a variant takes more than --max-seconds = {:g} s, its remaining runs at that length and its "
+      "longer lengths are skipped (a warm-up past the cap is that length's only time, marked \"warm-up only\").\n\n",
       skipped, points.size(), o.max_bytes / 1e9, o.max_seconds);
   md += "Time slope: least-squares slope of log(time) against log(length) over the measured lengths >= 4K (all "
         "measured lengths when fewer than 2 are that long); 1 is linear, 2 quadratic. Crossover: the shortest "
@@ -172,7 +173,14 @@ void run_bench_attention(const BenchAttentionOptions& cli, const std::vector<std
   const fs::path prefix = cli.out.empty() ? fs::path(fmt::format("bench/results/cpu{}_{}_attention",
                                                                  std::thread::hardware_concurrency(), utc_now("%Y%m")))
                                           : fs::path(cli.out);
-  if (prefix.has_parent_path()) fs::create_directories(prefix.parent_path());
+  if (prefix.has_parent_path()) {
+    std::error_code ec;
+    fs::create_directories(prefix.parent_path(), ec);
+    if (ec) {
+      throw CLI::ValidationError(fmt::format("--out '{}': cannot create the folder '{}': {}", cli.out,
+                                             prefix.parent_path().string(), ec.message()));
+    }
+  }
   const fs::path md = prefix.string() + ".md", csv = prefix.string() + ".csv", png = prefix.string() + ".png";
   {  // an unwritable --out fails now, not after the measurements (and leaves no empty file behind)
     const bool existed = fs::exists(csv);
@@ -241,14 +249,24 @@ void add_bench_attention_command(CLI::App& app) {
       ->check(CLI::Range(1, 1000));
   sub->add_option("--threads", opt->threads, "intra-op threads (default: every hardware thread)")
       ->check(CLI::Range(1, 4096));
-  sub->add_option("--max-bytes", opt->max_bytes, "skip softmax lengths whose predicted peak exceeds this many bytes "
+  sub->add_option("--max-bytes", opt->max_bytes, "skip lengths whose predicted peak exceeds this many bytes, >= 1 "
                                                  "(default: half of the physical RAM)")
-      ->check(CLI::PositiveNumber);
+      ->check(finite_number_validator("bytes", 1));
   sub->add_option("--max-seconds", opt->max_seconds, "once a run of a variant takes longer, skip its longer lengths")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--out", opt->out, "path prefix of the .md, .csv and .png results (default: "
-                                     "bench/results/cpu<hardware threads>_<yyyymm>_attention)");
+      ->check(finite_number_validator("seconds"));
+  sub->add_option("--out", opt->out, "path prefix of the .md, .csv and .png results, ending in a file name stem "
+                                     "(default: bench/results/cpu<hardware threads>_<yyyymm>_attention)")
+      ->check(CLI::Validator(
+          [](std::string& out) -> std::string {
+            if (out.empty() || fs::path(out).filename().empty()) {
+              return fmt::format("must be a path prefix ending in a file name stem, e.g. bench/results/mine, got "
+                                 "'{}'",
+                                 out);
+            }
+            return "";
+          },
+          "PREFIX"));
   sub->add_option("--note", opt->note, "a sentence added to the report's machine line (e.g. what else ran)");
   sub->add_flag("!--no-plot", opt->plot, "skip the gnuplot PNG");
   sub->allow_extras();

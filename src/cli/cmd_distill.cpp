@@ -34,10 +34,14 @@ void add_distill_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
       ->capture_default_str();
   sub->add_option("--fit-lr", fit->lr, "stage 1: Adam learning rate")
-      ->check(CLI::Range(1e-12, 1e3))
+      ->check(finite_number_validator(""))
       ->capture_default_str();
-  sub->add_option("--fit-batch-tokens", fit->batch_tokens, "stage 1: tokens per rank and step")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+  // Stage 1 keeps every layer's q, k, v and output of the batch (plus the student's activations): about 2 KB
+  // per token and layer at d_model 64, so 2^20 tokens is already gigabytes.
+  sub->add_option("--fit-batch-tokens", fit->batch_tokens,
+                  "stage 1: tokens per rank and step, 1 to 1048576 (every layer's attention inputs and outputs of "
+                  "the batch are held in memory)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
       ->capture_default_str();
   sub->add_option("--finetune-steps", *finetune_steps,
                   "stage 2: optimizer steps of the trainer on the whole model (train.max_steps; 0 skips it)")
@@ -58,6 +62,16 @@ void add_distill_command(CLI::App& app) {
                                                  o));
         }
       }
+      if (o.rfind("--model.", 0) == 0 && o.rfind("--model.recompute_layers=", 0) != 0) {
+        throw CLI::ValidationError(fmt::format("'{}': the student keeps the teacher's model shape, so model.* "
+                                               "keys cannot be overridden (model.recompute_layers can)",
+                                               o));
+      }
+    }
+    const fs::path checkpoint_below = fs::path(*teacher) / "checkpoint";
+    if (!fs::exists(fs::path(*teacher) / "state.json") && fs::exists(checkpoint_below / "state.json")) {
+      throw CLI::ValidationError(fmt::format("--teacher '{}' is a run folder, not a checkpoint; did you mean '{}'?",
+                                             *teacher, checkpoint_below.string()));
     }
     std::error_code ec;
     if (fs::exists(*out) && !fs::is_directory(*out)) {
@@ -68,7 +82,16 @@ void add_distill_command(CLI::App& app) {
     }
     overrides.push_back("run.dir=" + *out);
     overrides.push_back("train.max_steps=" + std::to_string(*finetune_steps));
-    const Config cfg = student_config(load_checkpoint_config(*teacher), overrides);
+    Config cfg;
+    try {
+      cfg = student_config(load_checkpoint_config(*teacher), overrides, /*fit_frequencies=*/fit->steps > 0);
+    } catch (const std::invalid_argument& e) {  // a student the options describe wrongly: a usage error
+      throw CLI::ValidationError(e.what());
+    }
+    // An unusable --out fails now, with its name; an empty folder left behind does not block a rerun.
+    if (fs::create_directories(*out, ec), ec) {
+      throw CLI::ValidationError(fmt::format("--out '{}': cannot create the folder: {}", *out, ec.message()));
+    }
     DistEnv env = DistEnv::from_environment();
     ProcessGroups groups(env, cfg.dist.timeout_s, sp_sizes_for(cfg, env.world_size, {}));
     const DistillResult r = distill(*teacher, cfg, *fit, groups);
@@ -82,7 +105,7 @@ void add_distill_command(CLI::App& app) {
     fmt::print("\n| layer | attention MSE before | after | relative before | after |\n|---|---|---|---|---|\n");
     for (size_t l = 0; l < r.fit.mse_final.size(); ++l) {
       const double var = r.fit.output_variance[l];
-      fmt::print("| {} | {:.3g} | {:.3g} | {:.3f} | {:.3f} |\n", l, r.fit.mse_initial[l], r.fit.mse_final[l],
+      fmt::print("| {} | {:.3g} | {:.3g} | {:.3g} | {:.3g} |\n", l, r.fit.mse_initial[l], r.fit.mse_final[l],
                  r.fit.mse_initial[l] / var, r.fit.mse_final[l] / var);
     }
     fmt::print("\nstage 1 {:.1f} s, stage 2 {:.1f} s, evaluations {:.1f} s; wrote {}/distill.json\n", r.fit.seconds,

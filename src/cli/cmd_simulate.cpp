@@ -5,6 +5,7 @@
 #include <chrono>
 #include <map>
 #include <set>
+#include <stdexcept>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -107,6 +108,15 @@ void run_simulate(const SimulateArgs& a) {
   std::vector<Row> rows;
   for (const auto& name : split_names(a.planners)) {
     rows.push_back(simulate(name, samples, a.world_size, cost, memory, opt));
+  }
+  for (const auto& r : rows) {
+    // Nothing to compare: every ratio below would be 0 / 0.
+    if (r.trained == 0) {
+      throw std::runtime_error(fmt::format(
+          "planner {} fits none of the {} samples in the per-rank memory budget of {} bytes: raise "
+          "memory.budget_bytes or memory.fraction",
+          r.planner, samples.size(), memory.budget_bytes()));
+    }
   }
   double bucket_s = 0;
   for (const auto& r : rows) {

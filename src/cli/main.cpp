@@ -3,13 +3,34 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <exception>
+#include <string>
 
 #include "cli/commands.h"
 #include "dcp/config.h"
 #include "util/error_message.h"
 
 namespace dcp {
+
+CLI::Validator finite_number_validator(const std::string& unit, double min) {
+  return CLI::Validator(
+      [unit, min](std::string& text) -> std::string {
+        size_t used = 0;
+        double v = 0;
+        try {
+          v = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        const bool ok = used != 0 && used == text.size() && std::isfinite(v) && (min > 0 ? v >= min : v > 0);
+        if (ok) return "";
+        return fmt::format("must be a positive finite number{}{}, got '{}'", unit.empty() ? "" : " of " + unit,
+                           min > 0 ? fmt::format(" (at least {:g})", min) : "", text);
+      },
+      "POSITIVE");
+}
 
 std::vector<std::string> config_overrides(const CLI::App& sub) {
   std::vector<std::string> out;

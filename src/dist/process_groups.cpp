@@ -6,6 +6,7 @@
 
 #include "dcp/dist.h"
 #include "dist/c10d_compat.h"
+#include "util/clock.h"
 
 namespace dcp {
 
@@ -60,7 +61,7 @@ ProcessGroups::ProcessGroups(const DistEnv& env, double timeout_s, const std::ve
   }
   groups_[env.world_size] = world_;
   if (!groups_.count(1)) groups_[1] = std::make_shared<Communicator>("self", 0, 1, nullptr);
-  creation_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  creation_seconds_ = seconds_since(start);
 }
 
 const Communicator& ProcessGroups::group(int64_t sp_size) const {

@@ -107,6 +107,7 @@ std::vector<torch::Tensor> recurrent(const Packed& x, const torch::Tensor& initi
 // a stream-sized gradient per chunk, O(T^2 / C).
 std::vector<torch::Tensor> chunked(const Packed& x, int64_t chunk, std::vector<torch::Tensor>* finals) {
   const int64_t total = x.p.size(1);
+  chunk = std::min(chunk, std::max<int64_t>(total, 1));  // a chunk past the stream is all padding, C^2 of it
   const int64_t n_seq = static_cast<int64_t>(x.bounds.size()) - 1;
   const int64_t n_chunks = (total + chunk - 1) / chunk, padded = n_chunks * chunk;
   std::vector<int64_t> seq_of(static_cast<size_t>(padded), -1);

@@ -43,6 +43,9 @@ DeviceSpec DeviceSpec::named(const std::string& name) {
   if (name == "h200") return DeviceSpec{};
   std::error_code ec;
   if (std::filesystem::is_regular_file(name, ec)) return from_profile(name);
+  if (name.find('/') != std::string::npos || std::filesystem::path(name).extension() == ".json") {
+    throw std::invalid_argument(fmt::format("device profile '{}': no such file", name));
+  }
   throw std::invalid_argument(
       fmt::format("unknown device '{}' (known: h200, or the path of a JSON file written by `dcp profile`)", name));
 }

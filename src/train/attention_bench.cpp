@@ -8,8 +8,11 @@
 #include <map>
 #include <stdexcept>
 
+#include "dcp/flexformer.h"
 #include "dcp/memory_meter.h"
 #include "dcp/model.h"
+#include "util/clock.h"
+#include "util/error_message.h"
 #include "util/stats.h"
 
 namespace dcp {
@@ -33,6 +36,23 @@ std::shared_ptr<AttentionBackend> make_backend(const std::string& variant, const
 std::vector<torch::Tensor> parameters_of(const AttentionBackend& backend) {
   const auto* module = dynamic_cast<const torch::nn::Module*>(&backend);
   return module ? module->parameters() : std::vector<torch::Tensor>{};
+}
+
+// A failed allocation, which skips the point instead of ending the run: c10::OutOfMemoryError, LibTorch's CPU
+// allocator's c10::Error ("DefaultCPUAllocator: can't allocate memory ...") and std::bad_alloc. Any other error
+// is a bug and propagates.
+bool is_allocation_failure(const std::exception& e) {
+  if (dynamic_cast<const std::bad_alloc*>(&e) || dynamic_cast<const c10::OutOfMemoryError*>(&e)) return true;
+  return dynamic_cast<const c10::Error*>(&e) && error_message(e).find("allocate") != std::string::npos;
+}
+
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+double predicted_peak_bytes(const std::string& variant, const AttentionBackend& backend, int64_t length,
+                            const AttentionBenchOptions& o) {
+  if (variant == "softmax") return softmax_attention_peak_bytes(length, o.heads, o.head_dim);
+  const auto& f = dynamic_cast<const FlexformerAttention&>(backend);
+  return flexformer_attention_peak_bytes(length, o.heads, o.head_dim, f.feature_dim(), o.chunk_size);
 }
 
 std::string human_bytes(double bytes) {
@@ -66,7 +86,7 @@ AttentionBenchPoint measure(const AttentionBackend& backend, const std::vector<t
     MemoryMeter::reset_peak();
     const auto start = std::chrono::steady_clock::now();
     (backend.forward(q, k, v, cu_seqlens) * g).sum().backward();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds = seconds_since(start);
     const double peak = static_cast<double>(MemoryMeter::peak_bytes() - resident);
     slowest = std::max(slowest, seconds);
     if (run == 0 && seconds > o.max_seconds) {
@@ -97,6 +117,16 @@ double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_
   return kScoreCopies * h * l * l * kFloat + kMaskCopies * l * l + kTokenCopies * l * h * d * kFloat;
 }
 
+double flexformer_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t feature_dim,
+                                       int64_t chunk_size) {
+  const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
+  const double f = static_cast<double>(feature_dim);
+  const double c = static_cast<double>(std::min(chunk_size, std::max<int64_t>(length, 1)));
+  constexpr double kFeatureCopies = 9, kScoreCopies = 2, kStateCopies = 3, kTokenCopies = 8,
+                   kFloat = 4;
+  return kFloat * l * h * (kFeatureCopies * f + kScoreCopies * c + kStateCopies * f * (d + 1) / c + kTokenCopies * d);
+}
+
 std::vector<AttentionBenchPoint> bench_attention(const AttentionBenchOptions& o,
                                                  const std::function<void(const AttentionBenchPoint&)>& on_point) {
   const auto& known = attention_bench_variants();
@@ -124,17 +154,23 @@ std::vector<AttentionBenchPoint> bench_attention(const AttentionBenchOptions& o,
       AttentionBenchPoint p;
       p.variant = variant;
       p.length = len;
-      const double predicted = variant == "softmax" ? softmax_attention_peak_bytes(len, o.heads, o.head_dim) : 0;
+      const double predicted = predicted_peak_bytes(variant, *backends[variant], len, o);
       if (stopped.count(variant)) {
         p.skip_reason = stopped[variant];
       } else if (predicted > o.max_bytes) {
         p.skip_reason = fmt::format("needs {} > --max-bytes {}", human_bytes(predicted), human_bytes(o.max_bytes));
       } else {
         double slowest = 0;
-        p = measure(*backends[variant], parameters_of(*backends[variant]), variant, len, o, slowest);
-        if (slowest > o.max_seconds) {
-          stopped[variant] = fmt::format("a run at {} tokens took {:.1f} s > --max-seconds {:g}", len, slowest,
-                                         o.max_seconds);
+        try {
+          p = measure(*backends[variant], parameters_of(*backends[variant]), variant, len, o, slowest);
+          if (slowest > o.max_seconds) {
+            stopped[variant] = fmt::format("a run at {} tokens took {:.1f} s > --max-seconds {:g}", len, slowest,
+                                           o.max_seconds);
+          }
+        } catch (const std::exception& e) {
+          if (!is_allocation_failure(e)) throw;
+          p.skip_reason = "allocation failed: " + first_line(error_message(e));
+          stopped[variant] = fmt::format("an allocation at {} tokens failed", len);
         }
       }
       p.predicted_bytes = predicted;

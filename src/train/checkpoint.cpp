@@ -3,6 +3,7 @@
 #include "util/error_message.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/serialize.h>
 
 #include <cmath>
@@ -28,8 +29,12 @@ nlohmann::json number_or_null(double v) { return std::isnan(v) ? nlohmann::json(
 double number_or_nan(const nlohmann::json& j) { return j.is_null() ? std::nan("") : j.get<double>(); }
 
 bool fixes_model_or_data_order(const std::string& key) {
+  // The attention keys that decide which attention parameters exist and their shapes; mode and chunk_size
+  // only choose how the same operator is computed.
   static const char* kPrefixes[] = {"model.", "data.", "run.seed", "train.global_batch_tokens",
-                                    "train.micro_batch_tokens", "parallel.sp_size"};
+                                    "train.micro_batch_tokens", "parallel.sp_size", "attention.backend",
+                                    "attention.feature_map", "attention.num_features", "attention.input_norm",
+                                    "attention.normalizer"};
   for (const char* p : kPrefixes) {
     if (key.rfind(p, 0) == 0 && key != "parallel.sp_sizes") return true;
   }
@@ -89,12 +94,30 @@ Config load_checkpoint_config(const std::string& dir) {
 
 TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer* optimizer) {
   fs::path d = existing_dir(dir);
+  // torch::load resizes a parameter to the stored tensor's shape, so a checkpoint of another model (an edited
+  // config) would load silently; compare the shapes the config built with what was loaded.
+  auto shapes = [&] {
+    std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+    for (const auto& p : model->named_parameters()) out.emplace_back(p.key(), p.value().sizes().vec());
+    for (const auto& b : model->named_buffers()) out.emplace_back(b.key(), b.value().sizes().vec());
+    return out;
+  };
+  const auto built = shapes();
   try {
     torch::load(model, (d / "model.pt").string());
     if (optimizer) torch::load(*optimizer, (d / "optimizer.pt").string());
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format("loading checkpoint '{}' failed (is it complete, and written for this model config?): {}",
                                          d.string(), error_message(e)));
+  }
+  const auto loaded = shapes();
+  for (size_t i = 0; i < built.size(); ++i) {
+    if (loaded[i].second != built[i].second) {
+      throw std::runtime_error(fmt::format(
+          "loading checkpoint '{}' failed: parameter '{}' is [{}] there but the config builds [{}] (is it written "
+          "for this model and attention config?)",
+          d.string(), built[i].first, fmt::join(loaded[i].second, ", "), fmt::join(built[i].second, ", ")));
+    }
   }
   nlohmann::json j;
   try {

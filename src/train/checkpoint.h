@@ -32,13 +32,15 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
 Config load_checkpoint_config(const std::string& dir);
 
 /// Throws std::runtime_error naming the first key whose value differs between `current` and the config stored
-/// in checkpoint `dir`, among the model shape and everything that fixes the data order (data.*, run.seed,
-/// train batch sizes, parallel.sp_size): resuming across such a change would load mismatched weights or
-/// repeat and skip samples.
+/// in checkpoint `dir`, among the model shape, the attention keys that fix the attention parameters (backend,
+/// feature_map, num_features, input_norm, normalizer) and everything that fixes the data order (data.*,
+/// run.seed, train batch sizes, parallel.sp_size): resuming across such a change would load mismatched weights
+/// or repeat and skip samples.
 void check_resumable(const std::string& dir, const Config& current);
 
 /// Loads model weights (and optimizer state when `optimizer` is non-null) and returns the state. Throws
-/// std::runtime_error naming the path when files are missing, unreadable or of another model shape.
+/// std::runtime_error naming the path when files are missing or unreadable, and naming the parameter and both
+/// shapes when a stored tensor's shape differs from the one `model` was built with (another model config).
 TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer* optimizer);
 
 }  // namespace dcp

@@ -17,16 +17,13 @@
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
 #include "util/logging.h"
+#include "util/clock.h"
 
 namespace dcp {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
 
 FlexformerAttention& flexformer_of(Transformer& model, int64_t layer) {
   auto* f = dynamic_cast<FlexformerAttention*>(model->blocks->ptr<BlockImpl>(static_cast<size_t>(layer))->attention.get());
@@ -117,7 +114,7 @@ std::vector<AttentionCapture> capture_attention(Transformer& model, const Packed
   return recorder->layers();
 }
 
-Config student_config(const Config& teacher, const std::vector<std::string>& overrides) {
+Config student_config(const Config& teacher, const std::vector<std::string>& overrides, bool fit_frequencies) {
   if (teacher.attention.backend != "softmax") {
     throw std::invalid_argument(fmt::format("the teacher's attention.backend is '{}'; distillation needs a softmax "
                                             "teacher",
@@ -136,7 +133,7 @@ Config student_config(const Config& teacher, const std::vector<std::string>& ove
     throw std::invalid_argument(fmt::format("the student's attention.backend is '{}'; it must be flexformer",
                                             c.attention.backend));
   }
-  if (c.attention.feature_map != "stationary" && c.attention.feature_map != "nonstationary") {
+  if (fit_frequencies && c.attention.feature_map != "stationary" && c.attention.feature_map != "nonstationary") {
     throw std::invalid_argument(fmt::format("the student's attention.feature_map is '{}'; attention transfer trains "
                                             "frequencies, so it must be stationary or nonstationary",
                                             c.attention.feature_map));
@@ -241,7 +238,7 @@ AttentionTransferResult transfer_attention(Transformer& teacher, Transformer& st
     adam.step();
     r.tokens_per_step = static_cast<int64_t>(all[offset + 1].item<double>());
     if ((step + 1) % opt.log_every == 0 || step + 1 == opt.steps) {
-      spdlog::info("attention transfer step {}/{}: sum of layer MSEs {:.5f} ({} tokens, {:.1f} s)", step + 1,
+      spdlog::info("attention transfer step {}/{}: sum of layer MSEs {:.3g} ({} tokens, {:.1f} s)", step + 1,
                    opt.steps, all[offset].item<double>() / static_cast<double>(world.size()), r.tokens_per_step,
                    seconds_since(start));
     }
@@ -258,8 +255,6 @@ DistillResult distill(const std::string& teacher_dir, const Config& cfg, const A
   const Communicator& world = groups.world();
   const fs::path out_dir = cfg.run.dir;
   const Config teacher_cfg = load_checkpoint_config(teacher_dir);
-  init_logging((out_dir / "distill").string(), env.rank, cfg.run.log_level);
-  torch::set_num_threads(static_cast<int>(threads_per_rank(cfg.train, env)));
   if (teacher_cfg.attention.backend != "softmax") {
     throw std::invalid_argument(fmt::format("teacher '{}': attention.backend is '{}'; distillation needs a softmax "
                                             "teacher",
@@ -278,6 +273,10 @@ DistillResult distill(const std::string& teacher_dir, const Config& cfg, const A
   load_checkpoint(teacher_dir, teacher, nullptr);
   Transformer student = make_student(teacher, cfg);
   const Corpus corpus = Corpus::load(cfg.data);
+  // Only now, with the teacher, the student and the corpus checked, is anything written to run.dir: a failed
+  // start leaves no logs there that would make a rerun refuse a non-empty --out.
+  init_logging((out_dir / "distill").string(), env.rank, cfg.run.log_level);
+  torch::set_num_threads(static_cast<int>(threads_per_rank(cfg.train, env)));
   spdlog::info("teacher {} ({} layers, d_model {}); student attention: {} / {} / {} / {} with {} features",
                teacher_dir, teacher_cfg.model.n_layers, teacher_cfg.model.d_model, cfg.attention.feature_map,
                cfg.attention.input_norm, cfg.attention.normalizer, cfg.attention.mode, cfg.attention.num_features);

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <string>
 
+#include "util/clock.h"
+
 namespace dcp {
 
 Progress::Progress(int64_t total_steps, int64_t first_step, bool enabled)
@@ -14,7 +16,7 @@ Progress::Progress(int64_t total_steps, int64_t first_step, bool enabled)
 
 void Progress::update(int64_t step, double loss, double tokens_per_s, double lr) {
   if (!enabled_) return;
-  double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  double elapsed = seconds_since(start_);
   int64_t done = step - first_;
   double eta = done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(total_ - step) : 0.0;
   std::string stats = fmt::format("step {}/{}  loss {:.4f}  {:.0f} tok/s  lr {:.2e}  elapsed {:.0f}s  eta {:.0f}s",

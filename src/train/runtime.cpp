@@ -9,15 +9,12 @@
 #include "dcp/model.h"
 #include "dcp/planning.h"
 #include "dcp/sequence_parallel.h"
+#include "util/clock.h"
 
 namespace dcp {
 namespace {
 
 thread_local MicroBatchContext current_context;
-
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
 
 // Lets a user's attention function stand where the Ulysses wrapper expects a backend.
 class FunctionAttention : public AttentionBackend {

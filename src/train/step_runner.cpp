@@ -4,6 +4,7 @@
 #include "dcp/runtime.h"
 #include "dcp/sequence_parallel.h"
 #include "dcp/train.h"
+#include "util/clock.h"
 
 namespace dcp {
 
@@ -34,7 +35,7 @@ StepStats compute_step_gradients(Transformer& model, const Corpus& corpus, const
     (loss * scale).backward();
     loss_sum += loss.item<double>();
   }
-  const double busy = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double busy = seconds_since(start);
   return reduce_step(plan, params, loss_sum, busy, MemoryMeter::peak_bytes(), world);
 }
 

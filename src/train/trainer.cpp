@@ -15,16 +15,13 @@
 #include "train/progress.h"
 #include "util/logging.h"
 #include "util/stats.h"
+#include "util/clock.h"
 
 namespace dcp {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
 
 // Identical seeds give identical initial weights on every rank; check it rather than trust it.
 void check_same_weights(Transformer& model, const Communicator& world) {

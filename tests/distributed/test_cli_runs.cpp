@@ -157,6 +157,9 @@ TEST(CliRuns, ResumeWithoutHeldOutDataAndRefusesAChangedModel) {
   auto [s2, log2] = run({"--resume", "--model.d_model=64"}, "changed.log");
   EXPECT_FALSE(exited_ok(s2));
   EXPECT_NE(log2.find("'model.d_model' is '32' there but '64' now"), std::string::npos) << log2;
+  auto [s2b, log2b] = run({"--resume", "--attention.backend=flexformer"}, "changed_attention.log");
+  EXPECT_FALSE(exited_ok(s2b));
+  EXPECT_NE(log2b.find("'attention.backend' is 'softmax' there but 'flexformer' now"), std::string::npos) << log2b;
   auto [s3, log3] = run({"--resume"}, "resumed.log");
   ASSERT_TRUE(exited_ok(s3)) << log3;
   EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 2);
@@ -383,7 +386,20 @@ TEST(CliRuns, DistillOnTwoRanksWritesAStudentThatTrainResumes) {
       {{"--teacher", teacher, "--out", out}, 2, "is not empty"},
       {{"--teacher", teacher, "--out", (dir / "o2").string(), "--fit-steps", "-3"}, 2, "--fit-steps"},
       {{"--teacher", teacher, "--out", (dir / "o3").string(), "--train.max_steps=5"}, 2, "--finetune-steps"},
-      {{"--teacher", out + "/checkpoint", "--out", (dir / "o4").string()}, 1, "needs a softmax teacher"},
+      {{"--teacher", out + "/checkpoint", "--out", (dir / "o4").string()}, 2, "needs a softmax teacher"},
+      {{"--teacher", (dir / "run").string(), "--out", (dir / "o5").string()}, 2,
+       "did you mean '" + teacher + "'?"},
+      {{"--teacher", teacher, "--out", (dir / "o6").string(), "--fit-lr", "nan"}, 2,
+       "--fit-lr: must be a positive finite number, got 'nan'"},
+      {{"--teacher", teacher, "--out", (dir / "o6").string(), "--fit-batch-tokens", "100000000"}, 2,
+       "--fit-batch-tokens"},
+      {{"--teacher", teacher, "--out", (dir / "o6").string(), "--attention.backend=softmax"}, 2,
+       "must be flexformer"},
+      {{"--teacher", teacher, "--out", (dir / "o6").string(), "--model.d_model=64"}, 2, "teacher's model shape"},
+      {{"--teacher", teacher, "--out", "/proc/x"}, 2, "--out '/proc/x': cannot create the folder"},
+      // A failed start writes nothing to --out, so the same command may run again without --force.
+      {{"--teacher", teacher, "--out", (dir / "o7").string(), "--data.path=/nonexistent"}, 1, "/nonexistent"},
+      {{"--teacher", teacher, "--out", (dir / "o7").string(), "--data.path=/nonexistent"}, 1, "/nonexistent"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args = {DCP_BINARY, "distill"};

@@ -87,6 +87,28 @@ TEST(AttentionBench, PeakMemoryIsQuadraticForSoftmaxAndLinearForChunkedFlexforme
     EXPECT_LE(p.peak_bytes, p.predicted_bytes) << len;
     EXPECT_GT(p.peak_bytes, 0.85 * p.predicted_bytes) << len;
   }
+  // The flexformer prediction, linear in length, is within a factor of the measured peak.
+  for (const auto& [variant, ps] : points) {
+    if (variant == "softmax") continue;
+    for (const auto& [len, p] : ps) {
+      EXPECT_GT(p.predicted_bytes, 0) << variant;
+      EXPECT_LT(p.peak_bytes, 1.5 * p.predicted_bytes) << variant << " " << len;
+      EXPECT_GT(p.peak_bytes, p.predicted_bytes / 1.5) << variant << " " << len;
+    }
+  }
+}
+
+TEST(AttentionBench, AFailedAllocationSkipsThePointAndTheLongerLengths) {
+  auto o = tiny({64, 1000000000, 2000000000});  // q alone at 1e9 tokens: 64 GB
+  o.variants = {"elu"};
+  o.max_bytes = 1e15;
+  auto points = by_variant(dcp::bench_attention(o));
+  EXPECT_TRUE(points["elu"].at(64).measured);
+  const auto& failed = points["elu"].at(1000000000);
+  EXPECT_FALSE(failed.measured);
+  EXPECT_EQ(failed.skip_reason.rfind("allocation failed: ", 0), 0u) << failed.skip_reason;
+  EXPECT_EQ(failed.skip_reason.find('\n'), std::string::npos) << failed.skip_reason;
+  EXPECT_EQ(points["elu"].at(2000000000).skip_reason, "an allocation at 1000000000 tokens failed");
 }
 
 TEST(AttentionBench, SkipsSoftmaxOverTheMemoryLimitAndLongerLengthsAfterTheTimeCap) {
@@ -97,7 +119,9 @@ TEST(AttentionBench, SkipsSoftmaxOverTheMemoryLimitAndLongerLengthsAfterTheTimeC
   EXPECT_FALSE(points["softmax"].at(128).measured);
   EXPECT_NE(points["softmax"].at(128).skip_reason.find("needs"), std::string::npos);
   EXPECT_NE(points["softmax"].at(128).skip_reason.find("--max-bytes"), std::string::npos);
-  EXPECT_TRUE(points["elu"].at(128).measured);
+  // The flexformer variants are guarded by their own (linear) prediction: elu needs 98 KB at 64, 197 KB at 128.
+  EXPECT_TRUE(points["elu"].at(64).measured);
+  EXPECT_NE(points["elu"].at(128).skip_reason.find("--max-bytes"), std::string::npos);
 
   o = tiny({64, 128, 256});
   o.variants = {"stationary"};

@@ -168,6 +168,8 @@ TEST(Distill, BadInputsNameTheProblem) {
   EXPECT_NE(error_of([&] { student_config(cfg, {"attention.backend=softmax"}); }).find("must be flexformer"),
             std::string::npos);
   EXPECT_NE(error_of([&] { student_config(cfg, {"attention.feature_map=elu"}); }).find("'elu'"), std::string::npos);
+  // Without stage 1 there are no frequencies to fit: any feature map is a student.
+  EXPECT_EQ(student_config(cfg, {"attention.feature_map=elu"}, /*fit_frequencies=*/false).attention.feature_map, "elu");
   EXPECT_NE(error_of([&] { student_config(cfg, {"attention.input_norm=cosine"}); }).find("cosine"),
             std::string::npos);
 

@@ -58,7 +58,9 @@ TEST(MemoryMeter, AutogradPeakExceedsWhatSurvivesBackward) {
 }
 
 TEST(MemoryMeter, ProcessHighWaterMarkIsReadable) {
-  const int64_t hwm = process_high_water_mark_bytes(), rss = process_resident_bytes();
+  // RSS first: the high-water mark read afterwards covers it, even if a page was touched in between.
+  const int64_t rss = process_resident_bytes();
+  const int64_t hwm = process_high_water_mark_bytes();
   EXPECT_GT(rss, 0);
   EXPECT_GE(hwm, rss);
 }
@@ -366,6 +368,15 @@ TEST(MemoryProfile, TinyModelFitsMeasuredPeaksAndTheFileReproducesThem) {
   for (const ProfilePoint& p : r.points) {
     EXPECT_NEAR(m.bytes(p.lengths, 1, p.recompute_layers), p.predicted_peak_bytes, 1e-9 * p.predicted_peak_bytes);
   }
+}
+
+TEST(DeviceSpec, MissingProfileFileIsNamedAsAFileNotAnUnknownDevice) {
+  const std::string missing = test::error_of([] { DeviceSpec::named("no_such_profile.json"); });
+  EXPECT_NE(missing.find("'no_such_profile.json': no such file"), std::string::npos) << missing;
+  const std::string path = test::error_of([] { DeviceSpec::named("/nonexistent/profile"); });
+  EXPECT_NE(path.find("no such file"), std::string::npos) << path;
+  const std::string unknown = test::error_of([] { DeviceSpec::named("a100"); });
+  EXPECT_NE(unknown.find("unknown device 'a100' (known: h200"), std::string::npos) << unknown;
 }
 
 }  // namespace
