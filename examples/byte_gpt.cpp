@@ -22,6 +22,16 @@ constexpr int64_t kBos = 256, kVocab = 257;
 
 // ------------------------------------------------------------------------------------------ the user's model
 
+// Mixed precision the user's way: the weights stay fp32 (the optimizer's master copy) and each matmul runs in
+// the activations' dtype (bf16 when dcp.precision() says so), LayerNorm's statistics in fp32. In fp32 these
+// are exactly Linear::forward and LayerNorm::forward.
+torch::Tensor linear(const torch::nn::Linear& l, const torch::Tensor& x) {
+  return torch::linear(x, l->weight.to(x.scalar_type()), l->bias.to(x.scalar_type()));
+}
+torch::Tensor norm(torch::nn::LayerNorm& ln, const torch::Tensor& x) {
+  return ln(x.to(torch::kFloat)).to(x.scalar_type());
+}
+
 // Causal softmax attention inside each sample of a packed stream. q, k, v: [T, H, D]; cu_seqlens: [n + 1].
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& cu_seqlens) {
@@ -33,7 +43,8 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
     auto vi = v.slice(0, a, b).transpose(0, 1);
     auto scores = torch::matmul(qi, ki.transpose(1, 2)) / std::sqrt(static_cast<double>(q.size(2)));
     auto mask = torch::ones({b - a, b - a}, torch::kBool).triu(1);
-    outs.push_back(torch::matmul(scores.masked_fill(mask, -INFINITY).softmax(-1), vi).transpose(0, 1));
+    auto probs = scores.masked_fill(mask, -INFINITY).softmax(-1, torch::kFloat).to(v.scalar_type());
+    outs.push_back(torch::matmul(probs, vi).transpose(0, 1));
   }
   return torch::cat(outs, 0);
 }
@@ -50,10 +61,10 @@ struct BlockImpl : torch::nn::Module {
 
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cu_seqlens) {
     const int64_t T = x.size(0), d = x.size(1);
-    auto a = qkv(ln1(x)).view({T, 3, heads, d / heads}).unbind(1);
+    auto a = linear(qkv, norm(ln1, x)).view({T, 3, heads, d / heads}).unbind(1);
     auto o = dcp::attention(a[0], a[1], a[2], cu_seqlens, causal_attention);  // DCP line: SP all-to-all
-    x = x + proj(o.reshape({T, d}));
-    return x + fc2(torch::gelu(fc1(ln2(x))));
+    x = x + linear(proj, o.reshape({T, d}));
+    return x + linear(fc2, torch::gelu(linear(fc1, norm(ln2, x))));
   }
 
   int64_t heads;
@@ -71,20 +82,21 @@ struct GptImpl : torch::nn::Module {
     for (int64_t i = 0; i < layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(d, heads)));
   }
 
-  // Sum of next-token losses of the packed tokens (targets -100 are ignored).
+  // Sum of next-token losses of the packed tokens (targets -100 are ignored), in fp32 whatever `dtype`.
   torch::Tensor loss_sum(const torch::Tensor& tokens, const torch::Tensor& positions, const torch::Tensor& targets,
                          const torch::Tensor& cu_seqlens) {
-    auto x = embed(tokens) + pos(positions);
+    auto x = (embed(tokens) + pos(positions)).to(dtype);
     for (size_t i = 0; i < blocks.size(); ++i) {
       std::shared_ptr<BlockImpl> block = blocks[i].ptr();
       x = dcp::layer(static_cast<int64_t>(i), [block, cu_seqlens](const torch::Tensor& h) {  // DCP line: recompute
         return block->forward(h, cu_seqlens);
       }, x);
     }
-    return torch::nn::functional::cross_entropy(
-        head(ln_f(x)), targets, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    return torch::nn::functional::cross_entropy(linear(head, norm(ln_f, x)).to(torch::kFloat), targets,
+                                                torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
   }
 
+  torch::ScalarType dtype = torch::kFloat;  // of the matmuls and activations
   torch::nn::Embedding embed, pos;
   torch::nn::LayerNorm ln_f;
   torch::nn::Linear head;
@@ -213,7 +225,8 @@ int check(dcp::Runtime& dcp, Gpt& model, const std::vector<std::string>& samples
 
 int main(int argc, char** argv) {
   CLI::App app{"byte_gpt: a user-style GPT trained with DCP (dcp/runtime.h)"};
-  std::string data = "/usr/share/doc/python3.11/html/_sources", planner = "dcp-opt", cost_model = "h200";
+  std::string data = "/usr/share/doc/python3.11/html/_sources", planner = "dcp-opt", cost_model = "h200",
+              precision = "auto";
   int64_t steps = 20, tokens_per_step = 16384, max_len = 512, layers = 2, d = 64, heads = 4;
   bool check_only = false;
   app.add_option("--data", data, "folder of text files");
@@ -221,7 +234,9 @@ int main(int argc, char** argv) {
   app.add_option("--tokens-per-step", tokens_per_step, "global batch, tokens")->check(CLI::PositiveNumber);
   app.add_option("--planner", planner, "a planner of dcp plan / dcp simulate");
   app.add_option("--cost-model", cost_model, "h200 or a dcp profile JSON file");
-  app.add_flag("--check", check_only, "compare one step's DCP gradient with the one-process gradient and exit");
+  app.add_option("--precision", precision, "auto, bf16 or fp32 (as dcp's train.precision)");
+  app.add_flag("--check", check_only, "compare one step's DCP gradient with the one-process gradient (in fp32) "
+                                      "and exit");
   CLI11_PARSE(app, argc, argv);
   try {
     torch::manual_seed(0);  // identical weights on every rank
@@ -231,11 +246,15 @@ int main(int argc, char** argv) {
     for (const auto& s : samples) lengths.push_back(static_cast<int64_t>(s.size()));
 
     dcp::RuntimeOptions options;
-    options.shape = dcp::ModelShape{d, layers, heads, 4 * d, 2, kVocab, 4};
+    options.shape = dcp::ModelShape{d, layers, heads, 4 * d, 2, kVocab};
     options.planner = planner;
     options.cost_model = cost_model;
     options.tokens_per_step = tokens_per_step;
+    // The check is exact in fp32 only: bf16 rounds differently for the different shapes a plan gives matmuls.
+    options.precision = check_only ? "fp32" : precision;
     dcp::Runtime dcp(options);
+    model->dtype = dcp.precision().precision == dcp::Precision::kBf16 ? torch::kBFloat16 : torch::kFloat;
+    if (dcp.rank() == 0) std::cout << "precision: " << dcp.precision().describe() << "\n";
     const auto local = std::max<int64_t>(1, dcp.groups().env().local_world_size);
     torch::set_num_threads(static_cast<int>(std::max<int64_t>(1, std::thread::hardware_concurrency() / local)));
     if (check_only) return check(dcp, model, samples, lengths);

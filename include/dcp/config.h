@@ -71,6 +71,9 @@ struct TrainConfig {
   int64_t checkpoint_every = 50;        ///< steps between checkpoints; 0 = only at the end
   int64_t stop_after_steps = 0;         ///< end this invocation after N steps (checkpointed; --resume goes on); 0 = off
   int64_t threads = 0;                  ///< intra-op threads per rank; 0 = cores / local ranks
+  /// auto | bf16 | fp32: the dtype of matmuls and activations (resolve_precision in dcp/precision.h; auto =
+  /// bf16 where the CPU has AVX512-BF16 or AMX, else fp32). Parameters and optimizer state are fp32 in both.
+  std::string precision = "auto";
   /// static (parallel.sp_size everywhere) | bucket | packed | dcp-intra | dcp-inter | dcp-inter-pac | dcp-opt
   std::string planner = "static";
   std::string cost_model = "h200";      ///< device model the planners and step predictions use: h200 or a

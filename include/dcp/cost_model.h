@@ -30,7 +30,9 @@ struct ModelShape {
   int64_t ffn = 8192;            ///< MLP inner width
   int64_t mlp_matrices = 2;      ///< 2 for GELU (fc1, fc2), 3 for SwiGLU (gate, up, down)
   int64_t vocab = 50304;
-  int64_t bytes_per_element = 2; ///< bf16 activations, weights and gradients
+  /// Bytes of activations, weights and gradients as the models count them: 2 = bf16 (the analytic h200 model's
+  /// assumption), 4 = fp32; a profile's is the precision it measured (precision_of_bytes, dcp/precision.h).
+  int64_t bytes_per_element = 2;
   AttentionKind attention = AttentionKind::kSoftmax;
   int64_t feature_dim = 0;          ///< F: features per head of phi(q), phi(k) (linear only)
   /// P: rows of Omega applied per head to each of q and k (m frequencies, 2m nonstationary, 0 for elu)
@@ -234,7 +236,8 @@ class MemoryModel {
   /// token_layer_bytes, token_recompute_bytes, token_bytes, square_layer_bytes, square_bytes and
   /// sp_token_bytes (when absent: 6 * hidden * bytes_per_element, the value `dcp profile` writes). The "model"
 /// object's attention ("softmax" or "linear"; absent: softmax, profiles written before it was recorded),
-/// feature_dim, feature_projections and chunk_size (required for linear) give the shape's attention. Throws
+/// feature_dim, feature_projections and chunk_size (required for linear) give the shape's attention; its
+/// optional "precision" must name the precision of its bytes_per_element (precision_of_bytes). Throws
   /// std::runtime_error naming the file when it cannot be read or is not JSON, std::invalid_argument naming the
   /// file and the field when one is missing or not a number (a profile written before memory was fitted has no
   /// "memory" object: rerun `dcp profile`), and what the coefficient constructor throws.

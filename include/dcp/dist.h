@@ -43,7 +43,8 @@ class Communicator {
   void allreduce_sum(at::Tensor& t) const;  ///< in place, any shape, CPU float/int
   void allreduce_max(at::Tensor& t) const;  ///< in place
   /// Splits `input` [size * n, ...] into `size` equal chunks along dim 0, sends chunk j to member j, and
-  /// returns the chunks received, concatenated in member order (same shape as input).
+  /// returns the chunks received, concatenated in member order (same shape and dtype as input; bf16 included,
+  /// bit for bit).
   at::Tensor all_to_all(const at::Tensor& input) const;
   void barrier() const;
 

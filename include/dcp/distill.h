@@ -48,7 +48,7 @@ std::vector<AttentionCapture> capture_attention(Transformer& model, const Packed
 /// stationary or nonstationary), naming the value; ConfigError for a bad override.
 Config student_config(const Config& teacher, const std::vector<std::string>& overrides, bool fit_frequencies = true);
 
-/// Builds the model of `student_cfg` (initialised from run.seed) and copies every parameter of `teacher` into
+/// Builds the model of `student_cfg` (initialised from run.seed, computing in its train.precision) and copies every parameter of `teacher` into
 /// the parameter of the same name; only the flexformer backends' own tensors ("blocks.<i>.attention.*") keep
 /// their initialisation. Throws std::invalid_argument naming a tensor whose name or shape has no match.
 Transformer make_student(Transformer& teacher, const Config& student_cfg);
@@ -59,8 +59,8 @@ Transformer make_student(Transformer& teacher, const Config& student_cfg);
 /// for other input norms. Throws std::invalid_argument when `captures` does not have one entry per layer.
 void calibrate_key_offsets(Transformer& student, const std::vector<AttentionCapture>& captures);
 
-/// Per layer: mean over all elements of (student_l(q_l, k_l, v_l) - out_l)^2, the student's backend run on the
-/// teacher's captured inputs (no gradient). Throws std::invalid_argument when a block's backend is not
+/// Per layer: mean over all elements of (student_l(q_l, k_l, v_l) - out_l)^2 in fp32, the student's backend run
+/// on the teacher's captured inputs (no gradient). Throws std::invalid_argument when a block's backend is not
 /// flexformer or the number of layers differs.
 std::vector<double> attention_mse(Transformer& student, const std::vector<AttentionCapture>& captures);
 
@@ -106,7 +106,8 @@ struct DistillResult {
   double eval_seconds = 0;           ///< the three held-out evaluations before fine-tuning, together
 };
 
-/// `dcp distill`: loads the softmax teacher from checkpoint folder `teacher_dir`, builds the student of
+/// `dcp distill`: loads the softmax teacher from checkpoint folder `teacher_dir` (computing, like the student,
+/// in student_cfg's train.precision), builds the student of
 /// `student_cfg` (see student_config; its run.dir is the output folder), calibrates its key offsets on the
 /// first stage-1 training batch, runs stage 1, saves the student as
 /// run.dir/checkpoint at step 0 with a fresh optimizer (`dcp train --resume` continues it), then, when

@@ -13,6 +13,7 @@
 
 #include "dcp/config.h"
 #include "dcp/data.h"
+#include "dcp/precision.h"
 
 namespace dcp {
 
@@ -96,10 +97,14 @@ std::shared_ptr<AttentionBackend> make_attention_backend(const AttentionConfig& 
 /// Runs `fn(x)` plainly when grad mode is off or `x` does not require grad. x: any shape.
 torch::Tensor recompute(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& x);
 
+/// The torch dtype of a precision's matmuls and activations: kBFloat16 or kFloat.
+torch::ScalarType compute_dtype(Precision precision);
+
 /// Root-mean-square layer norm (Zhang & Sennrich 2019) with a learned gain.
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps = 1e-6);
-  torch::Tensor forward(const torch::Tensor& x);  ///< [..., dim] -> [..., dim]
+  /// [..., dim] -> [..., dim] in x's dtype; the statistics and the gain are applied in fp32, then one cast.
+  torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
   double eps;
 };
@@ -111,7 +116,10 @@ struct BlockImpl : torch::nn::Module {
   /// Throws std::invalid_argument unless d_model is divisible by n_heads or when `attention` is null.
   /// wqkv's output is [q | k | v]. A backend that is a torch::nn::Module becomes submodule "attention".
   BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention);
-  /// x: [T, d_model]; positions: [T] int64; cu_seqlens: [n+1] int64. Returns [T, d_model].
+  /// x: [T, d_model] fp32 or bf16; positions: [T] int64; cu_seqlens: [n+1] int64. Returns [T, d_model] in x's
+  /// dtype. The block computes in x's dtype: each fp32 weight is cast to it for its matmul (the cast's backward
+  /// gives the fp32 parameter an fp32 gradient), q, k, v reach the backend in it; the norms' statistics and the
+  /// rotary angles stay fp32.
   /// `wrapper` null: the block's backend is called directly; else wrapper->forward(*attention, layer, ...).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
                         const AttentionWrapper* wrapper = nullptr, int64_t layer = 0);
@@ -125,20 +133,25 @@ struct BlockImpl : torch::nn::Module {
 TORCH_MODULE(Block);
 
 /// Byte embeddings -> n_layers Blocks -> RMSNorm -> linear head over kVocabSize. Every block gets its own
-/// attention backend from make_attention_backend(attn, cfg).
+/// attention backend from make_attention_backend(attn, cfg). Parameters are fp32 whatever the precision.
 struct TransformerImpl : torch::nn::Module {
-  explicit TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn = {});
+  explicit TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn = {},
+                           Precision precision = Precision::kFp32);
 
-  /// Returns logits [T, kVocabSize]. The first `recompute_layers` blocks recompute their activations in
-  /// backward instead of keeping them. Throws std::invalid_argument if recompute_layers is outside [0, n_layers].
-  /// tokens and positions are moved to the parameters' device; cu_seqlens is read on the host.
+  /// Returns fp32 logits [T, kVocabSize]. With Precision::kBf16 the embedding output is cast to bf16 once, the
+  /// blocks, the final norm and the head matmul run in bf16 and the logits are cast back to fp32. The first
+  /// `recompute_layers` blocks recompute their activations in backward instead of keeping them. Throws
+  /// std::invalid_argument if recompute_layers is outside [0, n_layers]. tokens and positions are moved to the
+  /// parameters' device; cu_seqlens is read on the host.
   torch::Tensor forward(const PackedBatch& batch, int64_t recompute_layers = 0);
 
-  /// Sum over all tokens of the next-token cross-entropy (nats), as a scalar; callers divide by the global
-  /// number of target tokens.
+  /// Sum over all tokens of the next-token cross-entropy (nats, computed in fp32), as a scalar; callers divide
+  /// by the global number of target tokens.
   torch::Tensor loss_sum(const PackedBatch& batch, int64_t recompute_layers = 0);
 
   ModelConfig cfg;
+  /// The dtype of matmuls and activations (docs/config.md "Precision"); may be changed between forwards.
+  Precision precision;
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   RMSNorm final_norm{nullptr};
@@ -147,7 +160,8 @@ struct TransformerImpl : torch::nn::Module {
 TORCH_MODULE(Transformer);
 
 /// Applies rotary position embeddings: x [T, heads, head_dim], positions [T] int64 -> same shape and dtype.
-/// Dimension i is rotated with i + head_dim/2 by angle position * theta^(-2i/head_dim), computed in fp32.
+/// Dimension i is rotated with i + head_dim/2 by angle position * theta^(-2i/head_dim). The angles, their cos
+/// and sin are computed in fp32; the rotation itself runs in x's dtype (cos and sin cast to it, not x to fp32).
 /// Throws std::invalid_argument for an odd head_dim.
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double theta);
 

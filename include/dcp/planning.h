@@ -11,7 +11,8 @@
 namespace dcp {
 
 /// The planners' view of a dcp model: SwiGLU (3 MLP matrices), the byte vocabulary, `bytes_per_element` (2 for
-/// bf16 on GPUs, 4 for this CPU build's fp32) and the attention of cfg.attention (with_attention).
+/// bf16, 4 for fp32: activation_bytes of the run's precision, dcp/precision.h) and the attention of
+/// cfg.attention (with_attention).
 ModelShape model_shape_of(const Config& cfg, int64_t bytes_per_element = 2);
 
 /// `shape` with the attention operator of `attention`: softmax, or for backend flexformer linear attention with
@@ -30,9 +31,10 @@ double memory_budget_bytes(const MemoryConfig& memory, const DeviceSpec& device)
 /// (memory_budget_bytes of `device`, the DeviceSpec::named of the same name): "h200" gives the analytic model of
 /// `shape`; a `dcp profile` JSON file gives its fitted model (MemoryModel::from_profile) with
 /// `longest_sample_tokens` (the longest sample the planners will see, tokens; 0 = no bound). Throws
-/// std::invalid_argument naming the file and both shapes when the profile measured another model, attention
-/// kind included (its memory fit, and for another kind its attention rate, does not carry over: rerun `dcp
-/// profile` with this model), and what MemoryModel throws.
+/// std::invalid_argument naming the file and both precisions when the profile was measured in another precision
+/// (bytes_per_element: its time and memory fits do not carry over), naming the file and both shapes when it
+/// measured another model, attention kind included (its memory fit, and for another kind its attention rate,
+/// does not carry over: rerun `dcp profile` with this model), and what MemoryModel throws.
 MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& shape, const DeviceSpec& device,
                              const MemoryConfig& memory, int64_t longest_sample_tokens);
 

@@ -35,7 +35,9 @@ struct ProfilePoint {
 
 /// Result of profile_model: the fitted device and the grid it was fitted to.
 struct ProfileResult {
-  ModelShape shape;  ///< model_shape_of(cfg, 4): SwiGLU, byte vocabulary, fp32
+  /// model_shape_of(cfg, activation_bytes(p)) for p = train.precision resolved on this CPU: SwiGLU, byte
+  /// vocabulary, bytes_per_element 4 (measured in fp32) or 2 (bf16)
+  ModelShape shape;
   /// name "cpu-profile"; peak_flops = fitted linear FLOP/s with mfu 1; attention_mfu = attention FLOP/s / linear
   /// FLOP/s; micro_batch_overhead_s = fitted fixed seconds; memory_bytes = physical RAM; gpus_per_node 1;
   /// bandwidths and collective latency keep the DeviceSpec defaults (sequence parallelism is not profiled).
@@ -70,14 +72,14 @@ struct ProfileResult {
 std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<double>>& rows,
                                                   const std::vector<double>& targets);
 
-/// Builds the model of `cfg` (one process, torch::manual_seed(run.seed), train.threads intra-op threads or all
-/// cores), and times loss_sum(batch, r).backward() on packed micro-batches of random printable bytes (built with
+/// Builds the model of `cfg` in train.precision (resolve_precision; one process, torch::manual_seed(run.seed),
+/// train.threads intra-op threads or all cores), and times loss_sum(batch, r).backward() on packed micro-batches of random printable bytes (built with
 /// Corpus::from_documents) over sample lengths x micro-batch tokens x recompute_layers {0, n_layers}: one
 /// warm-up, then the median of `repeats` runs. Within a length the (tokens, recompute) combinations are visited
 /// in an order rotated by the length's index, and every 4th point of the grid is held out, so held-out points
 /// cover every combination. Fits
 ///   seconds = fixed + linear_flops / linear_rate + attention_flops / attention_rate
-/// (FLOPs from CostModel::flops of model_shape_of(cfg, 4)) with fit_nonnegative_least_squares on relative
+/// (FLOPs from CostModel::flops of the result's shape) with fit_nonnegative_least_squares on relative
 /// residuals (each row divided by its measured seconds), so that the fit minimises relative error. When the
 /// attention coefficient comes out 0, it refits seconds = fixed + (linear + attention flops) / rate and sets
 /// attention_separated false (attention_mfu 1).
@@ -95,8 +97,8 @@ std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<
 ProfileResult profile_model(const Config& cfg, const ProfileOptions& options = {});
 
 /// Writes `result` as JSON to `path`: "device" (the DeviceSpec fields, read back by DeviceSpec::from_profile),
-/// "model" (the ModelShape, its attention kind "softmax" or "linear" and the linear operator's feature_dim,
-/// feature_projections and chunk_size included), "fit" (coefficients, attention_separated and relative errors), "memory" (the
+/// "model" (the ModelShape, its "precision" (precision_of_bytes of bytes_per_element: "fp32" or "bf16"), its attention
+/// kind "softmax" or "linear" and the linear operator's feature_dim, feature_projections and chunk_size included), "fit" (coefficients, attention_separated and relative errors), "memory" (the
 /// MemoryCoefficients, read back with "model" by MemoryModel::from_profile, the meter's method and relative
 /// errors), "grid" (per point: sample_length, samples, tokens, recompute_layers, linear_flops, attention_flops,
 /// measured_s, predicted_s, measured_peak_bytes, predicted_peak_bytes, held_out), "threads",

@@ -18,12 +18,18 @@
 #include "dcp/dist.h"
 #include "dcp/plan.h"
 #include "dcp/planners.h"
+#include "dcp/precision.h"
 
 namespace dcp {
 
 /// How a Runtime plans.
 struct RuntimeOptions {
-  ModelShape shape;                  ///< the user's model as the cost and memory models see it
+  /// The user's model as the cost and memory models see it; the Runtime sets its bytes_per_element to the
+  /// resolved precision's activation_bytes (2 bf16, 4 fp32), so that a profile of another precision is refused.
+  ModelShape shape;
+  /// auto | bf16 | fp32, as train.precision (resolve_precision). The Runtime only resolves it and plans with it;
+  /// the model computes in Runtime::precision() itself (docs/integration.md, "Precision").
+  std::string precision = "auto";
   std::string planner = "dcp-opt";   ///< a name of planner_names()
   std::string cost_model = "h200";   ///< DeviceSpec::named: "h200" or a `dcp profile` JSON file
   MemoryConfig memory;               ///< per-rank budget (memory.budget_bytes, memory.fraction of the device)
@@ -131,7 +137,8 @@ StepStats reduce_step(const StepPlan& plan, const std::vector<at::Tensor>& param
 class Runtime {
  public:
   /// Reads the launcher's variables (DistEnv::from_environment) and creates the process groups. Throws what
-  /// DistEnv, ProcessGroups, DeviceSpec::named and the models throw, std::invalid_argument for an unknown planner.
+  /// DistEnv, ProcessGroups, DeviceSpec::named and the models throw (memory_model_for: a profile of another
+  /// precision or model), std::invalid_argument for an unknown planner, ConfigError for a bad precision.
   explicit Runtime(RuntimeOptions options);
   /// Uses process groups created by the caller (they must outlive the Runtime).
   Runtime(RuntimeOptions options, const ProcessGroups& groups);
@@ -141,6 +148,8 @@ class Runtime {
   const ProcessGroups& groups() const { return *groups_; }
   const CostModel& cost() const { return cost_; }
   const MemoryModel& memory() const { return memory_; }
+  /// options.precision resolved on this CPU, with the reason (for the user's log).
+  const PrecisionChoice& precision() const { return precision_; }
 
   /// One epoch of samples 0..n-1 with these lengths (tokens) cut into steps of options.tokens_per_step and
   /// planned; a pure function of its inputs, so every rank computes the same plans without communication.
@@ -159,6 +168,7 @@ class Runtime {
   // groups null: the owned ones.
   Runtime(RuntimeOptions options, std::unique_ptr<ProcessGroups> owned, const ProcessGroups* groups);
 
+  PrecisionChoice precision_;  // first: options_.shape takes its bytes
   RuntimeOptions options_;
   std::unique_ptr<ProcessGroups> owned_groups_;
   const ProcessGroups* groups_;

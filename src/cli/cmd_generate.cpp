@@ -19,7 +19,8 @@ void add_generate_command(CLI::App& app) {
   sub->add_option("--seed", opt->seed, "sampling seed");
   sub->callback([checkpoint, prompt, opt] {
     Config cfg = load_checkpoint_config(*checkpoint);
-    Transformer model(cfg.model, cfg.attention);
+    // The run's train.precision, resolved on this CPU (auto may differ from the machine that trained).
+    Transformer model(cfg.model, cfg.attention, resolve_precision(cfg.train.precision).precision);
     load_checkpoint(*checkpoint, model, nullptr);
     opt->context = cfg.data.max_seq_len;
     std::string text = generate(model, *prompt, *opt);

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "cli/commands.h"
+#include "dcp/precision.h"
 #include "dcp/profiler.h"
 
 namespace dcp {
@@ -41,8 +42,10 @@ void add_profile_command(CLI::App& app) {
     }
     const ProfileResult r = profile_model(cfg, *options);
     write_profile(r, *out_path);
-    fmt::print("model d_model {} n_layers {} n_heads {} d_ff {}; {} threads, median of {} runs after a warm-up\n\n",
-               cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_ff, r.threads, r.repeats);
+    fmt::print("model d_model {} n_layers {} n_heads {} d_ff {}; precision {}; {} threads, median of {} runs after "
+               "a warm-up\n\n",
+               cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_ff,
+               resolve_precision(cfg.train.precision).describe(), r.threads, r.repeats);
     fmt::print("| sample_length | samples | tokens | recompute | measured_ms | predicted_ms | error | measured_MB | "
                "predicted_MB | error | held_out |\n");
     fmt::print("|---|---|---|---|---|---|---|---|---|---|---|\n");

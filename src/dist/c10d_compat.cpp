@@ -59,11 +59,14 @@ at::Tensor Communicator::all_to_all(const at::Tensor& input) const {
     throw std::invalid_argument(fmt::format("all_to_all on '{}': dim 0 ({}) is not divisible by the group size {}",
                                             name_, input.size(0), size_));
   }
-  at::Tensor in = input.contiguous();
+  // Gloo of LibTorch 1.13 has no bf16 ("Invalid scalar type"); an all-to-all only moves bytes, so bf16 travels
+  // bit for bit as fp16, which it has.
+  const bool bf16 = input.scalar_type() == at::kBFloat16;
+  at::Tensor in = bf16 ? input.contiguous().view(at::kHalf) : input.contiguous();
   at::Tensor out = at::empty_like(in);
   std::vector<int64_t> splits;  // empty = equal splits
   wait(*this, impl_->pg->alltoall_base(out, in, splits, splits), "all_to_all");
-  return out;
+  return bf16 ? out.view(at::kBFloat16) : out;
 }
 
 void Communicator::barrier() const {

@@ -11,6 +11,13 @@ constexpr double kInitStd = 0.02;
 
 void init_normal(torch::Tensor& weight, double std) { torch::nn::init::normal_(weight, 0.0, std); }
 
+// y = x W^T in x's dtype. Under bf16 the fp32 master weight is cast for this matmul (per forward and per
+// recomputation; a weight is far smaller than a micro-batch's activations) and the cast's backward hands the
+// parameter an fp32 gradient; for fp32 x the cast is a no-op and this is Linear::forward.
+torch::Tensor linear_in_dtype_of(const torch::nn::Linear& layer, const torch::Tensor& x) {
+  return torch::linear(x, layer->weight.to(x.scalar_type()));
+}
+
 // Pairs dimension i with i + D/2 (the "rotate_half" layout of GPT-NeoX / LLaMA).
 torch::Tensor rotate_half(const torch::Tensor& x) {
   auto halves = x.chunk(2, -1);
@@ -19,15 +26,20 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 
 }  // namespace
 
+torch::ScalarType compute_dtype(Precision precision) {
+  return precision == Precision::kBf16 ? torch::kBFloat16 : torch::kFloat;
+}
+
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  // Normalise in fp32: the mean of squares overflows or loses precision in half types.
+  // Normalise in fp32: the mean of squares overflows or loses precision in half types. The fp32 gain is applied
+  // before the one cast back, so that a bf16 input gives a bf16 output (and the gain an fp32 gradient).
   auto xf = x.to(torch::kFloat);
   auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return normed.to(x.scalar_type()) * weight;
+  return (normed * weight).to(x.scalar_type());
 }
 
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
@@ -39,10 +51,10 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& position
   auto fp32 = torch::TensorOptions().dtype(torch::kFloat).device(x.device());
   auto inv_freq = torch::pow(theta, -torch::arange(0, head_dim, 2, fp32) / static_cast<double>(head_dim));  // [D/2]
   auto angles = positions.to(fp32).unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, D/2]
-  auto cos = torch::cat({angles.cos(), angles.cos()}, -1).unsqueeze(1);  // [T, 1, D]
-  auto sin = torch::cat({angles.sin(), angles.sin()}, -1).unsqueeze(1);
-  auto xf = x.to(torch::kFloat);
-  return (xf * cos + rotate_half(xf) * sin).to(x.scalar_type());
+  // The [T, 1, D] tables go to x's dtype rather than x to fp32: heads times fewer elements to cast.
+  auto cos = torch::cat({angles.cos(), angles.cos()}, -1).unsqueeze(1).to(x.scalar_type());  // [T, 1, D]
+  auto sin = torch::cat({angles.sin(), angles.sin()}, -1).unsqueeze(1).to(x.scalar_type());
+  return x * cos + rotate_half(x) * sin;
 }
 
 BlockImpl::BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention)
@@ -84,19 +96,20 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& po
                                  const torch::Tensor& cu_seqlens, const AttentionWrapper* wrapper, int64_t layer) {
   const int64_t tokens = x.size(0);
   // wqkv's output is laid out as [q | k | v], each [heads, head_dim].
-  auto qkv = wqkv(attn_norm(x)).view({tokens, 3, n_heads, head_dim}).unbind(1);
+  auto qkv = linear_in_dtype_of(wqkv, attn_norm(x)).view({tokens, 3, n_heads, head_dim}).unbind(1);
   auto q = apply_rotary(qkv[0], positions, rope_theta);
   auto k = apply_rotary(qkv[1], positions, rope_theta);
   auto attn = (wrapper ? wrapper->forward(*attention, layer, q, k, qkv[2], cu_seqlens)
                        : attention->forward(q, k, qkv[2], cu_seqlens))
                   .reshape({tokens, n_heads * head_dim});
-  auto h = x + wo(attn);
+  auto h = x + linear_in_dtype_of(wo, attn);
   auto m = mlp_norm(h);
-  return h + w_down(torch::silu(w_gate(m)) * w_up(m));
+  return h + linear_in_dtype_of(
+                 w_down, torch::silu(linear_in_dtype_of(w_gate, m)) * linear_in_dtype_of(w_up, m));
 }
 
-TransformerImpl::TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn)
-    : cfg(cfg) {
+TransformerImpl::TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn, Precision precision)
+    : cfg(cfg), precision(precision) {
   embed = register_module("embed", torch::nn::Embedding(kVocabSize, cfg.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < cfg.n_layers; ++i) blocks->push_back(Block(cfg, make_attention_backend(attn, cfg)));
@@ -115,7 +128,9 @@ torch::Tensor TransformerImpl::forward(const PackedBatch& batch, int64_t recompu
   const torch::Tensor positions = batch.positions.to(device);
   const torch::Tensor cu_seqlens = batch.cu_seqlens;
   const std::shared_ptr<const AttentionWrapper> wrapper = batch.attention;
-  torch::Tensor x = embed(batch.tokens.to(device));  // [T, d_model]
+  // The gather runs on the fp32 table and its output is cast: the table's gradient then accumulates the
+  // tokens' rows in fp32 (casting the table instead would sum them in bf16).
+  torch::Tensor x = embed(batch.tokens.to(device)).to(compute_dtype(precision));  // [T, d_model]
   for (int64_t i = 0; i < cfg.n_layers; ++i) {
     std::shared_ptr<BlockImpl> block = blocks->ptr<BlockImpl>(static_cast<size_t>(i));
     if (i < recompute_layers) {
@@ -129,12 +144,12 @@ torch::Tensor TransformerImpl::forward(const PackedBatch& batch, int64_t recompu
       x = block->forward(x, positions, cu_seqlens, wrapper.get(), i);
     }
   }
-  return head(final_norm(x));
+  return linear_in_dtype_of(head, final_norm(x)).to(torch::kFloat);
 }
 
 torch::Tensor TransformerImpl::loss_sum(const PackedBatch& batch, int64_t recompute_layers) {
   auto logits = forward(batch, recompute_layers);
-  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat), batch.targets.to(logits.device()),
+  return torch::nn::functional::cross_entropy(logits, batch.targets.to(logits.device()),
                                               torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
 }
 

@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "dcp/precision.h"
+
 namespace dcp {
 
 double ModelShape::params_per_layer() const {
@@ -327,6 +329,12 @@ MemoryModel MemoryModel::from_profile(const std::string& path, double budget_byt
   shape.mlp_matrices = integer("mlp_matrices");
   shape.vocab = integer("vocab");
   shape.bytes_per_element = integer("bytes_per_element");
+  // Absent: written before the precision was recorded, when profiles measured fp32 (bytes_per_element 4).
+  if (model.contains("precision") && model["precision"] != precision_of_bytes(shape.bytes_per_element)) {
+    throw std::invalid_argument(fmt::format(
+        "memory profile '{}': field 'model.precision' is {} but bytes_per_element {} is {}", path,
+        model["precision"].dump(), shape.bytes_per_element, precision_of_bytes(shape.bytes_per_element)));
+  }
   MemoryCoefficients c;
   c.base_bytes = number("memory", "base_bytes");
   c.token_layer_bytes = number("memory", "token_layer_bytes");

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "dcp/precision.h"
+
 namespace dcp {
 
 namespace {
@@ -30,6 +32,14 @@ MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& sh
   const double budget = memory_budget_bytes(memory, device);
   if (cost_model == "h200") return MemoryModel::analytic(shape, budget);
   MemoryModel fitted = MemoryModel::from_profile(cost_model, budget, longest_sample_tokens);
+  const int64_t measured_bytes = fitted.shape().bytes_per_element;
+  if (measured_bytes != shape.bytes_per_element) {
+    throw std::invalid_argument(fmt::format(
+        "profile '{}' was measured in precision {}, but this run computes in {}: its time and memory fits do not "
+        "carry over; rerun `dcp profile` with --train.precision={} (or train with --train.precision={})",
+        cost_model, precision_of_bytes(measured_bytes), precision_of_bytes(shape.bytes_per_element),
+        precision_of_bytes(shape.bytes_per_element), precision_of_bytes(measured_bytes)));
+  }
   if (describe(fitted.shape()) != describe(shape)) {
     throw std::invalid_argument(fmt::format(
         "memory profile '{}' was measured for the model ({}); this model is ({}): its memory fit (and, for "

@@ -143,7 +143,8 @@ Config student_config(const Config& teacher, const std::vector<std::string>& ove
 
 Transformer make_student(Transformer& teacher, const Config& student_cfg) {
   torch::manual_seed(static_cast<uint64_t>(student_cfg.run.seed));
-  Transformer student(student_cfg.model, student_cfg.attention);
+  Transformer student(student_cfg.model, student_cfg.attention,
+                      resolve_precision(student_cfg.train.precision).precision);
   torch::NoGradGuard no_grad;
   auto mine = student->named_parameters();
   for (const auto& item : teacher->named_parameters()) {
@@ -182,7 +183,7 @@ std::vector<double> attention_mse(Transformer& student, const std::vector<Attent
   for (int64_t l = 0; l < student->cfg.n_layers; ++l) {
     const AttentionCapture& c = captures[static_cast<size_t>(l)];
     auto y = flexformer_of(student, l).forward(c.q, c.k, c.v, c.cu_seqlens);
-    out.push_back(torch::mse_loss(y, c.out).item<double>());
+    out.push_back(torch::mse_loss(y.to(torch::kFloat), c.out.to(torch::kFloat)).item<double>());
   }
   return out;
 }
@@ -215,7 +216,9 @@ AttentionTransferResult transfer_attention(Transformer& teacher, Transformer& st
     torch::Tensor loss = torch::zeros({}, torch::kFloat);
     for (int64_t l = 0; l < student->cfg.n_layers; ++l) {
       const AttentionCapture& c = captures[static_cast<size_t>(l)];
-      loss = loss + torch::mse_loss(flexformer_of(student, l).forward(c.q, c.k, c.v, c.cu_seqlens), c.out);
+      // In fp32 under bf16 too: the loss sums squared errors over every element of the batch.
+      const auto y = flexformer_of(student, l).forward(c.q, c.k, c.v, c.cu_seqlens);
+      loss = loss + torch::mse_loss(y.to(torch::kFloat), c.out.to(torch::kFloat));
     }
     adam.zero_grad();
     loss.backward();
@@ -269,7 +272,10 @@ DistillResult distill(const std::string& teacher_dir, const Config& cfg, const A
                                               teacher_dir, key, theirs[i].second, ours[i].second));
     }
   }
-  Transformer teacher(teacher_cfg.model, teacher_cfg.attention);
+  // Teacher and student compute in the student run's precision: stage 1 fits the student to the teacher's
+  // attention as this run computes it.
+  const PrecisionChoice precision = resolve_precision(cfg.train.precision);
+  Transformer teacher(teacher_cfg.model, teacher_cfg.attention, precision.precision);
   load_checkpoint(teacher_dir, teacher, nullptr);
   Transformer student = make_student(teacher, cfg);
   const Corpus corpus = Corpus::load(cfg.data);
@@ -277,9 +283,11 @@ DistillResult distill(const std::string& teacher_dir, const Config& cfg, const A
   // start leaves no logs there that would make a rerun refuse a non-empty --out.
   init_logging((out_dir / "distill").string(), env.rank, cfg.run.log_level);
   torch::set_num_threads(static_cast<int>(threads_per_rank(cfg.train, env)));
-  spdlog::info("teacher {} ({} layers, d_model {}); student attention: {} / {} / {} / {} with {} features",
+  spdlog::info("teacher {} ({} layers, d_model {}); student attention: {} / {} / {} / {} with {} features; "
+               "precision: {}",
                teacher_dir, teacher_cfg.model.n_layers, teacher_cfg.model.d_model, cfg.attention.feature_map,
-               cfg.attention.input_norm, cfg.attention.normalizer, cfg.attention.mode, cfg.attention.num_features);
+               cfg.attention.input_norm, cfg.attention.normalizer, cfg.attention.mode, cfg.attention.num_features,
+               precision.describe());
 
   DistillResult r;
   const auto eval_start = std::chrono::steady_clock::now();

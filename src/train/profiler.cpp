@@ -17,6 +17,7 @@
 #include "dcp/memory_meter.h"
 #include "dcp/model.h"
 #include "dcp/planning.h"
+#include "dcp/precision.h"
 #include "util/stats.h"
 
 namespace dcp {
@@ -198,13 +199,14 @@ ProfileResult profile_model(const Config& cfg, const ProfileOptions& options) {
   }
 
   ProfileResult result;
-  result.shape = model_shape_of(cfg, 4);
+  const Precision precision = resolve_precision(cfg.train.precision).precision;
+  result.shape = model_shape_of(cfg, activation_bytes(precision));
   result.repeats = options.repeats;
   result.threads = cfg.train.threads > 0 ? cfg.train.threads
                                          : std::max<int64_t>(1, std::thread::hardware_concurrency());
   torch::set_num_threads(static_cast<int>(result.threads));
   torch::manual_seed(cfg.run.seed);
-  Transformer model(cfg.model, cfg.attention);
+  Transformer model(cfg.model, cfg.attention, precision);
   model->train();
   const CostModel flop_model(result.shape, DeviceSpec{});
   // The trainer's resident state during forward+backward: weights, gradients (zeroed in place between runs
@@ -346,6 +348,7 @@ void write_profile(const ProfileResult& r, const std::string& path) {
         {"mlp_matrices", r.shape.mlp_matrices},
         {"vocab", r.shape.vocab},
         {"bytes_per_element", r.shape.bytes_per_element},
+        {"precision", precision_of_bytes(r.shape.bytes_per_element)},
         {"attention", attention_kind_name(r.shape.attention)},
         {"feature_dim", r.shape.feature_dim},
         {"feature_projections", r.shape.feature_projections},

@@ -174,6 +174,11 @@ std::unique_ptr<ProcessGroups> make_groups(const RuntimeOptions& o) {
   return std::make_unique<ProcessGroups>(env, o.timeout_s, resolve_sp_sizes(o.sp_sizes, env.world_size));
 }
 
+RuntimeOptions with_precision_bytes(RuntimeOptions o, Precision precision) {
+  o.shape.bytes_per_element = activation_bytes(precision);
+  return o;
+}
+
 }  // namespace
 
 Runtime::Runtime(RuntimeOptions options) : Runtime(options, make_groups(options), nullptr) {}
@@ -182,7 +187,8 @@ Runtime::Runtime(RuntimeOptions options, const ProcessGroups& groups)
     : Runtime(std::move(options), nullptr, &groups) {}
 
 Runtime::Runtime(RuntimeOptions options, std::unique_ptr<ProcessGroups> owned, const ProcessGroups* groups)
-    : options_(std::move(options)),
+    : precision_(resolve_precision(options.precision)),
+      options_(with_precision_bytes(std::move(options), precision_.precision)),
       owned_groups_(std::move(owned)),
       groups_(groups ? groups : owned_groups_.get()),
       cost_(options_.shape, DeviceSpec::named(options_.cost_model)),

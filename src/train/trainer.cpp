@@ -9,6 +9,7 @@
 
 #include "dcp/memory_meter.h"
 #include "dcp/planning.h"
+#include "dcp/precision.h"
 #include "dcp/train.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
@@ -128,13 +129,15 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     spdlog::warn("skipped {} document(s) as {}: e.g.{}", n, reason, examples);
   }
 
+  const PrecisionChoice precision = resolve_precision(cfg.train.precision);
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
-  Transformer model(cfg.model, cfg.attention);
+  Transformer model(cfg.model, cfg.attention, precision.precision);
   auto optimizer = make_optimizer(model, cfg.train);
   int64_t n_params = 0;
   for (const auto& p : model->parameters()) n_params += p.numel();
   spdlog::info("model: {} parameters, d_model {}, {} layers, {} heads, d_ff {}", n_params, cfg.model.d_model,
                cfg.model.n_layers, cfg.model.n_heads, cfg.model.d_ff);
+  spdlog::info("precision: {}; fp32 master weights, gradients and AdamW moments", precision.describe());
 
   const fs::path ckpt_dir = run_dir / "checkpoint";
   TrainState state;
@@ -168,7 +171,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   }
 
   for (const auto& p : file_plans) p.validate(env.world_size, corpus.samples(), cfg.model.n_layers);
-  const ModelShape shape = model_shape_of(cfg, 4);  // fp32 on this build
+  const ModelShape shape = model_shape_of(cfg, activation_bytes(precision.precision));
   const DeviceSpec device = DeviceSpec::named(cfg.train.cost_model);
   const CostModel cost(shape, device);
   int64_t longest_sample = 0;
@@ -322,6 +325,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                        for (const auto& [reason, n] : planner_skips) all[reason] += n;
                        return all;
                      }()},
+                    {"precision", precision_name(precision.precision)},
                     {"planner", file_plans.empty() ? cfg.train.planner : "plan-file"},
                     {"cost_model", cfg.train.cost_model},
                     {"predicted_step_median_rel_err", median_or_null(prediction_errors)},

@@ -67,6 +67,17 @@ const std::vector<std::vector<std::string>> kFlexformerVariants{
 
 TEST(SequenceParallel, ForwardLogitsEqualSingleRank) { expect_sp_logits_equal_single_rank(tiny_config()); }
 
+TEST(SequenceParallel, Bf16AllToAllMovesEveryBitPattern) {
+  // Every one of the 65536 bf16 bit patterns (NaN payloads, infinities, subnormals, -0 included); member r sends
+  // chunk j to member j, so member r receives chunk r of every member: its own chunk, 4 times.
+  const Communicator& group = groups().group(4);
+  const auto bits = torch::arange(-32768, 32768, torch::kInt32).to(torch::kInt16);
+  torch::Tensor out = group.all_to_all(bits.view(torch::kBFloat16));
+  EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+  const auto mine = bits.slice(0, group.rank() * 16384, (group.rank() + 1) * 16384);
+  EXPECT_TRUE(torch::equal(out.view(torch::kInt16), mine.repeat({4})));
+}
+
 TEST(SequenceParallel, FlexformerForwardLogitsEqualSingleRank) {
   for (const auto& variant : kFlexformerVariants) {
     SCOPED_TRACE(joined(variant));

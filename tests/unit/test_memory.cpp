@@ -12,6 +12,7 @@
 #include "dcp/memory_meter.h"
 #include "dcp/model.h"
 #include "dcp/planning.h"
+#include "dcp/precision.h"
 #include "dcp/profiler.h"
 #include "error_of.h"
 
@@ -308,6 +309,42 @@ TEST(MemoryModelFile, ProfileRecordsTheAttentionKindAndRefusesAnotherKind) {
   EXPECT_NE(b.find("mamba"), std::string::npos) << b;
 }
 
+TEST(MemoryModelFile, ProfileRecordsItsPrecisionAndAnotherPrecisionIsRefused) {
+  ProfileResult r = profile_with_memory();
+  r.shape.bytes_per_element = activation_bytes(Precision::kBf16);
+  const std::string path = temp_file("bf16.json").string();
+  write_profile(r, path);
+  nlohmann::json doc;
+  std::ifstream(path) >> doc;
+  EXPECT_EQ(doc.at("model").at("precision"), "bf16");
+  MemoryConfig memory;
+  EXPECT_EQ(memory_model_for(path, r.shape, DeviceSpec::named(path), memory, 0).shape().bytes_per_element, 2);
+
+  // An fp32 run with the bf16 profile: refused, naming the file and both precisions.
+  ModelShape fp32 = r.shape;
+  fp32.bytes_per_element = activation_bytes(Precision::kFp32);
+  const std::string e = test::error_of([&] { memory_model_for(path, fp32, DeviceSpec::named(path), memory, 0); });
+  EXPECT_NE(e.find("profile '" + path + "' was measured in precision bf16, but this run computes in fp32"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("--train.precision=fp32"), std::string::npos) << e;  // how to measure one that fits
+  EXPECT_THROW(memory_model_for(path, fp32, DeviceSpec::named(path), memory, 0), std::invalid_argument);
+
+  // A file whose precision contradicts its bytes_per_element is named; one without it (older) is fp32.
+  const std::string bad = temp_file("bad_precision.json").string();
+  nlohmann::json wrong = doc;
+  wrong["model"]["precision"] = "fp32";
+  std::ofstream(bad) << wrong.dump();
+  const std::string b = test::error_of([&] { MemoryModel::from_profile(bad, 1e9); });
+  EXPECT_NE(b.find("'model.precision' is \"fp32\" but bytes_per_element 2 is bf16"), std::string::npos) << b;
+  const std::string old = temp_file("no_precision.json").string();
+  nlohmann::json without = doc;
+  without["model"].erase("precision");
+  without["model"]["bytes_per_element"] = 4;
+  std::ofstream(old) << without.dump();
+  EXPECT_EQ(MemoryModel::from_profile(old, 1e9).shape().bytes_per_element, 4);
+}
+
 TEST(MemoryBudget, NoSampleFittingIsAnErrorNotAnEmptyEpoch) {
   std::vector<Sample> samples;
   for (int64_t i = 0; i < 8; ++i) samples.push_back({i, 100 + 10 * i, fmt::format("s{}", i)});
@@ -357,13 +394,17 @@ TEST(MemoryProfile, TinyModelFitsMeasuredPeaksAndTheFileReproducesThem) {
   }
   EXPECT_GT(r.memory.token_layer_bytes, r.memory.token_recompute_bytes);
   EXPECT_GT(r.memory.square_layer_bytes + r.memory.square_bytes, 0.0);  // softmax keeps s^2 per sample
-  EXPECT_DOUBLE_EQ(r.memory.sp_token_bytes, 6.0 * 32 * 4);                // assumed: 6 h b
+  // Measured in train.precision (auto: bf16 where it is fast), and the shape says which.
+  const Precision precision = resolve_precision(cfg.train.precision).precision;
+  EXPECT_EQ(r.shape.bytes_per_element, activation_bytes(precision));
+  EXPECT_DOUBLE_EQ(r.memory.sp_token_bytes, 6.0 * 32 * activation_bytes(precision));  // assumed: 6 h b
   // The allocator count is deterministic: the fit is close, held-out points included.
   EXPECT_LT(r.memory_heldout_max_error, 0.15);
   EXPECT_LT(r.memory_fit_median_error, 0.10);
 
   const std::string path = temp_file("tiny_profile.json").string();
   write_profile(r, path);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(path)).at("model").at("precision"), precision_name(precision));
   const MemoryModel m = MemoryModel::from_profile(path, 1e9);
   for (const ProfilePoint& p : r.points) {
     EXPECT_NEAR(m.bytes(p.lengths, 1, p.recompute_layers), p.predicted_peak_bytes, 1e-9 * p.predicted_peak_bytes);
