@@ -48,9 +48,9 @@ std::vector<AttentionCapture> capture_attention(Transformer& model, const Packed
 /// stationary or nonstationary), naming the value; ConfigError for a bad override.
 Config student_config(const Config& teacher, const std::vector<std::string>& overrides, bool fit_frequencies = true);
 
-/// Builds the model of `student_cfg` (initialised from run.seed, computing in its train.precision) and copies every parameter of `teacher` into
-/// the parameter of the same name; only the flexformer backends' own tensors ("blocks.<i>.attention.*") keep
-/// their initialisation. Throws std::invalid_argument naming a tensor whose name or shape has no match.
+/// Builds the model of `student_cfg` (initialised from run.seed, computing in its train.precision) and copies
+/// every parameter of `teacher` into the parameter of the same name; only the flexformer backends' own tensors
+/// ("blocks.<i>.attention.*") keep their initialisation. Throws std::invalid_argument naming a tensor whose name or shape has no match.
 Transformer make_student(Transformer& teacher, const Config& student_cfg);
 
 /// Sets each layer's key_norm_offset c (input_norm scale) per head to the largest |b|^2 / 2 = |k|^2 / (2

@@ -73,8 +73,8 @@ std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<
                                                   const std::vector<double>& targets);
 
 /// Builds the model of `cfg` in train.precision (resolve_precision; one process, torch::manual_seed(run.seed),
-/// train.threads intra-op threads or all cores), and times loss_sum(batch, r).backward() on packed micro-batches of random printable bytes (built with
-/// Corpus::from_documents) over sample lengths x micro-batch tokens x recompute_layers {0, n_layers}: one
+/// train.threads intra-op threads or all cores), and times loss_sum(batch, r).backward() on packed
+/// micro-batches of random printable bytes (built with Corpus::from_documents) over sample lengths x micro-batch tokens x recompute_layers {0, n_layers}: one
 /// warm-up, then the median of `repeats` runs. Within a length the (tokens, recompute) combinations are visited
 /// in an order rotated by the length's index, and every 4th point of the grid is held out, so held-out points
 /// cover every combination. Fits
@@ -97,8 +97,9 @@ std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<
 ProfileResult profile_model(const Config& cfg, const ProfileOptions& options = {});
 
 /// Writes `result` as JSON to `path`: "device" (the DeviceSpec fields, read back by DeviceSpec::from_profile),
-/// "model" (the ModelShape, its "precision" (precision_of_bytes of bytes_per_element: "fp32" or "bf16"), its attention
-/// kind "softmax" or "linear" and the linear operator's feature_dim, feature_projections and chunk_size included), "fit" (coefficients, attention_separated and relative errors), "memory" (the
+/// "model" (the ModelShape, its "precision" (precision_of_bytes of bytes_per_element: "fp32" or "bf16"), its
+/// attention kind "softmax" or "linear" and the linear operator's feature_dim, feature_projections and chunk_size
+/// included), "fit" (coefficients, attention_separated and relative errors), "memory" (the
 /// MemoryCoefficients, read back with "model" by MemoryModel::from_profile, the meter's method and relative
 /// errors), "grid" (per point: sample_length, samples, tokens, recompute_layers, linear_flops, attention_flops,
 /// measured_s, predicted_s, measured_peak_bytes, predicted_peak_bytes, held_out), "threads",

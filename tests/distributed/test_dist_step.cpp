@@ -75,3 +75,20 @@ TEST(DistributedStep, EveryPlannersFirstTwoStepsGiveTheSingleProcessGradient) {
     }
   }
 }
+
+TEST(Runtime, ResolvesItsPrecisionAndPlansAtItsWidth) {
+  RuntimeOptions o;
+  o.shape = model_shape_of(tiny_config(), 4);
+  for (const auto& [precision, bytes] : std::vector<std::pair<std::string, int64_t>>{{"bf16", 2}, {"fp32", 4}}) {
+    o.precision = precision;
+    const Runtime runtime(o, groups());
+    EXPECT_EQ(precision_name(runtime.precision().precision), precision);
+    EXPECT_EQ(runtime.precision().reason, "train.precision=" + precision);
+    EXPECT_EQ(runtime.cost().shape().bytes_per_element, bytes) << precision;
+    EXPECT_EQ(runtime.memory().shape().bytes_per_element, bytes) << precision;
+  }
+  o.precision = "auto";
+  EXPECT_EQ(Runtime(o, groups()).precision().precision, resolve_precision("auto").precision);
+  o.precision = "fp16";
+  EXPECT_THROW(Runtime(o, groups()), ConfigError);
+}
