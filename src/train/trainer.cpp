@@ -161,15 +161,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   std::ofstream metrics;
   if (lead) metrics.open(metrics_path, std::ios::app);
 
-  if (corpus.heldout_ids().empty()) {
-    spdlog::warn("no held-out samples (data.heldout_fraction={}): held-out evaluation skipped, reported as null",
-                 cfg.data.heldout_fraction);
-  }
-  if (!resume) {
-    state.heldout_bits_per_byte_initial = heldout_bits_per_byte(model, corpus, cfg, groups);
-    spdlog::info("held-out bits per byte before training: {:.4f}", state.heldout_bits_per_byte_initial);
-  }
-
+  // Plans and the cost model (a profile of another model or precision is refused) before the evaluation.
   for (const auto& p : file_plans) p.validate(env.world_size, corpus.samples(), cfg.model.n_layers);
   const ModelShape shape = model_shape_of(cfg, activation_bytes(precision.precision));
   const DeviceSpec device = DeviceSpec::named(cfg.train.cost_model);
@@ -179,6 +171,15 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     longest_sample = std::max(longest_sample, corpus.samples()[static_cast<size_t>(id)].length);
   }
   const MemoryModel memory = memory_model_for(cfg.train.cost_model, shape, device, cfg.memory, longest_sample);
+  if (corpus.heldout_ids().empty()) {
+    spdlog::warn("no held-out samples (data.heldout_fraction={}): held-out evaluation skipped, reported as null",
+                 cfg.data.heldout_fraction);
+  }
+  if (!resume) {
+    state.heldout_bits_per_byte_initial = heldout_bits_per_byte(model, corpus, cfg, groups);
+    spdlog::info("held-out bits per byte before training: {:.4f}", state.heldout_bits_per_byte_initial);
+  }
+
   spdlog::info("memory: per-rank budget {:.1f} MB ({}), {} memory model, peaks measured by the {}",
                memory.budget_bytes() / 1e6,
                cfg.memory.budget_bytes > 0 ? "memory.budget_bytes"
