@@ -9,8 +9,8 @@
 
 namespace dcp {
 
-/// The operators compared: "softmax" (SoftmaxAttention) and the flexformer feature maps "stationary",
-/// "nonstationary", "fixed" and "elu", in this order.
+/// The operators compared: "softmax" (SoftmaxAttention, the tiled operator), "softmax-reference" (its per-sample
+/// [L, L] twin) and the flexformer feature maps "stationary", "nonstationary", "fixed" and "elu", in this order.
 const std::vector<std::string>& attention_bench_variants();
 
 /// What bench_attention measures. Every flexformer variant uses the chunked form with `chunk_size` and the
@@ -46,7 +46,13 @@ struct AttentionBenchPoint {
   double predicted_bytes = 0;
 };
 
-/// Predicted peak bytes of tensor storage that one forward+backward of SoftmaxAttention on one fp32 sequence of
+/// Predicted peak bytes of tensor storage that one forward+backward of the tiled softmax operator on one fp32
+/// sequence of `length` tokens allocates beyond its inputs, linear in length: 6 token copies of [heads, head_dim]
+/// (out, out * g and its gradient, dq, dk, dv), the [L, heads] logsumexp, and per thread the backward's workspace
+/// (q^T, dout^T and the fp32 dq accumulator of one head, 3 L head_dim floats, plus 64 KB of tiles).
+double tiled_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t threads);
+
+/// Predicted peak bytes of tensor storage that one forward+backward of the reference softmax on one fp32 sequence of
 /// `length` tokens allocates beyond its inputs: three [heads, L, L] fp32 score-sized tensors alive at once
 /// (during the softmax backward: the saved probabilities, their gradient and the scores' gradient), the two
 /// [L, L] bool masks, and the token-linear terms (q, k, v copies and gradients). Used to skip lengths that do not

@@ -12,11 +12,14 @@ namespace dcp {
 
 /// The attention operator of every layer, as the cost and memory models see it.
 enum class AttentionKind {
-  kSoftmax,  ///< exact causal softmax attention (FlashAttention-style kernels): s^2 FLOPs per sample
+  kSoftmax,  ///< exact causal softmax attention (FlashAttention-style kernels): s^2 FLOPs, memory linear in s
+  /// The same operator with its [heads, s, s] scores materialised per sample (`attention.impl: reference`):
+  /// the full s^2 products (no causal skipping) and s^2 memory.
+  kSoftmaxReference,
   kLinear,   ///< causal (kernelised) linear attention, e.g. Flexformer: FLOPs and memory linear in s
 };
 
-/// "softmax" or "linear" (the names profile JSON files use).
+/// "softmax", "softmax-reference" or "linear" (the names profile JSON files use).
 const char* attention_kind_name(AttentionKind kind);
 
 /// Shape of a dense decoder-only transformer (multi-head attention, two-matrix GELU MLP unless

@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "dcp/attention_kernels.h"
 #include "dcp/config.h"
 #include "dcp/data.h"
 #include "dcp/precision.h"
@@ -76,12 +77,22 @@ class AttentionWrapper {
                                 const torch::Tensor& cu_seqlens) const = 0;
 };
 
-/// Exact softmax attention, computed sample by sample (scores scaled by 1/sqrt(head_dim)); memory is
-/// O(heads * L^2) for the longest sample L. Throws std::invalid_argument unless cu_seqlens runs from 0 to T.
+/// Exact causal softmax attention (scores scaled by 1/sqrt(head_dim)), by one of two implementations of the same
+/// operator (include/dcp/attention_kernels.h): `tiled`, the FlashAttention-2 style operator (memory linear in the
+/// sample length, CPU tensors only), or `reference`, per sample the whole [heads, L, L] score tensor (any
+/// device). fp32, fp64 and bf16 inputs; softmax statistics in fp32 (fp64). Throws std::invalid_argument unless
+/// cu_seqlens runs from 0 to T, and for `tiled` on a non-CPU tensor.
 class SoftmaxAttention : public AttentionBackend {
  public:
+  enum class Impl { tiled, reference };
+  explicit SoftmaxAttention(Impl impl = Impl::tiled, AttentionOptions options = {});
   torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& cu_seqlens) const override;
+  Impl impl() const { return impl_; }
+
+ private:
+  Impl impl_;
+  AttentionOptions options_;
 };
 
 /// Builds the backend named by `attention.backend` for one layer of `model` (a new object per call: a

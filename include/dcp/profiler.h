@@ -88,8 +88,9 @@ std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<
 /// place between runs. MemoryMeter::reset_peak() precedes every run and a point's peak is the largest over its
 /// timed runs. Fits, on the same points and held-out split,
 ///   bytes = base + t * (a (L - r) + b r) + Q * (q (L - r) + q0),  t = tokens, Q = sum of squared lengths
-/// (MemoryCoefficients; the Q terms are the softmax attention's per-sample [heads, s, s] tensors) with
-/// fit_nonnegative_least_squares on relative residuals. The grid runs sp 1 only: MemoryModel's division by sp
+/// (MemoryCoefficients; the Q terms are per-sample [heads, s, s] tensors, fitted only for operators that keep
+/// them: `attention.impl: reference` softmax and the quadratic flexformer form; 0 for the tiled softmax and the
+/// chunked forms) with fit_nonnegative_least_squares on relative residuals. The grid runs sp 1 only: MemoryModel's division by sp
 /// is assumed, not measured, and sp_token_bytes is set to 6 * hidden * bytes_per_element (MemoryCoefficients).
 /// Throws std::invalid_argument when repeats < 1 or no grid length fits data.max_seq_len, and std::runtime_error
 /// when even the one-rate fit gives FLOPs no cost (times that do not grow with FLOPs: too much noise) or the
@@ -98,8 +99,9 @@ ProfileResult profile_model(const Config& cfg, const ProfileOptions& options = {
 
 /// Writes `result` as JSON to `path`: "device" (the DeviceSpec fields, read back by DeviceSpec::from_profile),
 /// "model" (the ModelShape, its "precision" (precision_of_bytes of bytes_per_element: "fp32" or "bf16"), its
-/// attention kind "softmax" or "linear" and the linear operator's feature_dim, feature_projections and chunk_size
-/// included), "fit" (coefficients, attention_separated and relative errors), "memory" (the
+/// attention kind "softmax", "softmax-reference" or "linear" and the linear operator's feature_dim,
+/// feature_projections and chunk_size included), "fit" (coefficients, attention_separated and relative errors),
+/// "memory" (the
 /// MemoryCoefficients, read back with "model" by MemoryModel::from_profile, the meter's method and relative
 /// errors), "grid" (per point: sample_length, samples, tokens, recompute_layers, linear_flops, attention_flops,
 /// measured_s, predicted_s, measured_peak_bytes, predicted_peak_bytes, held_out), "threads",

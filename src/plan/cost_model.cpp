@@ -23,7 +23,12 @@ double ModelShape::params() const {
 }
 
 const char* attention_kind_name(AttentionKind kind) {
-  return kind == AttentionKind::kLinear ? "linear" : "softmax";
+  switch (kind) {
+    case AttentionKind::kSoftmax: return "softmax";
+    case AttentionKind::kSoftmaxReference: return "softmax-reference";
+    case AttentionKind::kLinear: return "linear";
+  }
+  return "unknown";
 }
 
 void ModelShape::validate() const {
@@ -127,6 +132,8 @@ namespace {
 // Forward FLOPs of one layer's attention operator on a sample of s tokens, all heads (CostModel class comment).
 double attention_forward_flops(const ModelShape& m, double s) {
   if (m.attention == AttentionKind::kSoftmax) return 2.0 * static_cast<double>(m.hidden) * s * s;
+  // The reference multiplies the whole square and masks afterwards.
+  if (m.attention == AttentionKind::kSoftmaxReference) return 4.0 * static_cast<double>(m.hidden) * s * s;
   const double H = static_cast<double>(m.heads), D = m.head_dim(), Dv = D + 1.0;
   const double F = static_cast<double>(m.feature_dim), P = static_cast<double>(m.feature_projections);
   const double features = 4.0 * P * D * s;
@@ -211,6 +218,9 @@ MemoryCoefficients analytic_coefficients(const ModelShape& m, double workspace_b
     const double chunked = m.chunk_size > 0 ? C + F * Dv / C : 0.0;  // scores and carried states per token
     full += kFp32 * H * (2.0 * F + Dv + chunked + 2.0 * P);
     if (m.chunk_size == 0) square = kFp32 * H;  // the quadratic form's [H, s, s] scores
+  } else if (m.attention == AttentionKind::kSoftmaxReference) {
+    // Kept for backward per layer: the fp32 scores, their masked copy and the probabilities, [H, s, s] each.
+    square = 3.0 * 4.0 * static_cast<double>(m.heads);
   }
   MemoryCoefficients c;
   c.base_bytes = 16.0 * m.params() + workspace_bytes;
@@ -317,9 +327,13 @@ MemoryModel MemoryModel::from_profile(const std::string& path, double budget_byt
       shape.feature_dim = integer("feature_dim");
       shape.feature_projections = integer("feature_projections");
       shape.chunk_size = integer("chunk_size");
+    } else if (kind == "softmax-reference") {
+      shape.attention = AttentionKind::kSoftmaxReference;
     } else if (kind != "softmax") {
-      throw std::invalid_argument(fmt::format(
-          "memory profile '{}': field 'model.attention' must be \"softmax\" or \"linear\", got {}", path, kind.dump()));
+      throw std::invalid_argument(
+          fmt::format("memory profile '{}': field 'model.attention' must be \"softmax\", \"softmax-reference\" or "
+                      "\"linear\", got {}",
+                      path, kind.dump()));
     }
   }
   shape.hidden = integer("hidden");

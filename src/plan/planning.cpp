@@ -16,7 +16,8 @@ std::string describe(const ModelShape& s) {
       s.attention == AttentionKind::kLinear
           ? fmt::format("linear attention (feature_dim {}, feature_projections {}, chunk_size {})", s.feature_dim,
                         s.feature_projections, s.chunk_size)
-          : std::string("softmax attention");
+          : std::string(s.attention == AttentionKind::kSoftmaxReference ? "softmax attention (reference: [L, L] scores)"
+                                                                         : "softmax attention");
   return fmt::format("hidden {}, layers {}, heads {}, ffn {}, mlp_matrices {}, vocab {}, bytes_per_element {}, {}",
                      s.hidden, s.layers, s.heads, s.ffn, s.mlp_matrices, s.vocab, s.bytes_per_element, attention);
 }
@@ -67,7 +68,8 @@ ModelShape with_attention(ModelShape shape, const AttentionConfig& a) {
     return std::invalid_argument(fmt::format("cost model: unknown {} '{}'", key, value));
   };
   if (a.backend == "softmax") {
-    shape.attention = AttentionKind::kSoftmax;
+    if (a.impl != "tiled" && a.impl != "reference") throw unknown("attention.impl", a.impl);
+    shape.attention = a.impl == "reference" ? AttentionKind::kSoftmaxReference : AttentionKind::kSoftmax;
     shape.feature_dim = shape.feature_projections = shape.chunk_size = 0;
     return shape;
   }

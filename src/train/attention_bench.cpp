@@ -1,6 +1,7 @@
 #include "dcp/attention_bench.h"
 
 #include <fmt/format.h>
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -20,7 +21,9 @@ namespace {
 
 std::shared_ptr<AttentionBackend> make_backend(const std::string& variant, const AttentionBenchOptions& o) {
   AttentionConfig cfg;
-  cfg.backend = variant == "softmax" ? "softmax" : "flexformer";
+  const bool softmax = variant == "softmax" || variant == "softmax-reference";
+  cfg.backend = softmax ? "softmax" : "flexformer";
+  cfg.impl = variant == "softmax-reference" ? "reference" : "tiled";
   cfg.feature_map = variant;
   cfg.num_features = o.num_features;
   cfg.chunk_size = o.chunk_size;
@@ -50,7 +53,8 @@ std::string first_line(const std::string& text) { return text.substr(0, text.fin
 
 double predicted_peak_bytes(const std::string& variant, const AttentionBackend& backend, int64_t length,
                             const AttentionBenchOptions& o) {
-  if (variant == "softmax") return softmax_attention_peak_bytes(length, o.heads, o.head_dim);
+  if (variant == "softmax") return tiled_attention_peak_bytes(length, o.heads, o.head_dim, at::get_num_threads());
+  if (variant == "softmax-reference") return softmax_attention_peak_bytes(length, o.heads, o.head_dim);
   const auto& f = dynamic_cast<const FlexformerAttention&>(backend);
   return flexformer_attention_peak_bytes(length, o.heads, o.head_dim, f.feature_dim(), o.chunk_size);
 }
@@ -107,7 +111,8 @@ AttentionBenchPoint measure(const AttentionBackend& backend, const std::vector<t
 }  // namespace
 
 const std::vector<std::string>& attention_bench_variants() {
-  static const std::vector<std::string> names = {"softmax", "stationary", "nonstationary", "fixed", "elu"};
+  static const std::vector<std::string> names = {"softmax",       "softmax-reference", "stationary",
+                                                 "nonstationary", "fixed",             "elu"};
   return names;
 }
 
@@ -115,6 +120,13 @@ double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_
   const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
   constexpr double kScoreCopies = 3, kMaskCopies = 2, kTokenCopies = 8, kFloat = 4;
   return kScoreCopies * h * l * l * kFloat + kMaskCopies * l * l + kTokenCopies * l * h * d * kFloat;
+}
+
+double tiled_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t threads) {
+  const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
+  constexpr double kTokenCopies = 6, kWorkspaceCopies = 3, kTileBytes = 64.0 * 1024, kFloat = 4;
+  return kFloat * (kTokenCopies * l * h * d + l * h) +
+         static_cast<double>(threads) * (kWorkspaceCopies * kFloat * l * d + kTileBytes);
 }
 
 double flexformer_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t feature_dim,

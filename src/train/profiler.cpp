@@ -143,16 +143,26 @@ double squares(const ProfilePoint& p) {
 // The memory fit of profile_model (its doc comment): relative residuals over the points not held out.
 void fit_memory(ProfileResult& result) {
   const double L = static_cast<double>(result.shape.layers);
+  // Only operators that materialise per-sample score matrices get the s^2 terms; for the tiled softmax and the
+  // chunked linear forms they would only fit noise.
+  const ModelShape& shape = result.shape;
+  const bool quadratic = shape.attention == AttentionKind::kSoftmaxReference ||
+                         (shape.attention == AttentionKind::kLinear && shape.chunk_size == 0);
   std::vector<std::vector<double>> rows;
   std::vector<double> targets;
   for (const ProfilePoint& p : result.points) {
     if (p.held_out) continue;
     const double t = static_cast<double>(p.tokens), q = squares(p), r = static_cast<double>(p.recompute_layers);
     const double m = p.measured_peak_bytes;
-    rows.push_back({1.0 / m, t * (L - r) / m, t * r / m, q * (L - r) / m, q / m});
+    rows.push_back({1.0 / m, t * (L - r) / m, t * r / m});
+    if (quadratic) {
+      rows.back().push_back(q * (L - r) / m);
+      rows.back().push_back(q / m);
+    }
     targets.push_back(1.0);
   }
-  const std::vector<double> x = fit_nonnegative_least_squares(rows, targets);
+  std::vector<double> x = fit_nonnegative_least_squares(rows, targets);
+  x.resize(5, 0.0);
   if (!(x[1] > 0 || x[2] > 0)) {
     throw std::runtime_error(fmt::format(
         "profile: the memory fit found no bytes per token (measured peaks, by the {}, do not grow with the "

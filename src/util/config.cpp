@@ -39,6 +39,9 @@ void visit(C& c, F&& f) {
   f("model.rope_theta", c.model.rope_theta, RealRule{1.0});
   f("model.recompute_layers", c.model.recompute_layers, IntRule{0, 1024});
   f("attention.backend", c.attention.backend, Choices{"softmax", "flexformer"});
+  f("attention.impl", c.attention.impl, Choices{"tiled", "reference"});
+  f("attention.tile_q", c.attention.tile_q, IntRule{1, 4096});
+  f("attention.tile_k", c.attention.tile_k, IntRule{1, 4096});
   f("attention.feature_map", c.attention.feature_map, Choices{"stationary", "nonstationary", "fixed", "elu"});
   f("attention.num_features", c.attention.num_features, IntRule{1, 1 << 16});
   f("attention.input_norm", c.attention.input_norm, Choices{"l2", "rms", "scale"});

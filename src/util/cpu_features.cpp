@@ -27,6 +27,7 @@ CpuFeatures detect() {
   __cpuid_count(7, 0, eax, ebx, ecx, edx);
   f.avx512f = os_avx512 && ((ebx >> 16) & 1);
   f.avx512bw = os_avx512 && ((ebx >> 30) & 1);
+  f.avx512vl = os_avx512 && ((ebx >> 31) & 1);
   f.amx_bf16 = (edx >> 22) & 1;
   f.amx_tile = (edx >> 24) & 1;
   __cpuid_count(7, 1, eax, ebx, ecx, edx);
@@ -46,6 +47,7 @@ std::string CpuFeatures::summary() const {
   };
   add(avx512f, "avx512f");
   add(avx512bw, "avx512bw");
+  add(avx512vl, "avx512vl");
   add(avx512_bf16, "avx512_bf16");
   add(amx_tile, "amx_tile");
   add(amx_bf16, "amx_bf16");
@@ -60,7 +62,7 @@ const CpuFeatures& cpu_features() {
 bool amx_usable() {
   static const bool usable = [] {
     const CpuFeatures& f = cpu_features();
-    if (!f.amx_tile || !f.amx_bf16 || !f.avx512bw) return false;
+    if (!f.amx_tile || !f.amx_bf16 || !f.avx512bw || !f.avx512vl || !f.avx512_bf16) return false;
 #if defined(__x86_64__) && defined(SYS_arch_prctl)
     constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;

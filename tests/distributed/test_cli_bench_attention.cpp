@@ -60,8 +60,8 @@ TEST(CliBenchAttention, WritesEveryVariantAndLengthWithPlot) {
   EXPECT_TRUE(fs::exists(dir / "res" / "attn.png"));
   EXPECT_FALSE(fs::exists(dir / "res" / "attn.gnuplot")) << "the script is removed after a successful plot";
   const auto rows = csv_rows(dir / "res" / "attn.csv");
-  EXPECT_EQ(rows.size(), 10u);
-  for (const char* v : {"softmax", "stationary", "nonstationary", "fixed", "elu"}) {
+  EXPECT_EQ(rows.size(), 12u);
+  for (const char* v : {"softmax", "softmax-reference", "stationary", "nonstationary", "fixed", "elu"}) {
     for (const char* len : {"64", "128"}) {
       const auto& r = rows.at(std::string(v) + "," + len);
       EXPECT_EQ(r.at(2), "measured") << v << len;
@@ -74,7 +74,7 @@ TEST(CliBenchAttention, WritesEveryVariantAndLengthWithPlot) {
   const std::string md = read(dir / "res" / "attn.md");
   EXPECT_NE(md.find("bench-attention --lengths 64,128 --heads 2"), std::string::npos) << md;
   EXPECT_NE(md.find("| nonstationary |"), std::string::npos) << md;
-  EXPECT_NE(md.find("Skips (never silent; 0 of 10 points)"), std::string::npos) << md;
+  EXPECT_NE(md.find("Skips (never silent; 0 of 12 points)"), std::string::npos) << md;
   EXPECT_NE(md.find("![time and peak memory against length](attn.png)"), std::string::npos) << md;
   fs::remove_all(dir);
 }
@@ -82,15 +82,15 @@ TEST(CliBenchAttention, WritesEveryVariantAndLengthWithPlot) {
 TEST(CliBenchAttention, CountsSkippedSoftmaxPointsUnderATinyMemoryLimit) {
   fs::path dir = make_workdir("skip");
   auto args = tiny_args(dir / "attn");
-  // Between softmax's predicted peak at 64 tokens (139 KB) and elu's at 128 (197 KB): softmax fits at 64 only,
-  // elu's linear prediction is guarded too and fits at 64 only.
-  args.insert(args.end(), {"--no-plot", "--variants", "softmax,elu", "--max-bytes", "150000"});
+  // Between the reference softmax's predicted peak at 64 tokens (139 KB) and elu's at 128 (197 KB): the
+  // reference fits at 64 only, elu's linear prediction is guarded too and fits at 64 only.
+  args.insert(args.end(), {"--no-plot", "--variants", "softmax-reference,elu", "--max-bytes", "150000"});
   Child c = Child::spawn(args, {}, (dir / "run.log").string());
   ASSERT_TRUE(exited_ok(c.wait(120))) << c.log();
   EXPECT_FALSE(fs::exists(dir / "attn.png"));
   const auto rows = csv_rows(dir / "attn.csv");
   EXPECT_EQ(rows.size(), 4u);
-  for (const char* v : {"softmax,", "elu,"}) {
+  for (const char* v : {"softmax-reference,", "elu,"}) {
     EXPECT_EQ(rows.at(std::string(v) + "64").at(2), "measured");
     EXPECT_EQ(rows.at(std::string(v) + "128").at(2), "skipped");
     EXPECT_NE(rows.at(std::string(v) + "128").at(8).find("--max-bytes"), std::string::npos);
@@ -98,7 +98,7 @@ TEST(CliBenchAttention, CountsSkippedSoftmaxPointsUnderATinyMemoryLimit) {
   const std::string md = read(dir / "attn.md");
   EXPECT_NE(md.find("Skips (never silent; 2 of 4 points)"), std::string::npos) << md;
   EXPECT_NE(md.find("> --max-bytes 150000 B"), std::string::npos) << md;
-  EXPECT_NE(md.find("| softmax | 1 | 1 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| softmax-reference | 1 | 1 |"), std::string::npos) << md;
   EXPECT_NE(md.find("| elu | 1 | 1 |"), std::string::npos) << md;
   fs::remove_all(dir);
 }

@@ -72,24 +72,25 @@ TEST(AttentionBench, PeakMemoryIsQuadraticForSoftmaxAndLinearForChunkedFlexforme
       EXPECT_GT(p.peak_bytes, 0);
     }
     const double growth = ps.at(1024).peak_bytes / ps.at(512).peak_bytes;
-    if (variant == "softmax") {
+    if (variant == "softmax-reference") {
       EXPECT_GT(growth, 3.6) << variant;
       EXPECT_LT(growth, 4.1) << variant;
     } else {
-      EXPECT_GT(growth, 1.8) << variant;
+      // Linear; the tiled operator's fixed per-thread tile workspace flattens the growth at these small sizes.
+      EXPECT_GT(growth, variant == "softmax" ? 1.6 : 1.8) << variant;
       EXPECT_LT(growth, 2.2) << variant;
     }
   }
   // The prediction that decides softmax skips is an upper bound, and a close one.
   for (int64_t len : {512, 1024}) {
-    const AttentionBenchPoint& p = points["softmax"].at(len);
+    const AttentionBenchPoint& p = points["softmax-reference"].at(len);
     EXPECT_DOUBLE_EQ(p.predicted_bytes, dcp::softmax_attention_peak_bytes(len, 2, 8));
     EXPECT_LE(p.peak_bytes, p.predicted_bytes) << len;
     EXPECT_GT(p.peak_bytes, 0.85 * p.predicted_bytes) << len;
   }
-  // The flexformer prediction, linear in length, is within a factor of the measured peak.
+  // The tiled softmax and flexformer predictions, linear in length, are within a factor of the measured peak.
   for (const auto& [variant, ps] : points) {
-    if (variant == "softmax") continue;
+    if (variant == "softmax-reference") continue;
     for (const auto& [len, p] : ps) {
       EXPECT_GT(p.predicted_bytes, 0) << variant;
       EXPECT_LT(p.peak_bytes, 1.5 * p.predicted_bytes) << variant << " " << len;
@@ -115,10 +116,10 @@ TEST(AttentionBench, SkipsSoftmaxOverTheMemoryLimitAndLongerLengthsAfterTheTimeC
   auto o = tiny({64, 128});
   o.max_bytes = dcp::softmax_attention_peak_bytes(64, 2, 8);  // 64 fits exactly, 128 does not
   auto points = by_variant(dcp::bench_attention(o));
-  EXPECT_TRUE(points["softmax"].at(64).measured);
-  EXPECT_FALSE(points["softmax"].at(128).measured);
-  EXPECT_NE(points["softmax"].at(128).skip_reason.find("needs"), std::string::npos);
-  EXPECT_NE(points["softmax"].at(128).skip_reason.find("--max-bytes"), std::string::npos);
+  EXPECT_TRUE(points["softmax-reference"].at(64).measured);
+  EXPECT_FALSE(points["softmax-reference"].at(128).measured);
+  EXPECT_NE(points["softmax-reference"].at(128).skip_reason.find("needs"), std::string::npos);
+  EXPECT_NE(points["softmax-reference"].at(128).skip_reason.find("--max-bytes"), std::string::npos);
   // The flexformer variants are guarded by their own (linear) prediction: elu needs 98 KB at 64, 197 KB at 128.
   EXPECT_TRUE(points["elu"].at(64).measured);
   EXPECT_NE(points["elu"].at(128).skip_reason.find("--max-bytes"), std::string::npos);

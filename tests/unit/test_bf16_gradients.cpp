@@ -109,7 +109,7 @@ void print_table(const std::string& title, const std::vector<Row>& rows, double 
 constexpr double kMinCosine = 0.999;
 constexpr double kMaxRelErrMatrix = 0.015;
 constexpr double kMaxRelErrVector = 0.03;
-// The mean token loss over 2048 tokens: measured 1e-5 (softmax) and 3e-5 (flexformer) relative.
+// The mean token loss over 2048 tokens: measured 3e-6 (softmax, tiled attention) and 3e-5 (flexformer) relative.
 constexpr double kMaxLossRelDiff = 5e-4;
 
 void expect_within_bounds(const std::vector<Row>& rows, double loss_fp32, double loss_bf16) {

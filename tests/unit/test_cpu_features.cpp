@@ -30,6 +30,7 @@ TEST(CpuFeatures, AgreesWithProcCpuinfo) {
   const CpuFeatures& f = cpu_features();
   EXPECT_EQ(f.avx512f, flags.count("avx512f") == 1);
   EXPECT_EQ(f.avx512bw, flags.count("avx512bw") == 1);
+  EXPECT_EQ(f.avx512vl, flags.count("avx512vl") == 1);
   EXPECT_EQ(f.avx512_bf16, flags.count("avx512_bf16") == 1);
   EXPECT_EQ(f.amx_tile, flags.count("amx_tile") == 1);
   EXPECT_EQ(f.amx_bf16, flags.count("amx_bf16") == 1);
