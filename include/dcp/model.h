@@ -107,7 +107,7 @@ std::shared_ptr<AttentionBackend> make_attention_backend(const AttentionConfig& 
 /// Runs `fn(x)` plainly when grad mode is off or `x` does not require grad. x: any shape.
 torch::Tensor recompute(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& x);
 
-/// Root-mean-square layer norm (Zhang & Sennrich 2019) with a learned gain.
+/// Root-mean-square layer norm (Zhang & Sennrich 2019) with a learned gain: fused_rms_norm (dcp/fused_ops.h).
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps = 1e-6);
   torch::Tensor forward(const torch::Tensor& x);  ///< [..., dim] -> [..., dim]
@@ -158,8 +158,8 @@ struct TransformerImpl : torch::nn::Module {
 TORCH_MODULE(Transformer);
 
 /// Applies rotary position embeddings: x [T, heads, head_dim], positions [T] int64 -> same shape and dtype.
-/// Dimension i is rotated with i + head_dim/2 by angle position * theta^(-2i/head_dim), computed in fp32.
-/// Throws std::invalid_argument for an odd head_dim.
+/// Dimension i is rotated with i + head_dim/2 by angle position * theta^(-2i/head_dim), computed in fp32
+/// (fused_rotary, dcp/fused_ops.h). Throws std::invalid_argument for an odd head_dim.
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double theta);
 
 }  // namespace dcp

@@ -2,6 +2,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "dcp/fused_ops.h"
 #include "dcp/model.h"
 
 namespace dcp {
@@ -11,38 +12,16 @@ constexpr double kInitStd = 0.02;
 
 void init_normal(torch::Tensor& weight, double std) { torch::nn::init::normal_(weight, 0.0, std); }
 
-// Pairs dimension i with i + D/2 (the "rotate_half" layout of GPT-NeoX / LLaMA).
-torch::Tensor rotate_half(const torch::Tensor& x) {
-  auto halves = x.chunk(2, -1);
-  return torch::cat({-halves[1], halves[0]}, -1);
-}
-
 }  // namespace
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
 
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  // Normalise in fp32: the mean of squares overflows or loses precision in half types.
-  auto xf = x.to(torch::kFloat);
-  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return normed.to(x.scalar_type()) * weight;
-}
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) { return fused_rms_norm(x, weight, eps); }
 
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
-  const int64_t head_dim = x.size(-1);
-  if (head_dim % 2 != 0) {
-    throw std::invalid_argument("apply_rotary: head_dim must be even, got " + std::to_string(head_dim));
-  }
-  // Angles in fp32 even for half-precision activations: position * frequency needs the mantissa.
-  auto fp32 = torch::TensorOptions().dtype(torch::kFloat).device(x.device());
-  auto inv_freq = torch::pow(theta, -torch::arange(0, head_dim, 2, fp32) / static_cast<double>(head_dim));  // [D/2]
-  auto angles = positions.to(fp32).unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, D/2]
-  auto cos = torch::cat({angles.cos(), angles.cos()}, -1).unsqueeze(1);  // [T, 1, D]
-  auto sin = torch::cat({angles.sin(), angles.sin()}, -1).unsqueeze(1);
-  auto xf = x.to(torch::kFloat);
-  return (xf * cos + rotate_half(xf) * sin).to(x.scalar_type());
+  return fused_rotary(x, positions, theta);
 }
 
 BlockImpl::BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention)
@@ -92,7 +71,7 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& po
                   .reshape({tokens, n_heads * head_dim});
   auto h = x + wo(attn);
   auto m = mlp_norm(h);
-  return h + w_down(torch::silu(w_gate(m)) * w_up(m));
+  return h + w_down(fused_swiglu(w_gate(m), w_up(m)));
 }
 
 TransformerImpl::TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn)
