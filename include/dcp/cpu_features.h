@@ -26,6 +26,9 @@ const CpuFeatures& cpu_features();
 /// tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM, Linux >= 5.16). Asked once per process; thread-safe.
 bool amx_usable();
 
+/// True when the AVX-512 subsets the fused elementwise kernels use (F, BW, VL) are there.
+bool avx512_usable();
+
 /// True when bf16 matmuls are this CPU's fast path (AVX512-BF16 or AMX-BF16): `train.precision: auto` then
 /// trains in bf16.
 bool bf16_is_fast();

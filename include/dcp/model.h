@@ -111,7 +111,7 @@ torch::Tensor recompute(const std::function<torch::Tensor(const torch::Tensor&)>
 /// The torch dtype of a precision's matmuls and activations: kBFloat16 or kFloat.
 torch::ScalarType compute_dtype(Precision precision);
 
-/// Root-mean-square layer norm (Zhang & Sennrich 2019) with a learned gain.
+/// Root-mean-square layer norm (Zhang & Sennrich 2019) with a learned gain: fused_rms_norm (dcp/fused_ops.h).
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps = 1e-6);
   /// [..., dim] -> [..., dim] in x's dtype; the statistics and the gain are applied in fp32, then one cast.
@@ -171,9 +171,8 @@ struct TransformerImpl : torch::nn::Module {
 TORCH_MODULE(Transformer);
 
 /// Applies rotary position embeddings: x [T, heads, head_dim], positions [T] int64 -> same shape and dtype.
-/// Dimension i is rotated with i + head_dim/2 by angle position * theta^(-2i/head_dim). The angles, their cos
-/// and sin are computed in fp32; the rotation itself runs in x's dtype (cos and sin cast to it, not x to fp32).
-/// Throws std::invalid_argument for an odd head_dim.
+/// Dimension i is rotated with i + head_dim/2 by angle position * theta^(-2i/head_dim), computed in fp32
+/// (fused_rotary, dcp/fused_ops.h). Throws std::invalid_argument for an odd head_dim.
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double theta);
 
 }  // namespace dcp

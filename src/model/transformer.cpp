@@ -2,6 +2,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "dcp/fused_ops.h"
 #include "dcp/model.h"
 
 namespace dcp {
@@ -18,12 +19,6 @@ torch::Tensor linear_in_dtype_of(const torch::nn::Linear& layer, const torch::Te
   return torch::linear(x, layer->weight.to(x.scalar_type()));
 }
 
-// Pairs dimension i with i + D/2 (the "rotate_half" layout of GPT-NeoX / LLaMA).
-torch::Tensor rotate_half(const torch::Tensor& x) {
-  auto halves = x.chunk(2, -1);
-  return torch::cat({-halves[1], halves[0]}, -1);
-}
-
 }  // namespace
 
 torch::ScalarType compute_dtype(Precision precision) {
@@ -34,27 +29,10 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
 
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  // Normalise in fp32: the mean of squares overflows or loses precision in half types. The fp32 gain is applied
-  // before the one cast back, so that a bf16 input gives a bf16 output (and the gain an fp32 gradient).
-  auto xf = x.to(torch::kFloat);
-  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return (normed * weight).to(x.scalar_type());
-}
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) { return fused_rms_norm(x, weight, eps); }
 
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
-  const int64_t head_dim = x.size(-1);
-  if (head_dim % 2 != 0) {
-    throw std::invalid_argument("apply_rotary: head_dim must be even, got " + std::to_string(head_dim));
-  }
-  // Angles in fp32 even for half-precision activations: position * frequency needs the mantissa.
-  auto fp32 = torch::TensorOptions().dtype(torch::kFloat).device(x.device());
-  auto inv_freq = torch::pow(theta, -torch::arange(0, head_dim, 2, fp32) / static_cast<double>(head_dim));  // [D/2]
-  auto angles = positions.to(fp32).unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, D/2]
-  // The [T, 1, D] tables go to x's dtype rather than x to fp32: heads times fewer elements to cast.
-  auto cos = torch::cat({angles.cos(), angles.cos()}, -1).unsqueeze(1).to(x.scalar_type());  // [T, 1, D]
-  auto sin = torch::cat({angles.sin(), angles.sin()}, -1).unsqueeze(1).to(x.scalar_type());
-  return x * cos + rotate_half(x) * sin;
+  return fused_rotary(x, positions, theta);
 }
 
 BlockImpl::BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention)
@@ -104,8 +82,8 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& po
                   .reshape({tokens, n_heads * head_dim});
   auto h = x + linear_in_dtype_of(wo, attn);
   auto m = mlp_norm(h);
-  return h + linear_in_dtype_of(
-                 w_down, torch::silu(linear_in_dtype_of(w_gate, m)) * linear_in_dtype_of(w_up, m));
+  return h + linear_in_dtype_of(w_down,
+                                fused_swiglu(linear_in_dtype_of(w_gate, m), linear_in_dtype_of(w_up, m)));
 }
 
 TransformerImpl::TransformerImpl(const ModelConfig& cfg, const AttentionConfig& attn, Precision precision)

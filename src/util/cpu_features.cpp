@@ -73,6 +73,11 @@ bool amx_usable() {
   return usable;
 }
 
+bool avx512_usable() {
+  const CpuFeatures& f = cpu_features();
+  return f.avx512f && f.avx512bw && f.avx512vl;
+}
+
 bool bf16_is_fast() {
   const CpuFeatures& f = cpu_features();
   return f.avx512_bf16 || amx_usable();

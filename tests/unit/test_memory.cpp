@@ -421,6 +421,9 @@ TEST(MemoryProfile, ReferenceSoftmaxKeepsTheSquareTermsAndTheFileRecordsIt) {
   cfg.data.max_seq_len = 256;
   cfg.train.threads = 1;
   cfg.attention.impl = "reference";
+  // fp32: in bf16 the reference's fp32 softmax temporaries beside its bf16 scores fit this form less well
+  // (held-out max error 0.19 measured); the tiled default is checked in the default precision above.
+  cfg.train.precision = "fp32";
   ProfileOptions opt;
   opt.repeats = 3;
   opt.sample_lengths = {64, 128, 256};

@@ -114,7 +114,7 @@ TEST(Precision, BlocksNormsAndRotaryComputeInTheirInputsDtype) {
   auto q = torch::randn({12, 4, 8});
   auto rotated = apply_rotary(q.to(torch::kBFloat16), positions, 10000.0);
   EXPECT_EQ(rotated.scalar_type(), torch::kBFloat16);
-  // Rotating in bf16 with fp32 angles stays within bf16 rounding of the fp32 rotation (|q| entries ~ 1).
+  // bf16 rotary (fp32 arithmetic, one rounding) stays within bf16 rounding of the fp32 one (|q| entries ~ 1).
   EXPECT_LT((rotated.to(torch::kFloat) - apply_rotary(q, positions, 10000.0)).abs().max().item<double>(), 0.05);
 }
 

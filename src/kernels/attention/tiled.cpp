@@ -473,7 +473,7 @@ void with_policy(const torch::Tensor& q, const AttentionOptions& options, Fn fn)
     case torch::kDouble: return fn(tiles::RowMajorPolicy<double>{});
     case torch::kFloat: {
       tiles::RowMajorPolicy<float> pol;
-      pol.simd = !options.portable && cpu_features().avx512f;
+      pol.simd = !options.portable && avx512_usable();
       return fn(pol);
     }
     default: return fn(tiles::AmxPolicy{});

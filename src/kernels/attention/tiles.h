@@ -8,8 +8,8 @@
 //   of 16; m a multiple of 16.
 //
 // Every function is single-threaded and allocation-free: the operator's driver parallelises over tiles and owns
-// the scratch. No torch headers here, so the SIMD translation units stay free of inline library code compiled
-// for instruction sets the host may lack.
+// the scratch. The SIMD functions carry their own target attributes (never file-wide -m flags), so inline library
+// code in their files is compiled for the baseline ISA and runs on any host.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // fp32 tile products and softmax steps on AVX-512F registers. Every function carries its own target attribute
-// (no -mavx512f for the file), so that nothing here is compiled for AVX-512 unless called after the CPU check.
+// (DCP_AVX512, kernels/simd.h; no -mavx512f for the file), so nothing here runs unless called after the CPU check.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -8,34 +8,14 @@
 #include <utility>
 
 #include "kernels/attention/tiles.h"
+#include "kernels/simd.h"
 
-#define DCP_AVX512 __attribute__((target("avx512f")))
 
 namespace dcp::tiles {
 namespace {
 
 constexpr int kLanes = 16;
-
-DCP_AVX512 inline __mmask16 lanes_below(int64_t count) {
-  return count >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1u);
-}
-
-// 2^x: x = n + f with n = round(x), |f| <= 1/2, 2^f by its degree-6 Taylor polynomial in f ln 2 (relative
-// error 1.2e-7, about one fp32 ulp), 2^n applied exactly by vscalefps. Arguments are clamped below at -200 (2^-200
-// is 0 in fp32), which turns -inf into 0; max(lo, x) keeps a NaN x (vmaxps returns its second operand then).
-DCP_AVX512 inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using simd::lanes_below;
 
 // One register block of C: MR rows x NV vectors of 16 columns, the last vector masked by `tail`. A is read by
 // broadcasts (one element per row and k), B by full-width loads of its rows.
@@ -139,11 +119,11 @@ DCP_AVX512 void online_softmax_avx512(float* s, int64_t ld, int64_t m, int64_t n
       const __mmask16 store = lanes_below(n - c);
       const __mmask16 keep = c < valid ? lanes_below(valid - c) : static_cast<__mmask16>(0);
       const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, row + c), vscale, vm);
-      const __m512 p = _mm512_maskz_mov_ps(keep, exp2_ps(x));
+      const __m512 p = _mm512_maskz_mov_ps(keep, simd::exp2(x));
       vsum = _mm512_add_ps(vsum, p);
       _mm512_mask_storeu_ps(row + c, store, p);
     }
-    const float a = m2[r] == neg_inf ? 0.0f : _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m2[r] - m_new)));
+    const float a = m2[r] == neg_inf ? 0.0f : _mm512_cvtss_f32(simd::exp2(_mm512_set1_ps(m2[r] - m_new)));
     alpha[r] = a;
     l[r] = l[r] * a + _mm512_reduce_add_ps(vsum);
     m2[r] = m_new;
@@ -162,7 +142,7 @@ DCP_AVX512 void softmax_grad_avx512(float* s, float* dp, int64_t ld, int64_t m, 
       const __mmask16 store = lanes_below(n - c);
       const __mmask16 keep = c < valid ? lanes_below(valid - c) : static_cast<__mmask16>(0);
       const __m512 p = _mm512_maskz_mov_ps(
-          keep, exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, srow + c), vscale2, vlse)));
+          keep, simd::exp2(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, srow + c), vscale2, vlse)));
       const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, vscale),
                                       _mm512_sub_ps(_mm512_maskz_loadu_ps(keep, drow + c), vdlt));
       _mm512_mask_storeu_ps(srow + c, store, p);

@@ -1,0 +1,34 @@
+// Fused elementwise operators of the transformer block, each one pass over its rows forward and one backward,
+// with fp32 arithmetic whatever the storage dtype (fp32 or bf16), on AVX-512 (F, BW, VL). Each has a plain twin,
+// the same formula as differentiable ATen ops (*_reference), which the fused one calls on CPUs without AVX-512
+// and on non-CPU tensors; tests/unit/test_fused_ops.cpp compares the two. The fused ones are custom autograd
+// Functions, parallel over rows (at::parallel_for).
+#pragma once
+
+#include <torch/types.h>
+
+namespace dcp {
+
+/// RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2) + eps) * weight, the statistic and the product in
+/// fp32, y rounded once to x's dtype. x [..., d] fp32 or bf16 (last dimension contiguous), weight [d] fp32.
+/// Returns y with x's shape and dtype; gradients reach x (its dtype) and weight (fp32). Throws
+/// std::invalid_argument for a weight of another width or an unsupported dtype.
+torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+/// Rotary position embedding (Su et al. 2021, RoFormer) in the rotate_half layout: dimension i < D/2 is rotated
+/// with i + D/2 by angle position * theta^(-2i/D); angles, cos, sin and the products in fp32, one rounding to x's
+/// dtype. x [T, heads, D] fp32 or bf16 (last dimension contiguous, other strides free: views of a qkv
+/// projection), positions [T] int64. Returns a contiguous [T, heads, D] of x's dtype. Throws
+/// std::invalid_argument for an odd D, mismatched T or an unsupported dtype.
+torch::Tensor fused_rotary(const torch::Tensor& x, const torch::Tensor& positions, double theta);
+torch::Tensor rotary_reference(const torch::Tensor& x, const torch::Tensor& positions, double theta);
+
+/// SwiGLU's gate (Shazeer 2020): silu(gate) * up = gate * sigmoid(gate) * up, in fp32, rounded once to the
+/// inputs' dtype. gate and up [rows, F] of one dtype (fp32 or bf16; last dimension contiguous, row strides free:
+/// the two halves of one [rows, 2F] projection work). Returns a contiguous [rows, F]. Throws
+/// std::invalid_argument for mismatched shapes or dtypes or an unsupported dtype.
+torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up);
+torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& up);
+
+}  // namespace dcp

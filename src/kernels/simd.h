@@ -1,0 +1,65 @@
+// AVX-512F helpers shared by the fused elementwise kernels: 16 lanes of fp32 loaded from and stored to fp32 or
+// bf16 rows, with a mask for the tail. Every function carries the target attribute itself (no -mavx512f for
+// the files that include this), so callers must check avx512_usable() (dcp/cpu_features.h) before calling any of them.
+#pragma once
+
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+#define DCP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+namespace dcp::simd {
+
+constexpr int64_t kLanes = 16;
+
+DCP_AVX512 inline __mmask16 lanes_below(int64_t count) {
+  return count >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1u);
+}
+
+DCP_AVX512 inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+
+DCP_AVX512 inline __m512 load(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+DCP_AVX512 inline void store(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+
+// Round to nearest even, as c10::BFloat16(float) does (NaN stays a quiet NaN), with AVX-512F integer ops so that
+// CPUs without AVX512-BF16 run it too.
+DCP_AVX512 inline void store(c10::BFloat16* p, __m512 x, __mmask16 m) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+}
+
+// 2^x: x = n + f with n = round(x), |f| <= 1/2, 2^f by its degree-6 Taylor polynomial in f ln 2 (relative
+// error 1.2e-7, about one fp32 ulp), 2^n applied exactly by vscalefps. Arguments are clamped below at -200 (2^-200
+// is 0 in fp32), which turns -inf into 0; max(lo, x) keeps a NaN x (vmaxps returns its second operand then).
+DCP_AVX512 inline __m512 exp2(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The logistic function 1 / (1 + e^-x) through exp2 (e^-x = 2^(-x log2 e)); saturates to 0 and 1.
+DCP_AVX512 inline __m512 sigmoid(__m512 x) {
+  const __m512 e = exp2(_mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
+  return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+}  // namespace dcp::simd
