@@ -1,5 +1,6 @@
-// `dcp bench-attention`: forward+backward seconds and peak bytes of one layer's attention operator (softmax and
-// the Flexformer variants, docs/flexformer.md) on one sequence of growing length, on this process's CPU.
+// `dcp bench-attention`: forward and backward seconds, useful FLOP rate and peak bytes of one layer's attention
+// operator (the tiled softmax, its [L, L] reference twin and the Flexformer variants, docs/flexformer.md) on one
+// sequence of growing length, on this process's CPU.
 #pragma once
 
 #include <cstdint>
@@ -13,17 +14,27 @@ namespace dcp {
 /// [L, L] twin) and the flexformer feature maps "stationary", "nonstationary", "fixed" and "elu", in this order.
 const std::vector<std::string>& attention_bench_variants();
 
+/// The input dtypes bench_attention takes: "fp32" and "bf16".
+const std::vector<std::string>& attention_bench_dtypes();
+
+/// Bytes per element of a dtype of attention_bench_dtypes() (4, 2). Throws std::invalid_argument naming it
+/// otherwise.
+int64_t attention_bench_element_bytes(const std::string& dtype);
+
 /// What bench_attention measures. Every flexformer variant uses the chunked form with `chunk_size` and the
-/// given input_norm / normalizer (attention.* values, docs/config.md).
+/// given input_norm / normalizer (attention.* values, docs/config.md); the tiled softmax uses tile_q x tile_k.
 struct AttentionBenchOptions {
   std::vector<int64_t> lengths;        ///< tokens of the one sequence, measured in this order (ascending)
   std::vector<std::string> variants;   ///< names from attention_bench_variants()
+  std::string dtype = "fp32";          ///< of q, k, v and the output gradient g: "fp32" or "bf16"
   int64_t heads = 4;
   int64_t head_dim = 32;
   int64_t num_features = 64;           ///< m, frequencies per head
   int64_t chunk_size = 64;             ///< tokens per chunk of the chunked form
   std::string input_norm = "l2";
   std::string normalizer = "shift";
+  int64_t tile_q = 64;                 ///< queries per tile of the tiled softmax (attention.tile_q)
+  int64_t tile_k = 64;                 ///< keys per tile (attention.tile_k)
   int64_t repetitions = 3;             ///< timed runs per point after one warm-up; the point's time is their median
   double max_bytes = 0;                ///< points whose predicted peak exceeds this are skipped, bytes
   /// Once one run of a variant takes longer, its remaining repetitions and longer lengths are skipped, seconds.
@@ -31,58 +42,101 @@ struct AttentionBenchOptions {
   uint64_t seed = 1234;                ///< seeds q, k, v, the output gradient and the flexformer frequencies
 };
 
+/// The useful FLOPs of one forward and one backward of an operator on one sequence.
+struct AttentionFlops {
+  double forward = 0;   ///< FLOPs
+  double backward = 0;  ///< FLOPs
+  /// "causal" (the softmax variants: the products a causal FlashAttention-2 kernel needs) or "cost model"
+  /// (the flexformer variants: CostModel's count of the chunked form).
+  std::string source;
+};
+
+/// FLOPs credited to `variant` on one sequence of `length` tokens with o's heads H, head_dim D and flexformer
+/// settings. softmax and softmax-reference alike: the causal products only, forward 4 (L^2 / 2) D H (QK^T and
+/// PV over the lower triangle) and backward 2.5x that (five products instead of two; FlashAttention-2, Dao
+/// 2023), so fwd+bwd = 3.5 * 2 L^2 D H; the reference multiplies the whole square, and the credit stays the
+/// causal work so that both rates count the same useful work. Flexformer: A(L), the forward FLOPs of the chunked
+/// form that CostModel counts (dcp/cost_model.h, with the shape with_attention builds from these settings), and
+/// backward 2 A(L). Throws std::invalid_argument for an unknown variant or a length < 1.
+AttentionFlops attention_bench_flops(const AttentionBenchOptions& o, const std::string& variant, int64_t length);
+
+/// Bytes an exact attention operator must read or write on one sequence: q, k, v, out, the output gradient g,
+/// dq, dk and dv (8 tensors [length, heads, head_dim] of element_bytes each) plus the [length, heads] fp32
+/// logsumexp. The yardstick of the memory ratio (dcp/attention_bench_report: peak of everything held / this).
+double attention_io_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t element_bytes);
+
 /// One (variant, length) point: measured, or skipped with the reason.
 struct AttentionBenchPoint {
   std::string variant;
+  std::string dtype;            ///< of q, k, v, g ("fp32", "bf16")
   int64_t length = 0;
   bool measured = false;
   /// Set when !measured, e.g. "needs 17.2 GB > --max-bytes 12.0 GB" or "allocation failed: <LibTorch's message>".
   std::string skip_reason;
-  double seconds = 0;           ///< median forward+backward seconds of the timed runs (runs 0: of the warm-up)
-  /// Timed runs behind `seconds`: fewer than repetitions once one ran past max_seconds, 0 when the warm-up did.
+  double forward_seconds = 0;   ///< median forward seconds of the timed runs (runs 0: of the warm-up)
+  double backward_seconds = 0;  ///< median backward seconds
+  double seconds = 0;           ///< median forward+backward seconds (of each run's sum)
+  /// Timed runs behind the medians: fewer than repetitions once one ran past max_seconds, 0 when the warm-up did.
   int64_t runs = 0;
-  double peak_bytes = 0;        ///< largest peak over the timed runs (or the warm-up), above the bytes resident before
-  /// softmax_attention_peak_bytes for softmax, flexformer_attention_peak_bytes for the flexformer variants.
+  AttentionFlops flops;         ///< attention_bench_flops of the point (set for skipped points too)
+  /// Largest peak over the timed runs (or the warm-up) of the forward+backward, above the bytes resident before.
+  double peak_bytes = 0;
+  /// Bytes of the inputs resident during the run: q, k, v, g and the backend's parameters.
+  double input_bytes = 0;
+  double io_bytes = 0;          ///< attention_io_bytes of the point (set for skipped points too)
+  /// tiled_attention_peak_bytes for softmax, softmax_attention_peak_bytes for softmax-reference,
+  /// flexformer_attention_peak_bytes for the flexformer variants.
   double predicted_bytes = 0;
 };
 
-/// Predicted peak bytes of tensor storage that one forward+backward of the tiled softmax operator on one fp32
-/// sequence of `length` tokens allocates beyond its inputs, linear in length: 6 token copies of [heads, head_dim]
-/// (out, out * g and its gradient, dq, dk, dv), the [L, heads] logsumexp, and per thread the backward's workspace
-/// (q^T, dout^T and the fp32 dq accumulator of one head, 3 L head_dim floats, plus 64 KB of tiles).
-double tiled_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t threads);
+/// Predicted peak bytes of tensor storage that one forward+backward of the tiled softmax operator on one
+/// sequence of `length` tokens allocates beyond its inputs (q, k, v, g of element_bytes each), linear in
+/// length: 4 token copies [length, heads, head_dim] in the input dtype (out, dq, dk, dv), the fp32 [length,
+/// heads] logsumexp and per thread the backward's workspace over the whole sequence of one head plus 64 KB of
+/// tiles: fp32 q^T, dout^T and dq accumulator (12 length head_dim bytes), or on AMX tiles (bf16, amx_tiles)
+/// bf16 q^T and dout^T with the fp32 accumulator (8 length head_dim bytes, head_dim padded to a multiple of 32). For bf16 where the AMX tiles do not
+/// run (amx_tiles false: no AMX, or an odd head_dim) the operator computes on fp32 copies: 8 more fp32 token
+/// copies (q, k, v, out, dout and three fp32 gradients) and the fp32 workspace. Measured within 5% at 1 and 2
+/// threads (4 heads x 32 and 64, 512..4K tokens). Throws std::invalid_argument for an element_bytes other than
+/// 2 or 4.
+double tiled_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t threads,
+                                  int64_t element_bytes = 4, bool amx_tiles = true);
 
-/// Predicted peak bytes of tensor storage that one forward+backward of the reference softmax on one fp32 sequence of
-/// `length` tokens allocates beyond its inputs: three [heads, L, L] fp32 score-sized tensors alive at once
-/// (during the softmax backward: the saved probabilities, their gradient and the scores' gradient), the two
-/// [L, L] bool masks, and the token-linear terms (q, k, v copies and gradients). Used to skip lengths that do not
-/// fit; test_attention_bench checks it against the measured peak.
-double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim);
+/// Predicted peak bytes of tensor storage that one forward+backward of the reference softmax on one sequence of
+/// `length` tokens allocates beyond its inputs, an upper bound: three [heads, L, L] fp32 score-sized tensors
+/// alive at once (during the softmax backward: the saved probabilities, their gradient and the scores'
+/// gradient; fp32 for bf16 inputs too, which the reference upcasts), the two [L, L] bool masks, and 4 fp32 token
+/// copies (the upcast q, k, v, out and their gradients), plus for bf16 4 in bf16 (the results cast back). Used
+/// to skip lengths that do not fit; test_attention_bench checks it against the measured peak. Throws
+/// std::invalid_argument for an element_bytes other than 2 or 4.
+double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t element_bytes = 4);
 
 /// Predicted peak bytes of tensor storage that one forward+backward of the chunked FlexformerAttention on one
-/// fp32 sequence of `length` tokens allocates beyond its inputs, linear in length: per token and head, 9
+/// sequence of `length` tokens allocates beyond its inputs, linear in length: per token and head, 9
 /// [feature_dim] fp32 feature-sized tensors (the projections, their cos / sin, phi(q), phi(k) and their
 /// gradients), 2 intra-chunk score rows of min(chunk_size, length) (the masked scores and their gradient), 3
 /// chunk states [feature_dim, head_dim + 1] shared by chunk_size tokens (the chunk sums, the carried states,
-/// their gradient) and 8 token copies of head_dim as softmax. feature_dim is FlexformerAttention::feature_dim()
-/// (2m or head_dim, + 1 for the shift normalizer). Fitted to the measured peaks of the four feature maps
-/// (about 28 KB per token at 4 heads x 32, m 64, chunk 64); test_attention_bench checks it within a factor.
+/// their gradient) and 8 fp32 token copies of head_dim, 3 more for bf16 inputs (the operator computes in fp32
+/// whatever the input dtype: their fp32 copies). feature_dim is FlexformerAttention::feature_dim() (2m or
+/// head_dim, + 1 for the shift normalizer). Fitted to the measured peaks of the four feature maps (about 28 KB
+/// per token at 4 heads x 32, m 64, chunk 64, fp32); test_attention_bench checks it within a factor. Throws
+/// std::invalid_argument for an element_bytes other than 2 or 4.
 double flexformer_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t feature_dim,
-                                       int64_t chunk_size);
+                                       int64_t chunk_size, int64_t element_bytes = 4);
 
-/// Measures every variant over every length: q, k, v [L, heads, head_dim] fp32 ~ N(0, 1) requiring grad,
-/// cu_seqlens {0, L}; a run is the backend's forward and the backward of sum(out * g) with a fixed g ~ N(0, 1),
-/// which also computes the flexformer parameters' gradients, timed with std::chrono::steady_clock. The peak is
-/// MemoryMeter::peak_bytes() minus the bytes resident before the run (inputs, parameters); gradients are
+/// Measures every variant over every length: q, k, v [L, heads, head_dim] ~ N(0, 1) in o.dtype requiring grad,
+/// cu_seqlens {0, L}; a run is the backend's forward, then torch::autograd::backward({out}, {g}) with a fixed
+/// g ~ N(0, 1) of out's shape and dtype (no product with g enters the measurement), which also computes the
+/// flexformer parameters' gradients (the parameters stay fp32), each timed with std::chrono::steady_clock. The
+/// peak is MemoryMeter::peak_bytes() minus the bytes resident before the run (inputs, parameters); gradients are
 /// dropped between runs. Uses torch's current intra-op thread count. Skips (never drops) a point: when its
-/// predicted peak (softmax_attention_peak_bytes, flexformer_attention_peak_bytes) > max_bytes, when a run's
-/// allocation fails (c10::Error of the allocator, std::bad_alloc; reason "allocation failed: <message>"), and
-/// every length of a variant after one of its runs (the warm-up included) exceeded max_seconds or failed to
-/// allocate. Lengths are the outer loop, variants the inner one, so that load drift hits
-/// all variants at a length alike; `on_point` is called after each point. The result is sorted variant by
-/// variant (in `variants` order), lengths ascending.
-/// Throws std::invalid_argument naming the option for an unknown variant, a length < 1, or heads, head_dim,
-/// repetitions < 1, and ConfigError for a bad input_norm / normalizer / num_features / chunk_size.
+/// predicted peak (the three *_peak_bytes above, for o.dtype) > max_bytes, when a run's allocation fails
+/// (c10::Error of the allocator, std::bad_alloc; reason "allocation failed: <message>"), and every length of a
+/// variant after one of its runs (the warm-up included) exceeded max_seconds or failed to allocate. Lengths are
+/// the outer loop, variants the inner one, so that load drift hits all variants at a length alike; `on_point`
+/// is called after each point. The result is sorted variant by variant (in `variants` order), lengths ascending.
+/// Throws std::invalid_argument naming the option for an unknown variant or dtype, a length < 1, or heads,
+/// head_dim, repetitions < 1, and ConfigError for a bad input_norm / normalizer / num_features / chunk_size.
 std::vector<AttentionBenchPoint> bench_attention(
     const AttentionBenchOptions& options,
     const std::function<void(const AttentionBenchPoint&)>& on_point = nullptr);

@@ -1,5 +1,6 @@
 #include "cli/bench_common.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/prctl.h>
@@ -17,6 +18,16 @@
 namespace fs = std::filesystem;
 
 namespace dcp {
+
+std::string blas_description() {
+  // OpenBLAS picks its kernels from the CPUID model at load time, and a model it does not know (as on some
+  // virtual machines) gets the generic Prescott kernels at a fraction of the fp32 rate: the report must say which.
+  using Config = char* (*)();
+  const auto config = reinterpret_cast<Config>(dlsym(RTLD_DEFAULT, "openblas_get_config"));
+  if (config == nullptr) return "not OpenBLAS";
+  const char* text = config();
+  return text ? text : "OpenBLAS (no configuration string)";
+}
 
 bool gnuplot_available() {
   const char* path = std::getenv("PATH");

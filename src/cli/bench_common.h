@@ -14,6 +14,11 @@ std::string own_command_line();
 /// The 1-minute load average of /proc/loadavg; -1 when it cannot be read.
 double load_average_1min();
 
+/// The BLAS build this process runs fp32 matmuls on, as OpenBLAS describes itself (openblas_get_config(), e.g.
+/// "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY SkylakeX MAX_THREADS=64": the kernel family it chose for this CPU),
+/// or "not OpenBLAS" when no OpenBLAS is loaded. Looked up at run time, so the build needs no OpenBLAS headers.
+std::string blas_description();
+
 /// Whether an executable `gnuplot` is on PATH.
 bool gnuplot_available();
 

@@ -9,9 +9,12 @@
 #include <map>
 #include <stdexcept>
 
+#include "dcp/cost_model.h"
+#include "dcp/cpu_features.h"
 #include "dcp/flexformer.h"
 #include "dcp/memory_meter.h"
 #include "dcp/model.h"
+#include "dcp/planning.h"
 #include "util/clock.h"
 #include "util/error_message.h"
 #include "util/stats.h"
@@ -19,26 +22,45 @@
 namespace dcp {
 namespace {
 
-std::shared_ptr<AttentionBackend> make_backend(const std::string& variant, const AttentionBenchOptions& o) {
+bool is_softmax(const std::string& variant) { return variant == "softmax" || variant == "softmax-reference"; }
+
+// The attention.* settings that make `variant`: the model's own backend factory builds it, and the cost model's
+// FLOP count reads the same settings.
+AttentionConfig attention_config_of(const std::string& variant, const AttentionBenchOptions& o) {
   AttentionConfig cfg;
-  const bool softmax = variant == "softmax" || variant == "softmax-reference";
-  cfg.backend = softmax ? "softmax" : "flexformer";
+  cfg.backend = is_softmax(variant) ? "softmax" : "flexformer";
   cfg.impl = variant == "softmax-reference" ? "reference" : "tiled";
+  cfg.tile_q = o.tile_q;
+  cfg.tile_k = o.tile_k;
   cfg.feature_map = variant;
   cfg.num_features = o.num_features;
   cfg.chunk_size = o.chunk_size;
   cfg.input_norm = o.input_norm;
   cfg.normalizer = o.normalizer;
   cfg.mode = "chunk";
+  return cfg;
+}
+
+std::shared_ptr<AttentionBackend> make_backend(const std::string& variant, const AttentionBenchOptions& o) {
   ModelConfig model;
   model.n_heads = o.heads;
   model.d_model = o.heads * o.head_dim;
-  return make_attention_backend(cfg, model);
+  return make_attention_backend(attention_config_of(variant, o), model);
 }
 
 std::vector<torch::Tensor> parameters_of(const AttentionBackend& backend) {
   const auto* module = dynamic_cast<const torch::nn::Module*>(&backend);
   return module ? module->parameters() : std::vector<torch::Tensor>{};
+}
+
+torch::ScalarType scalar_type_of(const std::string& dtype) {
+  return dtype == "bf16" ? torch::kBFloat16 : torch::kFloat;
+}
+
+void check_element_bytes(const char* who, int64_t element_bytes) {
+  if (element_bytes != 2 && element_bytes != 4) {
+    throw std::invalid_argument(fmt::format("{}: element_bytes {} must be 2 (bf16) or 4 (fp32)", who, element_bytes));
+  }
 }
 
 // A failed allocation, which skips the point instead of ending the run: c10::OutOfMemoryError, LibTorch's CPU
@@ -53,10 +75,16 @@ std::string first_line(const std::string& text) { return text.substr(0, text.fin
 
 double predicted_peak_bytes(const std::string& variant, const AttentionBackend& backend, int64_t length,
                             const AttentionBenchOptions& o) {
-  if (variant == "softmax") return tiled_attention_peak_bytes(length, o.heads, o.head_dim, at::get_num_threads());
-  if (variant == "softmax-reference") return softmax_attention_peak_bytes(length, o.heads, o.head_dim);
+  const int64_t element_bytes = attention_bench_element_bytes(o.dtype);
+  if (variant == "softmax") {
+    // The operator's own dispatch rule (src/kernels/attention/tiled.cpp): bf16 runs on AMX tiles when the CPU
+    // allows them and head_dim is even, else on fp32 copies.
+    const bool amx_tiles = amx_usable() && o.head_dim % 2 == 0;
+    return tiled_attention_peak_bytes(length, o.heads, o.head_dim, at::get_num_threads(), element_bytes, amx_tiles);
+  }
+  if (variant == "softmax-reference") return softmax_attention_peak_bytes(length, o.heads, o.head_dim, element_bytes);
   const auto& f = dynamic_cast<const FlexformerAttention&>(backend);
-  return flexformer_attention_peak_bytes(length, o.heads, o.head_dim, f.feature_dim(), o.chunk_size);
+  return flexformer_attention_peak_bytes(length, o.heads, o.head_dim, f.feature_dim(), o.chunk_size, element_bytes);
 }
 
 std::string human_bytes(double bytes) {
@@ -72,16 +100,21 @@ AttentionBenchPoint measure(const AttentionBackend& backend, const std::vector<t
                             const std::string& variant, int64_t length, const AttentionBenchOptions& o,
                             double& slowest) {
   const auto shape = std::vector<int64_t>{length, o.heads, o.head_dim};
-  auto q = torch::randn(shape).requires_grad_();
-  auto k = torch::randn(shape).requires_grad_();
-  auto v = torch::randn(shape).requires_grad_();
-  const auto g = torch::randn(shape);
+  const auto dtype = scalar_type_of(o.dtype);
+  // Drawn in fp32 and rounded, so that a bf16 run sees the fp32 run's values.
+  auto q = torch::randn(shape).to(dtype).requires_grad_();
+  auto k = torch::randn(shape).to(dtype).requires_grad_();
+  auto v = torch::randn(shape).to(dtype).requires_grad_();
+  const auto g = torch::randn(shape).to(dtype);
   const auto cu_seqlens = torch::tensor(std::vector<int64_t>{0, length}, torch::kInt64);
   AttentionBenchPoint p;
   p.variant = variant;
+  p.dtype = o.dtype;
   p.length = length;
   p.measured = true;
-  std::vector<double> times;
+  for (const torch::Tensor& t : {q, k, v, g}) p.input_bytes += static_cast<double>(t.nbytes());
+  for (const auto& param : params) p.input_bytes += static_cast<double>(param.nbytes());
+  std::vector<double> forward, backward, total;
   slowest = 0;
   for (int64_t run = 0; run <= o.repetitions; ++run) {
     for (auto* t : {&q, &k, &v}) t->mutable_grad() = torch::Tensor();
@@ -89,22 +122,34 @@ AttentionBenchPoint measure(const AttentionBackend& backend, const std::vector<t
     const int64_t resident = MemoryMeter::current_bytes();
     MemoryMeter::reset_peak();
     const auto start = std::chrono::steady_clock::now();
-    (backend.forward(q, k, v, cu_seqlens) * g).sum().backward();
-    const double seconds = seconds_since(start);
+    const torch::Tensor out = backend.forward(q, k, v, cu_seqlens);
+    const double forward_s = seconds_since(start);
+    const auto backward_start = std::chrono::steady_clock::now();
+    // g is out's gradient itself: a loss such as sum(out * g) would add its product and that product's gradient
+    // to the peak, which are not the operator's.
+    torch::autograd::backward({out}, {g});
+    const double backward_s = seconds_since(backward_start);
+    const double seconds = forward_s + backward_s;
     const double peak = static_cast<double>(MemoryMeter::peak_bytes() - resident);
     slowest = std::max(slowest, seconds);
     if (run == 0 && seconds > o.max_seconds) {
+      p.forward_seconds = forward_s;
+      p.backward_seconds = backward_s;
       p.seconds = seconds;
       p.peak_bytes = peak;
       return p;
     }
     if (run == 0) continue;  // the warm-up: lazy allocations, thread pool start
-    times.push_back(seconds);
+    forward.push_back(forward_s);
+    backward.push_back(backward_s);
+    total.push_back(seconds);
     p.peak_bytes = std::max(p.peak_bytes, peak);
     if (seconds > o.max_seconds) break;
   }
-  p.runs = static_cast<int64_t>(times.size());
-  p.seconds = median(times);
+  p.runs = static_cast<int64_t>(total.size());
+  p.forward_seconds = median(forward);
+  p.backward_seconds = median(backward);
+  p.seconds = median(total);
   return p;
 }
 
@@ -116,27 +161,83 @@ const std::vector<std::string>& attention_bench_variants() {
   return names;
 }
 
-double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim) {
-  const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
-  constexpr double kScoreCopies = 3, kMaskCopies = 2, kTokenCopies = 8, kFloat = 4;
-  return kScoreCopies * h * l * l * kFloat + kMaskCopies * l * l + kTokenCopies * l * h * d * kFloat;
+const std::vector<std::string>& attention_bench_dtypes() {
+  static const std::vector<std::string> names = {"fp32", "bf16"};
+  return names;
 }
 
-double tiled_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t threads) {
+int64_t attention_bench_element_bytes(const std::string& dtype) {
+  if (dtype == "fp32") return 4;
+  if (dtype == "bf16") return 2;
+  throw std::invalid_argument(fmt::format("bench_attention: unknown dtype '{}' (known: fp32, bf16)", dtype));
+}
+
+AttentionFlops attention_bench_flops(const AttentionBenchOptions& o, const std::string& variant, int64_t length) {
+  const auto& known = attention_bench_variants();
+  if (std::find(known.begin(), known.end(), variant) == known.end()) {
+    throw std::invalid_argument(fmt::format("attention_bench_flops: unknown variant '{}'", variant));
+  }
+  if (length < 1) throw std::invalid_argument(fmt::format("attention_bench_flops: length {} must be >= 1", length));
+  const double l = static_cast<double>(length);
+  if (is_softmax(variant)) {
+    constexpr double kBackwardPerForward = 2.5;
+    const double forward = 4.0 * (l * l / 2) * static_cast<double>(o.head_dim * o.heads);
+    return {forward, kBackwardPerForward * forward, "causal"};
+  }
+  ModelShape shape;
+  shape.layers = 1;
+  shape.heads = o.heads;
+  shape.hidden = o.heads * o.head_dim;
+  const CostModel cost(with_attention(shape, attention_config_of(variant, o)), DeviceSpec{});
+  // CostModel counts (3 L + r) A(s): with L = 1 a recomputed layer adds exactly one forward A(s).
+  const double forward = cost.flops({length}, 1).attention - cost.flops({length}, 0).attention;
+  return {forward, 2 * forward, "cost model"};
+}
+
+double attention_io_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t element_bytes) {
+  check_element_bytes("attention_io_bytes", element_bytes);
+  const double tokens = static_cast<double>(length) * static_cast<double>(heads);
+  constexpr double kTokenTensors = 8, kLseBytes = 4;
+  return tokens * (kTokenTensors * static_cast<double>(head_dim * element_bytes) + kLseBytes);
+}
+
+double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t element_bytes) {
+  check_element_bytes("softmax_attention_peak_bytes", element_bytes);
   const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
-  constexpr double kTokenCopies = 6, kWorkspaceCopies = 3, kTileBytes = 64.0 * 1024, kFloat = 4;
-  return kFloat * (kTokenCopies * l * h * d + l * h) +
-         static_cast<double>(threads) * (kWorkspaceCopies * kFloat * l * d + kTileBytes);
+  constexpr double kScoreCopies = 3, kMaskCopies = 2, kTokenCopies = 4, kFloat = 4;
+  // bf16 inputs are upcast, so the graph holds fp32 copies as for fp32, plus results cast back to bf16.
+  const double token_bytes = kTokenCopies * (kFloat + (element_bytes == 2 ? 2 : 0));
+  return kScoreCopies * h * l * l * kFloat + kMaskCopies * l * l + token_bytes * l * h * d;
+}
+
+double tiled_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t threads,
+                                  int64_t element_bytes, bool amx_tiles) {
+  check_element_bytes("tiled_attention_peak_bytes", element_bytes);
+  const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
+  constexpr double kTokenCopies = 4, kUpcastCopies = 8, kTileBytes = 64.0 * 1024, kFloat = 4;
+  const bool upcast = element_bytes == 2 && !amx_tiles;
+  const bool bf16_tiles = element_bytes == 2 && amx_tiles;
+  const double token_bytes =
+      kTokenCopies * static_cast<double>(element_bytes) + (upcast ? kUpcastCopies * kFloat : 0);
+  // Per token and head_dim element of one head: q^T and dout^T in the tiles' operand dtype, the fp32 dq accumulator.
+  // AMX tiles pad head_dim to whole 32-element rows.
+  const double operand_bytes = bf16_tiles ? 2 : kFloat;
+  const double padded_d = bf16_tiles ? static_cast<double>((head_dim + 31) / 32 * 32) : d;
+  const double workspace =
+      static_cast<double>(threads) * ((2 * operand_bytes + kFloat) * l * padded_d + kTileBytes);
+  return token_bytes * l * h * d + kFloat * l * h + workspace;
 }
 
 double flexformer_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t feature_dim,
-                                       int64_t chunk_size) {
+                                       int64_t chunk_size, int64_t element_bytes) {
+  check_element_bytes("flexformer_attention_peak_bytes", element_bytes);
   const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
   const double f = static_cast<double>(feature_dim);
   const double c = static_cast<double>(std::min(chunk_size, std::max<int64_t>(length, 1)));
-  constexpr double kFeatureCopies = 9, kScoreCopies = 2, kStateCopies = 3, kTokenCopies = 8,
+  constexpr double kFeatureCopies = 9, kScoreCopies = 2, kStateCopies = 3, kTokenCopies = 8, kUpcastCopies = 3,
                    kFloat = 4;
-  return kFloat * l * h * (kFeatureCopies * f + kScoreCopies * c + kStateCopies * f * (d + 1) / c + kTokenCopies * d);
+  const double token_copies = kTokenCopies + (element_bytes == 2 ? kUpcastCopies : 0);
+  return kFloat * l * h * (kFeatureCopies * f + kScoreCopies * c + kStateCopies * f * (d + 1) / c + token_copies * d);
 }
 
 std::vector<AttentionBenchPoint> bench_attention(const AttentionBenchOptions& o,
@@ -154,6 +255,7 @@ std::vector<AttentionBenchPoint> bench_attention(const AttentionBenchOptions& o,
     throw std::invalid_argument(fmt::format("bench_attention: heads {}, head_dim {} and repetitions {} must be >= 1",
                                             o.heads, o.head_dim, o.repetitions));
   }
+  const int64_t element_bytes = attention_bench_element_bytes(o.dtype);
   torch::manual_seed(o.seed);
   std::map<std::string, std::shared_ptr<AttentionBackend>> backends;
   for (const auto& v : o.variants) backends[v] = make_backend(v, o);
@@ -165,6 +267,7 @@ std::vector<AttentionBenchPoint> bench_attention(const AttentionBenchOptions& o,
     for (const auto& variant : o.variants) {
       AttentionBenchPoint p;
       p.variant = variant;
+      p.dtype = o.dtype;
       p.length = len;
       const double predicted = predicted_peak_bytes(variant, *backends[variant], len, o);
       if (stopped.count(variant)) {
@@ -186,6 +289,8 @@ std::vector<AttentionBenchPoint> bench_attention(const AttentionBenchOptions& o,
         }
       }
       p.predicted_bytes = predicted;
+      p.flops = attention_bench_flops(o, variant, len);
+      p.io_bytes = attention_io_bytes(len, o.heads, o.head_dim, element_bytes);
       if (on_point) on_point(p);
       points.push_back(p);
     }

@@ -1,4 +1,5 @@
-// `dcp bench-attention` as a user runs it: the files it writes, the skip accounting, and usage errors (exit 2).
+// `dcp bench-attention` as a user runs it: the files it writes (fp32 and bf16, head_dim 8 and 64), the skip
+// accounting, and usage errors (exit 2).
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
@@ -36,19 +37,31 @@ std::map<std::string, std::vector<std::string>> csv_rows(const fs::path& p) {
   std::ifstream in(p);
   std::string header;
   std::getline(in, header);
-  EXPECT_EQ(header, "variant,length,status,seconds,runs,peak_bytes,predicted_bytes,time_ratio_to_softmax,skip_reason");
+  EXPECT_EQ(header,
+            "variant,dtype,length,status,runs,forward_seconds,backward_seconds,seconds,time_ratio_to_softmax,"
+            "speedup_over_reference,forward_flops,backward_flops,flops_source,gflops,fraction_of_peak,peak_bytes,"
+            "input_bytes,io_bytes,memory_ratio,predicted_bytes,skip_reason");
   for (std::string line; std::getline(in, line);) {
     std::vector<std::string> fields;
     std::stringstream ss(line);
     for (std::string f; std::getline(ss, f, ',');) fields.push_back(f);
-    rows[fields.at(0) + "," + fields.at(1)] = fields;
+    rows[fields.at(0) + "," + fields.at(2)] = fields;
   }
   return rows;
 }
 
+// CSV columns, as attention_bench_csv writes them.
+enum Column {
+  kDtype = 1, kStatus = 3, kRuns = 4, kForward = 5, kBackward = 6, kSeconds = 7, kSpeedup = 9, kForwardFlops = 10,
+  kGflops = 13, kFraction = 14, kPeak = 15, kInput = 16, kIo = 17, kMemoryRatio = 18, kPredicted = 19,
+  kSkipReason = 20
+};
+
+// A 256^3 matmul peak keeps the run short; the default 2048^3 is the report's yardstick.
 std::vector<std::string> tiny_args(const fs::path& out, const std::string& lengths = "64,128") {
   return {DCP_BINARY, "bench-attention", "--lengths", lengths, "--heads", "2", "--head-dim", "8",
-          "--num-features", "8", "--chunk-size", "16", "--repetitions", "1", "--threads", "1", "--out", out.string()};
+          "--num-features", "8", "--chunk-size", "16", "--repetitions", "1", "--threads", "1",
+          "--matmul-size", "256", "--out", out.string()};
 }
 
 }  // namespace
@@ -64,25 +77,66 @@ TEST(CliBenchAttention, WritesEveryVariantAndLengthWithPlot) {
   for (const char* v : {"softmax", "softmax-reference", "stationary", "nonstationary", "fixed", "elu"}) {
     for (const char* len : {"64", "128"}) {
       const auto& r = rows.at(std::string(v) + "," + len);
-      EXPECT_EQ(r.at(2), "measured") << v << len;
-      EXPECT_GT(std::stod(r.at(3)), 0) << v << len;
-      EXPECT_EQ(r.at(4), "1") << v << len;
-      EXPECT_GT(std::stod(r.at(5)), 0) << v << len;
-      EXPECT_GT(std::stod(r.at(6)), 0) << v << len;  // predicted bytes, every variant
+      EXPECT_EQ(r.at(kDtype), "fp32") << v << len;
+      EXPECT_EQ(r.at(kStatus), "measured") << v << len;
+      EXPECT_EQ(r.at(kRuns), "1") << v << len;
+      EXPECT_GT(std::stod(r.at(kForward)), 0) << v << len;
+      EXPECT_GT(std::stod(r.at(kBackward)), 0) << v << len;
+      EXPECT_GT(std::stod(r.at(kSeconds)), 0) << v << len;
+      EXPECT_GT(std::stod(r.at(kForwardFlops)), 0) << v << len;
+      EXPECT_GT(std::stod(r.at(kGflops)), 0) << v << len;
+      EXPECT_GT(std::stod(r.at(kFraction)), 0) << v << len;
+      EXPECT_GT(std::stod(r.at(kPeak)), 0) << v << len;
+      EXPECT_GT(std::stod(r.at(kInput)), 0) << v << len;
+      EXPECT_GT(std::stod(r.at(kIo)), 0) << v << len;
+      EXPECT_GT(std::stod(r.at(kMemoryRatio)), 0) << v << len;
+      EXPECT_GT(std::stod(r.at(kPredicted)), 0) << v << len;  // every variant
     }
   }
+  EXPECT_GT(std::stod(rows.at("softmax,64").at(kSpeedup)), 0);  // softmax-reference time / softmax time
   const std::string md = read(dir / "res" / "attn.md");
+  EXPECT_NE(md.find("# dcp bench-attention: fp32, 2 heads x head_dim 8, 6 variants, 64 to 128 tokens"),
+            std::string::npos)
+      << md;
   EXPECT_NE(md.find("bench-attention --lengths 64,128 --heads 2"), std::string::npos) << md;
+  EXPECT_NE(md.find("Matmul peak (measured by this run before the points, intra-op threads: 1): torch::matmul of "
+                    "two random [256, 256] matrices"),
+            std::string::npos)
+      << md;
+  EXPECT_NE(md.find("| softmax-reference | speedup |"), std::string::npos) << md;
+  EXPECT_NE(md.find("; BLAS: "), std::string::npos) << md;
   EXPECT_NE(md.find("| nonstationary |"), std::string::npos) << md;
   EXPECT_NE(md.find("Skips (never silent; 0 of 12 points)"), std::string::npos) << md;
-  EXPECT_NE(md.find("![time and peak memory against length](attn.png)"), std::string::npos) << md;
+  EXPECT_NE(md.find("![time, peak memory and % of peak against length](attn.png)"), std::string::npos) << md;
+  fs::remove_all(dir);
+}
+
+TEST(CliBenchAttention, Bf16AtHeadDim64MeasuresBothSoftmaxVariants) {
+  fs::path dir = make_workdir("bf16");
+  auto args = tiny_args(dir / "attn");
+  args.at(7) = "64";  // --head-dim
+  args.insert(args.end(), {"--no-plot", "--dtype", "bf16", "--variants", "softmax,softmax-reference,elu"});
+  Child c = Child::spawn(args, {}, (dir / "run.log").string());
+  ASSERT_TRUE(exited_ok(c.wait(120))) << c.log();
+  const auto rows = csv_rows(dir / "attn.csv");
+  EXPECT_EQ(rows.size(), 6u);
+  for (const auto& [key, r] : rows) {
+    EXPECT_EQ(r.at(kDtype), "bf16") << key;
+    EXPECT_EQ(r.at(kStatus), "measured") << key;
+    // IO at bf16: 8 tensors [L, 2, 64] of 2 bytes and the fp32 logsumexp.
+    const double len = std::stod(key.substr(key.find(',') + 1));
+    EXPECT_DOUBLE_EQ(std::stod(r.at(kIo)), len * 2 * (8 * 64 * 2 + 4)) << key;
+  }
+  const std::string md = read(dir / "attn.md");
+  EXPECT_NE(md.find("# dcp bench-attention: bf16, 2 heads x head_dim 64, 3 variants"), std::string::npos) << md;
+  EXPECT_NE(md.find("--dtype bf16"), std::string::npos) << md;
   fs::remove_all(dir);
 }
 
 TEST(CliBenchAttention, CountsSkippedSoftmaxPointsUnderATinyMemoryLimit) {
   fs::path dir = make_workdir("skip");
   auto args = tiny_args(dir / "attn");
-  // Between the reference softmax's predicted peak at 64 tokens (139 KB) and elu's at 128 (197 KB): the
+  // Between the reference softmax's predicted peak at 64 tokens (123 KB) and elu's at 128 (197 KB): the
   // reference fits at 64 only, elu's linear prediction is guarded too and fits at 64 only.
   args.insert(args.end(), {"--no-plot", "--variants", "softmax-reference,elu", "--max-bytes", "150000"});
   Child c = Child::spawn(args, {}, (dir / "run.log").string());
@@ -91,9 +145,9 @@ TEST(CliBenchAttention, CountsSkippedSoftmaxPointsUnderATinyMemoryLimit) {
   const auto rows = csv_rows(dir / "attn.csv");
   EXPECT_EQ(rows.size(), 4u);
   for (const char* v : {"softmax-reference,", "elu,"}) {
-    EXPECT_EQ(rows.at(std::string(v) + "64").at(2), "measured");
-    EXPECT_EQ(rows.at(std::string(v) + "128").at(2), "skipped");
-    EXPECT_NE(rows.at(std::string(v) + "128").at(8).find("--max-bytes"), std::string::npos);
+    EXPECT_EQ(rows.at(std::string(v) + "64").at(kStatus), "measured");
+    EXPECT_EQ(rows.at(std::string(v) + "128").at(kStatus), "skipped");
+    EXPECT_NE(rows.at(std::string(v) + "128").at(kSkipReason).find("--max-bytes"), std::string::npos);
   }
   const std::string md = read(dir / "attn.md");
   EXPECT_NE(md.find("Skips (never silent; 2 of 4 points)"), std::string::npos) << md;
@@ -121,6 +175,8 @@ TEST(CliBenchAttention, BadOptionsExitWithUsageErrorsNamingThem) {
       {{"--out", (dir / "sub/").string()}, "--out: must be a path prefix ending in a file name stem"},
       {{"--out", "/proc/x/y"}, "--out '/proc/x/y': cannot create the folder '/proc/x'"},
       {{"--attention.normalizer=bogus"}, "attention.normalizer"},
+      {{"--dtype", "fp16"}, "--dtype: unknown dtype 'fp16' (allowed: fp32, bf16)"},
+      {{"--matmul-size", "0"}, "--matmul-size"},
   };
   for (const auto& c : cases) {
     const bool lengths = c.args[0] == "--lengths";
