@@ -8,6 +8,7 @@
 #include <exception>
 #include <string>
 
+#include "cli/blas_cores.h"
 #include "cli/commands.h"
 #include "dcp/config.h"
 #include "util/error_message.h"
@@ -60,6 +61,7 @@ void report_error(const std::string& message) {
 // Exit codes: 0 success, 1 a runtime error (bad data, failed peer, ...), 2 a usage error (bad flags or
 // config), 3 verify-plan found gradients that differ.
 int main(int argc, char** argv) {
+  dcp::ensure_openblas_kernels(argv);
   CLI::App app{"dcp: Data-Centric Parallel training of transformers on variable-length sequences"};
   app.require_subcommand(1);
   dcp::add_train_command(app);

@@ -66,6 +66,27 @@ std::vector<std::string> tiny_args(const fs::path& out, const std::string& lengt
 
 }  // namespace
 
+// On a CPU with AVX-512 dcp re-executes itself so that OpenBLAS loads its AVX-512 kernels rather than the
+// Prescott fallback it picks for CPU models it does not know (src/cli/blas_cores.h); the report names the kernels.
+TEST(CliBenchAttention, UsesAvx512BlasKernelsWhereTheCpuHasThem) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string text((std::istreambuf_iterator<char>(cpuinfo)), std::istreambuf_iterator<char>());
+  if (text.find(" avx512f ") == std::string::npos || text.find(" avx512vl") == std::string::npos) {
+    GTEST_SKIP() << "no AVX-512 here";
+  }
+  fs::path dir = make_workdir("blas");
+  auto args = tiny_args(dir / "attn", "64");
+  args.insert(args.end(), {"--no-plot", "--variants", "softmax"});
+  Child c = Child::spawn(args, {}, (dir / "run.log").string());
+  ASSERT_TRUE(exited_ok(c.wait(60))) << c.log();
+  const std::string md = read(dir / "attn.md");
+  EXPECT_EQ(md.find(" Prescott "), std::string::npos) << md;
+  EXPECT_TRUE(md.find(" Cooperlake ") != std::string::npos || md.find(" SkylakeX ") != std::string::npos ||
+              md.find(" SapphireRapids ") != std::string::npos)
+      << md;
+  fs::remove_all(dir);
+}
+
 TEST(CliBenchAttention, WritesEveryVariantAndLengthWithPlot) {
   fs::path dir = make_workdir("all");
   Child c = Child::spawn(tiny_args(dir / "res" / "attn"), {}, (dir / "run.log").string());

@@ -1,0 +1,24 @@
+#include "cli/blas_cores.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "dcp/cpu_features.h"
+
+namespace dcp {
+
+void ensure_openblas_kernels(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr || !avx512_usable()) return;
+  using Corename = char* (*)();
+  const auto corename = reinterpret_cast<Corename>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  if (corename == nullptr) return;  // another BLAS
+  const char* core = corename();
+  if (core == nullptr || std::strcmp(core, "Prescott") != 0) return;
+  setenv("OPENBLAS_CORETYPE", cpu_features().avx512_bf16 ? "Cooperlake" : "SkylakeX", 1);
+  execv("/proc/self/exe", argv);
+}
+
+}  // namespace dcp
