@@ -34,7 +34,7 @@ struct AttentionBenchOptions {
   std::string input_norm = "l2";
   std::string normalizer = "shift";
   int64_t tile_q = 64;                 ///< queries per tile of the tiled softmax (attention.tile_q)
-  int64_t tile_k = 64;                 ///< keys per tile (attention.tile_k)
+  int64_t tile_k = 128;                ///< keys per tile (attention.tile_k)
   int64_t repetitions = 3;             ///< timed runs per point after one warm-up; the point's time is their median
   double max_bytes = 0;                ///< points whose predicted peak exceeds this are skipped, bytes
   /// Once one run of a variant takes longer, its remaining repetitions and longer lengths are skipped, seconds.

@@ -28,7 +28,7 @@ namespace dcp {
 struct AttentionOptions {
   double scale = 0;       ///< score scale; 0 = 1/sqrt(head_dim)
   int64_t tile_q = 64;    ///< queries per tile (multiple of 32 on the AMX path: rounded up there), >= 1
-  int64_t tile_k = 64;    ///< keys per tile (same rule), >= 1
+  int64_t tile_k = 128;   ///< keys per tile (same rule), >= 1
   /// Use the portable C++ loops even where AVX-512 / AMX kernels exist (tests compare the two).
   bool portable = false;
 };

@@ -45,7 +45,7 @@ struct AttentionConfig {
   /// softmax only: tiled (FlashAttention-2 style operator, O(L) memory) | reference (per-sample [L, L] scores)
   std::string impl = "tiled";
   int64_t tile_q = 64;                    ///< softmax tiled: queries per tile
-  int64_t tile_k = 64;                    ///< softmax tiled: keys per tile
+  int64_t tile_k = 128;                   ///< softmax tiled: keys per tile
   std::string feature_map = "stationary"; ///< stationary | nonstationary | fixed (untrained RFF) | elu (elu+1)
   int64_t num_features = 64;              ///< m: random frequencies per head (features = 2m for [cos; sin])
   std::string input_norm = "l2";          ///< l2 | rms | scale: conditioning of q and k before the feature map

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernels/attention/tile_io.h"
 #include "kernels/attention/tiles.h"
 
 namespace dcp::tiles {
@@ -69,9 +70,37 @@ struct RowMajorPolicy {
   }
   /// dst [k x ld_dst] = (rows [m x k])^T in its first m columns; the caller zeroes the rest.
   void rows_t(const In* src, int64_t ld, int64_t m, int64_t k, Op* dst, int64_t ld_dst) const {
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t d = 0; d < k; ++d) dst[d * ld_dst + r] = src[r * ld + d];
+    if constexpr (std::is_same_v<T, float>) {
+      if (simd) return transpose_rows_avx512<float>(src, ld, m, k, dst, ld_dst);
     }
+    transpose_rows_portable(src, ld, m, k, dst, ld_dst);
+  }
+  /// Output rows: dst[r][c] = src[r][c] * scale[r] (scale null: 1).
+  void store_rows(const Acc* src, int64_t lds, int64_t rows, int64_t cols, const Acc* scale, In* dst,
+                  int64_t ldd) const {
+    if constexpr (std::is_same_v<T, float>) {
+      if (simd) return store_rows_avx512<float>(src, lds, rows, cols, scale, dst, ldd);
+    }
+    store_rows_portable(src, lds, rows, cols, scale, dst, ldd);
+  }
+  /// Output rows from a transposed accumulator: dst[c][d] = src[d][c].
+  void store_transposed(const Acc* src, int64_t lds, int64_t rows, int64_t cols, In* dst, int64_t ldd) const {
+    if constexpr (std::is_same_v<T, float>) {
+      if (simd) return store_transposed_avx512<float>(src, lds, rows, cols, dst, ldd);
+    }
+    store_transposed_portable(src, lds, rows, cols, dst, ldd);
+  }
+  void row_dots(const In* a, int64_t lda, const In* b, int64_t ldb, int64_t rows, int64_t cols, Acc* out) const {
+    if constexpr (std::is_same_v<T, float>) {
+      if (simd) return row_dots_avx512<float>(a, lda, b, ldb, rows, cols, out);
+    }
+    row_dots_portable(a, lda, b, ldb, rows, cols, out);
+  }
+  void scale_rows(Acc* o, int64_t ld, int64_t rows, int64_t cols, const Acc* alpha) const {
+    if constexpr (std::is_same_v<T, float>) {
+      if (simd) return scale_rows_avx512(o, ld, rows, cols, alpha);
+    }
+    scale_rows_portable(o, ld, rows, cols, alpha);
   }
   /// A [m x k] from an accumulator tile: in place.
   const Op* tile_a(Acc* t, int64_t ld, int64_t /*m*/, int64_t /*k*/, Op* /*scratch*/, int64_t* lda) const {
@@ -83,8 +112,6 @@ struct RowMajorPolicy {
     *ldb = ld;
     return t;
   }
-  static Acc from_in(In x) { return x; }
-  static In to_in(Acc x) { return x; }
 };
 
 /// bf16 operands on AMX tiles, fp32 accumulation: A row-major bf16, B VNNI-packed; every size padded to 32.
@@ -137,10 +164,20 @@ struct AmxPolicy {
     return scratch;
   }
   void rows_t(const In* src, int64_t ld, int64_t m, int64_t k, Op* dst, int64_t ld_dst) const {
-    const Op* bits = reinterpret_cast<const Op*>(src);
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t d = 0; d < k; ++d) dst[d * ld_dst + r] = bits[r * ld + d];
-    }
+    transpose_rows_avx512<In>(src, ld, m, k, reinterpret_cast<In*>(dst), ld_dst);
+  }
+  void store_rows(const Acc* src, int64_t lds, int64_t rows, int64_t cols, const Acc* scale, In* dst,
+                  int64_t ldd) const {
+    store_rows_avx512<In>(src, lds, rows, cols, scale, dst, ldd);
+  }
+  void store_transposed(const Acc* src, int64_t lds, int64_t rows, int64_t cols, In* dst, int64_t ldd) const {
+    store_transposed_avx512<In>(src, lds, rows, cols, dst, ldd);
+  }
+  void row_dots(const In* a, int64_t lda, const In* b, int64_t ldb, int64_t rows, int64_t cols, Acc* out) const {
+    row_dots_avx512<In>(a, lda, b, ldb, rows, cols, out);
+  }
+  void scale_rows(Acc* o, int64_t ld, int64_t rows, int64_t cols, const Acc* alpha) const {
+    scale_rows_avx512(o, ld, rows, cols, alpha);
   }
   const Op* tile_a(Acc* t, int64_t ld, int64_t m, int64_t k, Op* scratch, int64_t* lda) const {
     amx_rows_from_f32(t, ld, m, k, pad(k), scratch);
@@ -152,8 +189,6 @@ struct AmxPolicy {
     *ldb = pad(n);
     return scratch;
   }
-  static Acc from_in(In x) { return static_cast<float>(x); }
-  static In to_in(Acc x) { return In(x); }
 };
 
 }  // namespace dcp::tiles

@@ -218,10 +218,7 @@ void forward_pass(const P& pol, const Operands<P>& x, const VarlenBounds& b, boo
             limit[r] = static_cast<int32_t>(r < mq ? std::clamp<int64_t>(g.key_end(r0 + r) - c0, 0, nk) : 0);
           }
           pol.online_softmax(s, bk, mq_p, nk_p, limit, scale2, m2, l, alpha);
-          for (int64_t r = 0; r < mq; ++r) {
-            if (alpha[r] == Acc(1)) continue;
-            for (int64_t d = 0; d < Dp; ++d) o[r * Dp + d] *= alpha[r];
-          }
+          pol.scale_rows(o, Dp, mq, Dp, alpha);
           int64_t ldp = 0;
           const Op* pa = pol.tile_a(s, bk, mq_p, nk_p, p_op, &ldp);
           pol.gemm(mq_p, Dp, nk_p, pa, ldp, vt[j], ld_v[j], o, Dp, true);
@@ -229,12 +226,11 @@ void forward_pass(const P& pol, const Operands<P>& x, const VarlenBounds& b, boo
         // Lines 12-13: O_i = diag(l)^-1 O, L_i = m + log(l).
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t row = cq + r0 + r;
-          typename P::In* dst = out + (row * H + h) * D;
-          const Acc inv = l[r] > 0 ? Acc(1) / l[r] : Acc(0);
-          for (int64_t d = 0; d < D; ++d) dst[d] = P::to_in(o[r * Dp + d] * inv);
           lse[row * H + h] = l[r] > 0 ? (m2[r] + std::log2(l[r])) * static_cast<Acc>(kLn2)
                                       : -std::numeric_limits<Acc>::infinity();
+          alpha[r] = l[r] > 0 ? Acc(1) / l[r] : Acc(0);
         }
+        pol.store_rows(o, Dp, mq, D, alpha, out + ((cq + r0) * H + h) * D, H * D);
       }
     }
     if constexpr (std::is_same_v<P, tiles::AmxPolicy>) tiles::amx_end();
@@ -333,16 +329,14 @@ void backward_pass(const P& pol, const Operands<P>& x, const BackwardInputs<P>& 
       auto finish_split = [&] {
         // acq_rel: the last unit sees every other unit's share.
         if (split == nullptr || split->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-        for (int64_t r = 0; r < g.lq; ++r) {
-          In* dst = dq + ((cq + r) * H + h) * D;
-          for (int64_t d = 0; d < D; ++d) {
-            Acc sum = 0;
-            for (size_t p = 0; p < split->shares.size(); ++p) {
-              if (r >= split->bases[p]) sum += split->shares[p][(r - split->bases[p]) * Dp + d];
-            }
-            dst[d] = P::to_in(sum);
-          }
+        // Into the first share (it starts at row 0 of the sample's first key range): its rows are the superset.
+        Acc* total = split->shares[0];
+        for (size_t p = 1; p < split->shares.size(); ++p) {
+          const int64_t from = split->bases[p] - split->bases[0];
+          for (int64_t e = 0; e < (g.lq - split->bases[p]) * Dp; ++e) total[from * Dp + e] += split->shares[p][e];
         }
+        pol.store_rows(total, Dp, g.lq - split->bases[0], D, nullptr,
+                       dq + ((cq + split->bases[0]) * H + h) * D, H * D);
       };
       if (base >= g.lq) {
         finish_split();
@@ -351,20 +345,13 @@ void backward_pass(const P& pol, const Operands<P>& x, const BackwardInputs<P>& 
       const int64_t rows = g.lq - base, rows_p = round_up(rows, bq);
       Acc* lse2 = arena.take<Acc>(rows_p);
       Acc* dlt = arena.take<Acc>(rows_p);
+      // Line 4 of Algorithm 2: D_i = rowsum(dO_i * O_i). Padding rows get no probability mass, no gradient.
+      pol.row_dots(y.out + (cq + base) * y.so0 + h * y.so1, y.so0, y.dout + (cq + base) * y.sd0 + h * y.sd1, y.sd0,
+                   rows, D, dlt);
       for (int64_t r = 0; r < rows_p; ++r) {
-        if (r >= rows) {  // padding: no probability mass, no gradient
-          lse2[r] = std::numeric_limits<Acc>::infinity();
-          dlt[r] = 0;
-          continue;
-        }
-        const int64_t row = cq + base + r;
-        lse2[r] = y.lse[row * H + h] * static_cast<Acc>(kLog2e);
-        // Line 4 of Algorithm 2: D_i = rowsum(dO_i * O_i).
-        const In* o_row = y.out + row * y.so0 + h * y.so1;
-        const In* d_row = y.dout + row * y.sd0 + h * y.sd1;
-        Acc sum = 0;
-        for (int64_t d = 0; d < D; ++d) sum += P::from_in(o_row[d]) * P::from_in(d_row[d]);
-        dlt[r] = sum;
+        lse2[r] = r < rows ? y.lse[(cq + base + r) * H + h] * static_cast<Acc>(kLog2e)
+                           : std::numeric_limits<Acc>::infinity();
+        if (r >= rows) dlt[r] = 0;
       }
       // Q^T and dO^T are the A operands of dK^T += Q^T dS and dV^T += dO^T P, built once per unit.
       Op* qt = arena.take<Op>(Dp * rows_p);
@@ -418,23 +405,14 @@ void backward_pass(const P& pol, const Operands<P>& x, const BackwardInputs<P>& 
           const Op* dsb = pol.tile_b(dp, bk, mq_p, nk_p, ds_b, &ld_dsb);
           pol.gemm(Dp, nk_p, mq_p, qt + at, rows_p, dsb, ld_dsb, dkt, nk_p, true);
         }
-        for (int64_t c = 0; c < nk; ++c) {
-          In* dk_row = dk + ((ck + c0 + c) * H + h) * D;
-          In* dv_row = dv + ((ck + c0 + c) * H + h) * D;
-          for (int64_t d = 0; d < D; ++d) {
-            dk_row[d] = P::to_in(dkt[d * nk_p + c]);
-            dv_row[d] = P::to_in(dvt[d * nk_p + c]);
-          }
-        }
+        pol.store_transposed(dkt, nk_p, nk, D, dk + ((ck + c0) * H + h) * D, H * D);
+        pol.store_transposed(dvt, nk_p, nk, D, dv + ((ck + c0) * H + h) * D, H * D);
       }
       if (split) {
         finish_split();
         continue;
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        In* dst = dq + ((cq + base + r) * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = P::to_in(dq_acc[r * Dp + d]);
-      }
+      pol.store_rows(dq_acc, Dp, rows, D, nullptr, dq + ((cq + base) * H + h) * D, H * D);
     }
     if constexpr (std::is_same_v<P, tiles::AmxPolicy>) tiles::amx_end();
   });
