@@ -80,7 +80,8 @@ double predicted_peak_bytes(const std::string& variant, const AttentionBackend& 
     // The operator's own dispatch rule (src/kernels/attention/tiled.cpp): bf16 runs on AMX tiles when the CPU
     // allows them and head_dim is even, else on fp32 copies.
     const bool amx_tiles = amx_usable() && o.head_dim % 2 == 0;
-    return tiled_attention_peak_bytes(length, o.heads, o.head_dim, at::get_num_threads(), element_bytes, amx_tiles);
+    return tiled_attention_peak_bytes(length, o.heads, o.head_dim, at::get_num_threads(), element_bytes, amx_tiles,
+                                      o.tile_q, o.tile_k);
   }
   if (variant == "softmax-reference") return softmax_attention_peak_bytes(length, o.heads, o.head_dim, element_bytes);
   const auto& f = dynamic_cast<const FlexformerAttention&>(backend);
@@ -211,10 +212,10 @@ double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_
 }
 
 double tiled_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t threads,
-                                  int64_t element_bytes, bool amx_tiles) {
+                                  int64_t element_bytes, bool amx_tiles, int64_t tile_q, int64_t tile_k) {
   check_element_bytes("tiled_attention_peak_bytes", element_bytes);
   const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
-  constexpr double kTokenCopies = 4, kUpcastCopies = 8, kTileBytes = 64.0 * 1024, kFloat = 4;
+  constexpr double kTokenCopies = 4, kUpcastCopies = 8, kFloat = 4;
   const bool upcast = element_bytes == 2 && !amx_tiles;
   const bool bf16_tiles = element_bytes == 2 && amx_tiles;
   const double token_bytes =
@@ -223,8 +224,12 @@ double tiled_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_di
   // AMX tiles pad head_dim to whole 32-element rows.
   const double operand_bytes = bf16_tiles ? 2 : kFloat;
   const double padded_d = bf16_tiles ? static_cast<double>((head_dim + 31) / 32 * 32) : d;
-  const double workspace =
-      static_cast<double>(threads) * ((2 * operand_bytes + kFloat) * l * padded_d + kTileBytes);
+  // The backward's tiles (src/kernels/attention/tiled.cpp, backward_pass): fp32 S, dP, dK^T, dV^T; operand
+  // copies of dS (A and B), P (B), the K^T, V^T and K packs and the q and dout tiles; AMX rounds tiles to 32.
+  const auto align = [&](int64_t x) { return static_cast<double>(bf16_tiles ? (x + 31) / 32 * 32 : x); };
+  const double bq = align(tile_q), bk = align(tile_k), tile = bq * bk, kpack = padded_d * bk;
+  const double tile_bytes = kFloat * (2 * kpack + 2 * tile) + operand_bytes * (3 * kpack + 2 * bq * padded_d + 3 * tile);
+  const double workspace = static_cast<double>(threads) * ((2 * operand_bytes + kFloat) * l * padded_d + tile_bytes);
   return token_bytes * l * h * d + kFloat * l * h + workspace;
 }
 
