@@ -31,4 +31,12 @@ torch::Tensor rotary_reference(const torch::Tensor& x, const torch::Tensor& posi
 torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up);
 torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& up);
 
+/// Summed next-token cross-entropy: sum over rows with target != -100 of logsumexp(logits[r]) -
+/// logits[r][target[r]], nats, as an fp32 scalar; the log-sum-exp in fp32 whatever the logits' dtype (fp32 or
+/// bf16, so bf16 logits need no fp32 copy), the sum over rows in fp64. logits [rows, classes], targets [rows]
+/// int64. The gradient reaches logits in their dtype. Throws std::invalid_argument for mismatched shapes, a
+/// target outside [0, classes) other than -100, or an unsupported dtype.
+torch::Tensor fused_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets);
+torch::Tensor cross_entropy_reference(const torch::Tensor& logits, const torch::Tensor& targets);
+
 }  // namespace dcp

@@ -155,9 +155,12 @@ struct TransformerImpl : torch::nn::Module {
   /// std::invalid_argument if recompute_layers is outside [0, n_layers]. tokens and positions are moved to the
   /// parameters' device; cu_seqlens is read on the host.
   torch::Tensor forward(const PackedBatch& batch, int64_t recompute_layers = 0);
+  /// forward() without the final cast: logits [T, kVocabSize] in the compute dtype (bf16 under kBf16).
+  torch::Tensor logits_in_compute_dtype(const PackedBatch& batch, int64_t recompute_layers = 0);
 
-  /// Sum over all tokens of the next-token cross-entropy (nats, computed in fp32), as a scalar; callers divide
-  /// by the global number of target tokens.
+  /// Sum over all tokens of the next-token cross-entropy (nats, computed in fp32 by fused_cross_entropy on the
+  /// compute-dtype logits; targets -100 are ignored), as an fp32 scalar; callers divide by the global number of
+  /// target tokens.
   torch::Tensor loss_sum(const PackedBatch& batch, int64_t recompute_layers = 0);
 
   ModelConfig cfg;

@@ -98,6 +98,10 @@ TransformerImpl::TransformerImpl(const ModelConfig& cfg, const AttentionConfig& 
 }
 
 torch::Tensor TransformerImpl::forward(const PackedBatch& batch, int64_t recompute_layers) {
+  return logits_in_compute_dtype(batch, recompute_layers).to(torch::kFloat);
+}
+
+torch::Tensor TransformerImpl::logits_in_compute_dtype(const PackedBatch& batch, int64_t recompute_layers) {
   if (recompute_layers < 0 || recompute_layers > cfg.n_layers) {
     throw std::invalid_argument("Transformer: recompute_layers " + std::to_string(recompute_layers) +
                                 " outside [0, " + std::to_string(cfg.n_layers) + "]");
@@ -122,13 +126,14 @@ torch::Tensor TransformerImpl::forward(const PackedBatch& batch, int64_t recompu
       x = block->forward(x, positions, cu_seqlens, wrapper.get(), i);
     }
   }
-  return linear_in_dtype_of(head, final_norm(x)).to(torch::kFloat);
+  return linear_in_dtype_of(head, final_norm(x));
 }
 
 torch::Tensor TransformerImpl::loss_sum(const PackedBatch& batch, int64_t recompute_layers) {
-  auto logits = forward(batch, recompute_layers);
-  return torch::nn::functional::cross_entropy(logits, batch.targets.to(logits.device()),
-                                              torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  // The loss reads the logits in the compute dtype: the fused cross-entropy works in fp32 on bf16 rows, so no
+  // fp32 copy of the [T, vocab] logits is made.
+  auto logits = logits_in_compute_dtype(batch, recompute_layers);
+  return fused_cross_entropy(logits, batch.targets.to(logits.device()));
 }
 
 }  // namespace dcp

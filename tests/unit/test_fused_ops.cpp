@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <limits>
 #include <string>
 
 #include "dcp/cpu_features.h"
@@ -120,6 +121,31 @@ TEST(FusedOps, SwiGluMatchesItsTwinOnTheHalvesOfOneProjection) {
   }
 }
 
+TEST(FusedOps, SwiGluSaturatesAtExtremeGates) {
+  auto gate = torch::tensor({-1e4f, -100.0f, -30.0f, 0.0f, 30.0f, 100.0f, 1e4f}).view({1, 7});
+  auto up = torch::ones({1, 7});
+  EXPECT_LE(rel_err(fused_swiglu(gate, up), swiglu_reference(gate, up)), 1e-6);
+  EXPECT_TRUE(torch::isfinite(fused_swiglu(gate, up)).all().item<bool>());
+  auto nan_gate = torch::full({1, 3}, std::numeric_limits<float>::quiet_NaN());
+  EXPECT_TRUE(torch::isnan(fused_swiglu(nan_gate, torch::ones({1, 3}))).all().item<bool>());
+}
+
+TEST(FusedOps, CrossEntropyMatchesItsTwinWithIgnoredTargets) {
+  torch::manual_seed(4);
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (int64_t classes : {256, 37}) {
+      auto logits = (torch::randn({70, classes}) * 4).to(dtype);
+      auto targets = torch::randint(0, classes, {70}, torch::kInt64);
+      targets[3] = -100;
+      targets[50] = -100;
+      auto g = torch::full({}, 0.37);
+      expect_same([&](const auto& in) { return fused_cross_entropy(in[0], in[1]); },
+                  [&](const auto& in) { return cross_entropy_reference(in[0], in[1]); }, {logits, targets}, g, dtype,
+                  "cross_entropy " + name(dtype) + " V" + std::to_string(classes));
+    }
+  }
+}
+
 TEST(FusedOps, BadInputsAreRefusedWithTheirNames) {
   auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
     try {
@@ -138,6 +164,9 @@ TEST(FusedOps, BadInputsAreRefusedWithTheirNames) {
   expect_error([&] { fused_rotary(torch::randn({4, 2, 8}), torch::zeros({3}, torch::kInt64), 1e4); },
                "positions must be [4]");
   expect_error([&] { fused_swiglu(x, torch::randn({4, 9})); }, "must be [rows, F] of one dtype");
+  expect_error([&] { fused_cross_entropy(x, torch::tensor(std::vector<int64_t>{0, 1, 8, 2})); },
+               "target 8 of row 2 is outside [0, 8)");
+  expect_error([&] { fused_cross_entropy(x, torch::zeros({3}, torch::kInt64)); }, "targets [rows] int64");
 }
 
 }  // namespace

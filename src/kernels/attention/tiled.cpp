@@ -338,6 +338,9 @@ void backward_pass(const P& pol, const Operands<P>& x, const BackwardInputs<P>& 
         pol.store_rows(total, Dp, g.lq - split->bases[0], D, nullptr,
                        dq + ((cq + split->bases[0]) * H + h) * D, H * D);
       };
+      if (u.piece == 0) {  // queries before the first one that attends a key: no gradient
+        for (int64_t r = 0; r < std::min(base, g.lq); ++r) std::fill_n(dq + ((cq + r) * H + h) * D, D, In(0));
+      }
       if (base >= g.lq) {
         finish_split();
         continue;
@@ -472,9 +475,14 @@ AttentionResult tiled_attention_forward(const torch::Tensor& q, const torch::Ten
     return {r.out.to(torch::kBFloat16), r.lse};
   }
   const auto lse_type = q.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-  torch::Tensor out = torch::zeros(q.sizes(), q.options());
-  torch::Tensor lse = torch::full({q.size(0), q.size(1)}, -std::numeric_limits<double>::infinity(),
-                                  q.options().dtype(lse_type));
+  // Every row of a sample with keys is written by the pass; those of key-less samples are set here.
+  torch::Tensor out = torch::empty(q.sizes(), q.options());
+  torch::Tensor lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(lse_type));
+  for (int64_t s = 0; s < plan.bounds.samples(); ++s) {
+    if (plan.bounds.k_len(s) > 0) continue;
+    out.slice(0, plan.bounds.q[s], plan.bounds.q[s + 1]).zero_();
+    lse.slice(0, plan.bounds.q[s], plan.bounds.q[s + 1]).fill_(-std::numeric_limits<double>::infinity());
+  }
   torch::NoGradGuard no_grad;
   with_policy(q, options, [&](auto pol) {
     using P = decltype(pol);
@@ -512,9 +520,17 @@ AttentionGrads tiled_attention_backward(const torch::Tensor& dout, const torch::
   const torch::Tensor dout_c = dout.stride(2) == 1 ? dout : dout.contiguous();
   const torch::Tensor out_c = out.stride(2) == 1 ? out : out.contiguous();
   const torch::Tensor lse_c = lse.contiguous();
-  torch::Tensor dq = torch::zeros(q.sizes(), q.options());
-  torch::Tensor dk = torch::zeros(k.sizes(), k.options());
-  torch::Tensor dv = torch::zeros(v.sizes(), v.options());
+  // The pass writes dk, dv of every key of a sample with queries and dq from each head's first attending query
+  // tile on; the rest (samples without queries or keys, queries before the first key) is zeroed here and there.
+  torch::Tensor dq = torch::empty(q.sizes(), q.options());
+  torch::Tensor dk = torch::empty(k.sizes(), k.options());
+  torch::Tensor dv = torch::empty(v.sizes(), v.options());
+  for (int64_t s = 0; s < plan.bounds.samples(); ++s) {
+    if (plan.bounds.k_len(s) > 0 && plan.bounds.q_len(s) > 0) continue;
+    dq.slice(0, plan.bounds.q[s], plan.bounds.q[s + 1]).zero_();
+    dk.slice(0, plan.bounds.k[s], plan.bounds.k[s + 1]).zero_();
+    dv.slice(0, plan.bounds.k[s], plan.bounds.k[s + 1]).zero_();
+  }
   with_policy(q, options, [&](auto pol) {
     using P = decltype(pol);
     using In = typename P::In;
