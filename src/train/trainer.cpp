@@ -55,6 +55,21 @@ std::vector<double> predicted_rank_peaks(const StepPlan& plan, const std::vector
   return out;
 }
 
+// The model FLOPs of a step (CostModel::flops of every micro-batch without recompute: what MFU counts, causal
+// attention included).
+double model_flops(const StepPlan& plan, const std::vector<Sample>& samples, const CostModel& cost) {
+  double total = 0;
+  for (const auto& g : plan.groups) {
+    for (const auto& mb : g.micro_batches) {
+      std::vector<int64_t> lengths;
+      for (int64_t id : mb.sample_ids) lengths.push_back(samples[static_cast<size_t>(id)].length);
+      const FlopCount f = cost.flops(lengths, 0);
+      total += f.linear + f.attention;
+    }
+  }
+  return total;
+}
+
 // summary.json's relative prediction errors: their median, null when there is none.
 json median_or_null(const std::vector<double>& values) { return values.empty() ? json() : json(median(values)); }
 
@@ -217,6 +232,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   const int64_t first_step = state.step;
   Progress progress(cfg.train.max_steps, first_step, lead);
   std::vector<double> prediction_errors;  // |predicted / measured - 1| of this invocation's steps
+  double flops_trained = 0, flops_time = 0;  // model FLOPs and seconds of this invocation's steps
   while (state.step < cfg.train.max_steps &&
          (cfg.train.stop_after_steps == 0 || state.step - first_step < cfg.train.stop_after_steps)) {
     if (state.index_in_epoch >= static_cast<int64_t>(plans.size())) {
@@ -268,6 +284,9 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
       }
     }
     double tokens_per_s = static_cast<double>(r.tokens) / step_time;
+    const double step_flops = model_flops(plan, corpus.samples(), cost);
+    flops_trained += step_flops;
+    flops_time += step_time;
     // Online recalibration: the model's prediction times an EMA of measured / predicted over past steps.
     const json predicted = state.cost_calibration > 0 ? json(state.cost_calibration * raw_prediction) : json();
     if (!predicted.is_null()) prediction_errors.push_back(std::abs(predicted.get<double>() / step_time - 1.0));
@@ -289,6 +308,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                    {"rank_recompute_layers", rank_recompute},
                    {"imbalance", max_busy > 0 ? 1.0 - mean_busy / max_busy : 0.0},
                    {"sp_sizes", sp_sizes},
+                   {"model_flops", step_flops},
                    {"predicted_step_s", predicted}};
       metrics << line.dump() << "\n";
       metrics.flush();
@@ -330,6 +350,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                     {"planner", file_plans.empty() ? cfg.train.planner : "plan-file"},
                     {"cost_model", cfg.train.cost_model},
                     {"predicted_step_median_rel_err", median_or_null(prediction_errors)},
+                    {"model_flops_per_s", flops_time > 0 ? json(flops_trained / flops_time) : json()},
                     {"peak_bytes", peak_bytes},
                     {"memory_budget_bytes", memory.budget_bytes()},
                     {"memory_model", memory.source()},

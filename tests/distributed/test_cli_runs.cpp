@@ -159,6 +159,12 @@ TEST(CliRuns, Bf16TrainingTrainsLikeFp32AndRecordsItsPrecision) {
         << c.log();
     const auto summary = nlohmann::json::parse(std::ifstream(dir / precision / "summary.json"));
     EXPECT_EQ(summary.at("precision"), precision);
+    // Model FLOPs (the same plans, so the same count in both precisions) and their rate.
+    EXPECT_GT(summary.at("model_flops_per_s").get<double>(), 0);
+    std::ifstream metrics(dir / precision / "metrics.jsonl");
+    std::string first;
+    std::getline(metrics, first);
+    EXPECT_GT(nlohmann::json::parse(first).at("model_flops").get<double>(), 0);
     EXPECT_LT(summary.at("heldout_bits_per_byte_final").get<double>(),
               summary.at("heldout_bits_per_byte_initial").get<double>());
     curves[precision] = losses(dir / precision / "metrics.jsonl");
