@@ -25,11 +25,12 @@ torch::Tensor fused_rotary(const torch::Tensor& x, const torch::Tensor& position
 torch::Tensor rotary_reference(const torch::Tensor& x, const torch::Tensor& positions, double theta);
 
 /// SwiGLU's gate (Shazeer 2020): silu(gate) * up = gate * sigmoid(gate) * up, in fp32, rounded once to the
-/// inputs' dtype. gate and up [rows, F] of one dtype (fp32 or bf16; last dimension contiguous, row strides free:
-/// the two halves of one [rows, 2F] projection work). Returns a contiguous [rows, F]. Throws
-/// std::invalid_argument for mismatched shapes or dtypes or an unsupported dtype.
-torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up);
-torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& up);
+/// input's dtype, on one [rows, 2F] projection whose first F columns are the gate and the last F the up
+/// projection (fp32 or bf16; last dimension contiguous). Returns a contiguous [rows, F]; the gradient is one
+/// [rows, 2F] tensor, so the projection's backward needs no concatenation. Throws std::invalid_argument for an
+/// odd width or an unsupported dtype.
+torch::Tensor fused_swiglu(const torch::Tensor& gate_up);
+torch::Tensor swiglu_reference(const torch::Tensor& gate_up);
 
 /// Summed next-token cross-entropy: sum over rows with target != -100 of logsumexp(logits[r]) -
 /// logits[r][target[r]], nats, as an fp32 scalar; the log-sum-exp in fp32 whatever the logits' dtype (fp32 or

@@ -1,4 +1,4 @@
-// Fused SwiGLU gate: h = silu(gate) * up in one pass, and its backward in one pass.
+// Fused SwiGLU gate on one [rows, 2F] projection: h = silu(gate) * up in one pass, and its backward in one pass.
 #include <fmt/format.h>
 #include <torch/autograd.h>
 
@@ -41,63 +41,58 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct SwiGluFunction : torch::autograd::Function<SwiGluFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate, const torch::Tensor& up) {
-    const int64_t rows = gate.size(0), f = gate.size(1);
-    torch::Tensor h = torch::empty({rows, f}, gate.options());
-    fused::with_dtype(gate.scalar_type(), [&](auto tag) {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate_up) {
+    const torch::Tensor x = gate_up.stride(-1) == 1 && gate_up.stride(0) == gate_up.size(1) ? gate_up
+                                                                                          : gate_up.contiguous();
+    const int64_t rows = x.size(0), f = x.size(1) / 2;
+    torch::Tensor h = torch::empty({rows, f}, x.options());
+    fused::with_dtype(x.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      const T* gp = gate.data_ptr<T>();
-      const T* up_p = up.data_ptr<T>();
+      const T* xp = x.data_ptr<T>();
       T* hp = h.data_ptr<T>();
-      const int64_t sg = gate.stride(0), su = up.stride(0);
       fused::for_rows(rows, f * 8, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) swiglu_row(gp + r * sg, up_p + r * su, hp + r * f, f);
+        for (int64_t r = b; r < e; ++r) swiglu_row(xp + r * 2 * f, xp + r * 2 * f + f, hp + r * f, f);
       });
     });
-    ctx->save_for_backward({gate, up});
+    ctx->save_for_backward({x});
     return h;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const torch::Tensor& gate = saved[0];
-    const torch::Tensor& up = saved[1];
-    const torch::Tensor dh = grads[0].to(gate.scalar_type()).contiguous();
-    const int64_t rows = gate.size(0), f = gate.size(1);
-    torch::Tensor dg = torch::empty({rows, f}, gate.options()), du = torch::empty({rows, f}, gate.options());
-    fused::with_dtype(gate.scalar_type(), [&](auto tag) {
+    const torch::Tensor x = ctx->get_saved_variables()[0];
+    const torch::Tensor dh = grads[0].to(x.scalar_type()).contiguous();
+    const int64_t rows = x.size(0), f = x.size(1) / 2;
+    torch::Tensor dx = torch::empty_like(x);
+    fused::with_dtype(x.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      const T* gp = gate.data_ptr<T>();
-      const T* up_p = up.data_ptr<T>();
+      const T* xp = x.data_ptr<T>();
       const T* dp = dh.data_ptr<T>();
-      T* dgp = dg.data_ptr<T>();
-      T* dup = du.data_ptr<T>();
-      const int64_t sg = gate.stride(0), su = up.stride(0);
+      T* dxp = dx.data_ptr<T>();
       fused::for_rows(rows, f * 16, [&](int64_t b, int64_t e) {
         for (int64_t r = b; r < e; ++r) {
-          swiglu_row_backward(gp + r * sg, up_p + r * su, dp + r * f, dgp + r * f, dup + r * f, f);
+          const int64_t at = r * 2 * f;
+          swiglu_row_backward(xp + at, xp + at + f, dp + r * f, dxp + at, dxp + at + f, f);
         }
       });
     });
-    return {dg, du};
+    return {dx};
   }
 };
 
 }  // namespace
 
-torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& up) {
-  return (torch::silu(gate.to(torch::kFloat)) * up.to(torch::kFloat)).to(gate.scalar_type());
+torch::Tensor swiglu_reference(const torch::Tensor& gate_up) {
+  const auto halves = gate_up.to(torch::kFloat).chunk(2, -1);
+  return (torch::silu(halves[0]) * halves[1]).to(gate_up.scalar_type());
 }
 
-torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  fused::check_rows("fused_swiglu", "gate", gate);
-  fused::check_rows("fused_swiglu", "up", up);
-  if (gate.dim() != 2 || gate.sizes() != up.sizes() || gate.scalar_type() != up.scalar_type()) {
-    throw std::invalid_argument(fmt::format("fused_swiglu: gate {} {} and up {} {} must be [rows, F] of one dtype",
-                                            c10::str(gate.sizes()), c10::toString(gate.scalar_type()),
-                                            c10::str(up.sizes()), c10::toString(up.scalar_type())));
+torch::Tensor fused_swiglu(const torch::Tensor& gate_up) {
+  fused::check_rows("fused_swiglu", "gate_up", gate_up);
+  if (gate_up.dim() != 2 || gate_up.size(1) % 2 != 0) {
+    throw std::invalid_argument(fmt::format("fused_swiglu: gate_up must be [rows, 2F] (got {})",
+                                            c10::str(gate_up.sizes())));
   }
-  if (!fused::fused_path(gate)) return swiglu_reference(gate, up);
-  return SwiGluFunction::apply(gate, up);
+  if (!fused::fused_path(gate_up)) return swiglu_reference(gate_up);
+  return SwiGluFunction::apply(gate_up);
 }
 
 }  // namespace dcp
