@@ -19,6 +19,9 @@ work=$(mktemp -d /tmp/dcp_default_job.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 dcp=./build/dcp
 [ -x "$dcp" ] || { echo "default_job.sh: build first (bash scripts/build.sh)" >&2; exit 2; }
+# The PyTorch loops need Debian's python3-torch.
+/usr/bin/python3 -c 'import torch' 2>/dev/null || bash scripts/install-deps.sh python3-torch || {
+  echo "default_job.sh: the PyTorch loops need python3-torch (apt-get install python3-torch, as root)" >&2; exit 2; }
 
 # Matmul peaks of this machine (one thread, 2048^3), from the bench-attention header.
 $dcp bench-attention --lengths 512 --variants softmax --repetitions 1 --threads 1 --no-plot --out "$work/peak" >/dev/null
@@ -26,15 +29,24 @@ peak_line=$(grep -o 'fp32 [0-9.]* GFLOP/s, bf16 [0-9.]* GFLOP/s' "$work/peak.md"
 peak_fp32=$(echo "$peak_line" | awk '{print $2}')
 peak_bf16=$(echo "$peak_line" | awk '{print $5}')
 
+# The PyTorch loops get the OpenBLAS kernels dcp gives itself (src/cli/blas_cores.cpp): on a virtual CPU
+# OpenBLAS does not recognise it falls back to its Prescott kernels, 4-5x slower in fp32 on AVX-512.
+coretype=${OPENBLAS_CORETYPE:-}
+if [ -z "$coretype" ] && grep -qw avx512f /proc/cpuinfo; then
+  coretype=SkylakeX; grep -qw avx512_bf16 /proc/cpuinfo && coretype=Cooperlake
+fi
+py="/usr/bin/python3"
+[ -n "$coretype" ] && py="env OPENBLAS_CORETYPE=$coretype /usr/bin/python3"
+
 # name|kind|command (kind: dcp = a run dir with metrics.jsonl, json = one JSON line with tokens_per_s)
 entries=(
   "dcp tiled bf16|dcp|$dcp launch --nproc 2 -- train --config configs/default.yaml --train.precision=bf16 --attention.impl=tiled"
   "dcp tiled fp32|dcp|$dcp launch --nproc 2 -- train --config configs/default.yaml --train.precision=fp32 --attention.impl=tiled"
   "dcp reference bf16|dcp|$dcp launch --nproc 2 -- train --config configs/default.yaml --train.precision=bf16 --attention.impl=reference"
   "dcp reference fp32|dcp|$dcp launch --nproc 2 -- train --config configs/default.yaml --train.precision=fp32 --attention.impl=reference"
-  "PyTorch fp32|json|/usr/bin/python3 bench/pytorch_loop.py --nproc 2 --threads 1"
-  "PyTorch bf16 autocast|json|/usr/bin/python3 bench/pytorch_loop.py --nproc 2 --threads 1 --autocast"
-  "PyTorch bf16 autocast, blocked attention|json|/usr/bin/python3 bench/pytorch_loop.py --nproc 2 --threads 1 --autocast --attention blocked"
+  "PyTorch fp32|json|$py bench/pytorch_loop.py --nproc 2 --threads 1"
+  "PyTorch bf16 autocast|json|$py bench/pytorch_loop.py --nproc 2 --threads 1 --autocast"
+  "PyTorch bf16 autocast, blocked attention|json|$py bench/pytorch_loop.py --nproc 2 --threads 1 --autocast --attention blocked"
 )
 if [ -n "${DCP_BASELINE:-}" ]; then
   # The old binary as a user runs it, and with OpenBLAS's AVX-512 kernels forced (it predates the re-exec).
@@ -76,7 +88,8 @@ done
   echo "taken in turns. Matmul peak of one thread (2048^3, measured by this run): fp32 $peak_fp32 GFLOP/s, bf16"
   echo "$peak_bf16 GFLOP/s. Model FLOPs per token: $(printf '%.3g' "$fpt") (dcp's cost model: 6 per parameter per"
   echo "token plus causal attention; the same model and tokens for every entry). MFU = tokens/s x FLOPs per token /"
-  echo "(peak of the entry's dtype x 2 ranks). Load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)."
+  echo "(peak of the entry's dtype x 2 ranks). The PyTorch loops ran with OPENBLAS_CORETYPE=${coretype:-unset}."
+  echo "Load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)."
   echo
   echo "| entry | tokens/s | vs best PyTorch loop | MFU |"
   echo "|---|---|---|---|"

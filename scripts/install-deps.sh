@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages dcp needs to build, test and run (as root). Skips what is already there.
+# Installs the Debian 12 packages dcp needs to build, test and run (as root), plus any named as arguments (the
+# benchmarks' extras, e.g. python3-torch). Skips what is already there.
 set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config
@@ -8,6 +9,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   gnuplot-nox jq                                  # plots; jq summarises metrics.jsonl in bench scripts
   python3.11-doc                                  # the default corpus: CPython 3.11 docs sources
+  "$@"
 )
 missing=()
 for p in "${packages[@]}"; do
