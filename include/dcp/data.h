@@ -81,6 +81,26 @@ class Corpus {
 /// Why a document is not usable as text, or "" when it is: "empty", or "binary" (NUL byte or invalid UTF-8).
 std::string classify_document(std::string_view text);
 
+/// The length distribution of a set of samples (tokens), as the trainer prints it: what decides whether a job
+/// needs sequence parallelism and recompute. Percentiles are nearest-rank (the smallest length with at least
+/// p% of the samples at or below it).
+struct LengthHistogram {
+  int64_t count = 0;   ///< samples
+  int64_t tokens = 0;  ///< sum of the lengths
+  int64_t min = 0, p50 = 0, p90 = 0, max = 0;
+  /// (2^k, share of all tokens that are in samples longer than 2^k), for k = 0, 1, ... while 2^k < max;
+  /// shares in [0, 1]. Empty when there are no samples or max is 1.
+  std::vector<std::pair<int64_t, double>> token_share_above;
+
+  /// One line: "N samples, T tokens; min a, p50 b, p90 c, max d; tokens in samples > 512: 61.2%, > 1024: ...",
+  /// listing the powers of two from the last whose share prints as 100.0%.
+  std::string describe() const;
+};
+
+/// The LengthHistogram of `lengths` (tokens, each >= 1; an empty list gives count 0). Throws
+/// std::invalid_argument naming the index and value of a length below 1.
+LengthHistogram length_histogram(const std::vector<int64_t>& lengths);
+
 /// FNV-1a 64-bit hash; stable across platforms and runs.
 uint64_t fnv1a64(std::string_view s);
 

@@ -14,8 +14,8 @@
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
 #include "train/progress.h"
+#include "train/run_record.h"
 #include "util/logging.h"
-#include "util/stats.h"
 #include "util/clock.h"
 
 namespace dcp {
@@ -35,43 +35,6 @@ void check_same_weights(Transformer& model, const Communicator& world) {
                                          world.rank(), sum));
   }
 }
-
-// Per rank: the memory model's peak bytes for the largest of its micro-batches in `plan` (exact sample lengths),
-// or the model's resident bytes for a rank without micro-batches.
-std::vector<double> predicted_rank_peaks(const StepPlan& plan, const std::vector<Sample>& samples,
-                                         int64_t world_size, const MemoryModel& memory) {
-  std::vector<double> out(static_cast<size_t>(world_size), memory.coefficients().base_bytes);
-  for (const auto& g : plan.groups) {
-    double peak = memory.coefficients().base_bytes;
-    for (const auto& mb : g.micro_batches) {
-      std::vector<int64_t> lengths;
-      for (int64_t id : mb.sample_ids) lengths.push_back(samples[static_cast<size_t>(id)].length);
-      peak = std::max(peak, memory.bytes(lengths, g.sp_size, mb.recompute_layers));
-    }
-    for (int64_t r = g.first_rank; r < g.first_rank + g.sp_size && r < world_size; ++r) {
-      out[static_cast<size_t>(r)] = peak;
-    }
-  }
-  return out;
-}
-
-// The model FLOPs of a step (CostModel::flops of every micro-batch without recompute: what MFU counts, causal
-// attention included).
-double model_flops(const StepPlan& plan, const std::vector<Sample>& samples, const CostModel& cost) {
-  double total = 0;
-  for (const auto& g : plan.groups) {
-    for (const auto& mb : g.micro_batches) {
-      std::vector<int64_t> lengths;
-      for (int64_t id : mb.sample_ids) lengths.push_back(samples[static_cast<size_t>(id)].length);
-      const FlopCount f = cost.flops(lengths, 0);
-      total += f.linear + f.attention;
-    }
-  }
-  return total;
-}
-
-// summary.json's relative prediction errors: their median, null when there is none.
-json median_or_null(const std::vector<double>& values) { return values.empty() ? json() : json(median(values)); }
 
 // On resume, lines past the checkpoint belong to steps that will run again.
 void truncate_metrics(const fs::path& path, int64_t keep_through_step) {
@@ -138,6 +101,10 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   spdlog::info("corpus {}: {} documents kept, {} train samples, {} held-out samples, {} documents skipped",
                cfg.data.path, corpus.num_documents(), corpus.train_ids().size(), corpus.heldout_ids().size(),
                corpus.skipped().total());
+  std::vector<int64_t> train_lengths;
+  for (int64_t id : corpus.train_ids()) train_lengths.push_back(corpus.samples()[static_cast<size_t>(id)].length);
+  const LengthHistogram lengths = length_histogram(train_lengths);
+  spdlog::info("train sample lengths (tokens): {}", lengths.describe());
   for (const auto& [reason, n] : corpus.skipped().by_reason) {
     std::string examples;
     for (const auto& e : corpus.skipped().examples.at(reason)) examples += " " + e;
@@ -181,11 +148,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   const ModelShape shape = model_shape_of(cfg, activation_bytes(precision.precision));
   const DeviceSpec device = DeviceSpec::named(cfg.train.cost_model);
   const CostModel cost(shape, device);
-  int64_t longest_sample = 0;
-  for (int64_t id : corpus.train_ids()) {
-    longest_sample = std::max(longest_sample, corpus.samples()[static_cast<size_t>(id)].length);
-  }
-  const MemoryModel memory = memory_model_for(cfg.train.cost_model, shape, device, cfg.memory, longest_sample);
+  const MemoryModel memory = memory_model_for(cfg.train.cost_model, shape, device, cfg.memory, lengths.max);
   if (corpus.heldout_ids().empty()) {
     spdlog::warn("no held-out samples (data.heldout_fraction={}): held-out evaluation skipped, reported as null",
                  cfg.data.heldout_fraction);
@@ -201,9 +164,6 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                                            : fmt::format("memory.fraction {} x {:.1f} GB", cfg.memory.fraction,
                                                          device.memory_bytes / 1e9),
                memory.source(), MemoryMeter::install());
-  bool warned_over_budget = false;  // static and file plans do not consult the memory model: say so once
-  int64_t peak_bytes = 0;
-  std::vector<double> memory_errors;  // |predicted / measured - 1| per rank and step
   std::map<std::string, int64_t> planner_skips;
   DataParallelOptions dp{env.world_size, cfg.train.global_batch_tokens, cfg.train.micro_batch_tokens,
                          cfg.model.recompute_layers, cfg.parallel.sp_size};
@@ -231,8 +191,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   const auto train_start = std::chrono::steady_clock::now();
   const int64_t first_step = state.step;
   Progress progress(cfg.train.max_steps, first_step, lead);
-  std::vector<double> prediction_errors;  // |predicted / measured - 1| of this invocation's steps
-  double flops_trained = 0, flops_time = 0;  // model FLOPs and seconds of this invocation's steps
+  RunRecord record(corpus.samples(), env.world_size, cost, memory, file_plans.empty() ? cfg.train.planner : "plan-file");
   while (state.step < cfg.train.max_steps &&
          (cfg.train.stop_after_steps == 0 || state.step - first_step < cfg.train.stop_after_steps)) {
     if (state.index_in_epoch >= static_cast<int64_t>(plans.size())) {
@@ -242,8 +201,6 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
       spdlog::info("epoch {} begins ({} steps)", state.epoch, plans.size());
     }
     const StepPlan& plan = plans[static_cast<size_t>(state.index_in_epoch)];
-    const double raw_prediction = evaluate_step(plan, corpus.samples(), env.world_size, cost, memory).step_s;
-    const std::vector<double> predicted_peaks = predicted_rank_peaks(plan, corpus.samples(), env.world_size, memory);
     const auto step_start = std::chrono::steady_clock::now();
     StepStats r = compute_step_gradients(model, corpus, plan, groups);
     double grad_norm = 0;
@@ -259,61 +216,12 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     ++state.index_in_epoch;
     state.tokens_trained += r.tokens;
     state.samples_trained += r.samples;
-    for (size_t i = 0; i < r.rank_peak_bytes.size(); ++i) {
-      peak_bytes = std::max(peak_bytes, r.rank_peak_bytes[i]);
-      memory_errors.push_back(std::abs(predicted_peaks[i] / static_cast<double>(r.rank_peak_bytes[i]) - 1.0));
-    }
-    const double predicted_peak = *std::max_element(predicted_peaks.begin(), predicted_peaks.end());
-    if (predicted_peak > memory.budget_bytes() && !warned_over_budget) {
-      spdlog::warn("step {}: predicted peak {:.0f} bytes exceeds the memory budget {:.0f} bytes ({} plans do not "
-                   "consult the memory model; a planner such as dcp-opt does)",
-                   state.step, predicted_peak, memory.budget_bytes(),
-                   file_plans.empty() ? cfg.train.planner : "plan-file");
-      warned_over_budget = true;
-    }
-    double max_busy = *std::max_element(r.rank_busy_s.begin(), r.rank_busy_s.end());
-    double mean_busy = 0;
-    for (double b : r.rank_busy_s) mean_busy += b / static_cast<double>(r.rank_busy_s.size());
-    std::vector<int64_t> sp_sizes, rank_recompute(static_cast<size_t>(env.world_size), 0);
-    for (const auto& g : plan.groups) {
-      sp_sizes.push_back(g.sp_size);
-      int64_t most = 0;  // the most layers any micro-batch of the group recomputes (the plan's answer to memory)
-      for (const auto& mb : g.micro_batches) most = std::max(most, mb.recompute_layers);
-      for (int64_t r = g.first_rank; r < g.first_rank + g.sp_size && r < env.world_size; ++r) {
-        rank_recompute[static_cast<size_t>(r)] = most;
-      }
-    }
-    double tokens_per_s = static_cast<double>(r.tokens) / step_time;
-    const double step_flops = model_flops(plan, corpus.samples(), cost);
-    flops_trained += step_flops;
-    flops_time += step_time;
-    // Online recalibration: the model's prediction times an EMA of measured / predicted over past steps.
-    const json predicted = state.cost_calibration > 0 ? json(state.cost_calibration * raw_prediction) : json();
-    if (!predicted.is_null()) prediction_errors.push_back(std::abs(predicted.get<double>() / step_time - 1.0));
-    const double ratio = step_time / raw_prediction;
-    state.cost_calibration = state.cost_calibration > 0 ? 0.9 * state.cost_calibration + 0.1 * ratio : ratio;
+    const json line = record.step(plan, r, step_time, lr, grad_norm, state);
     if (lead) {
-      json line = {{"step", state.step},
-                   {"epoch", state.epoch},
-                   {"loss", r.loss},
-                   {"tokens", r.tokens},
-                   {"samples", r.samples},
-                   {"step_time_s", step_time},
-                   {"tokens_per_s", tokens_per_s},
-                   {"lr", lr},
-                   {"grad_norm", grad_norm},
-                   {"rank_busy_s", r.rank_busy_s},
-                   {"rank_peak_bytes", r.rank_peak_bytes},
-                   {"rank_predicted_peak_bytes", predicted_peaks},
-                   {"rank_recompute_layers", rank_recompute},
-                   {"imbalance", max_busy > 0 ? 1.0 - mean_busy / max_busy : 0.0},
-                   {"sp_sizes", sp_sizes},
-                   {"model_flops", step_flops},
-                   {"predicted_step_s", predicted}};
       metrics << line.dump() << "\n";
       metrics.flush();
     }
-    progress.update(state.step, r.loss, tokens_per_s, lr);
+    progress.update(state.step, r.loss, line["tokens_per_s"].get<double>(), lr);
     if (cfg.train.checkpoint_every > 0 && state.step % cfg.train.checkpoint_every == 0 &&
         state.step < cfg.train.max_steps) {
       if (lead) {
@@ -349,13 +257,11 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                     {"precision", precision_name(precision.precision)},
                     {"planner", file_plans.empty() ? cfg.train.planner : "plan-file"},
                     {"cost_model", cfg.train.cost_model},
-                    {"predicted_step_median_rel_err", median_or_null(prediction_errors)},
-                    {"model_flops_per_s", flops_time > 0 ? json(flops_trained / flops_time) : json()},
-                    {"peak_bytes", peak_bytes},
                     {"memory_budget_bytes", memory.budget_bytes()},
                     {"memory_model", memory.source()},
                     {"memory_meter", MemoryMeter::method()},
-                    {"predicted_peak_median_rel_err", median_or_null(memory_errors)},
+                    {"train_lengths", {{"min", lengths.min}, {"p50", lengths.p50}, {"p90", lengths.p90},
+                                       {"max", lengths.max}, {"tokens", lengths.tokens}}},
                     {"documents_skipped", corpus.skipped().total()},
                     {"documents_kept", corpus.num_documents()},
                     {"train_samples_per_epoch", corpus.train_ids().size()},
@@ -366,6 +272,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                     {"process_group_creation_s", groups.creation_seconds()},
                     {"threads_per_rank", threads},
                     {"parameters", n_params}};
+    summary.update(record.summary());
     write_file(run_dir / "summary.json", summary.dump(2) + "\n");
     spdlog::info("wrote {}/summary.json, metrics.jsonl, config.yaml and checkpoint/", run_dir.string());
   }

@@ -379,3 +379,40 @@ TEST(CorpusDefault, LoadsPythonDocs) {
     ASSERT_LE(s.length, defaults.max_seq_len);
   }
 }
+
+TEST(LengthHistogram, PercentilesAndTokenShares) {
+  // 10 samples: nine of 100 tokens and one of 5000; nearest-rank p50 = 5th = 100, p90 = 9th = 100.
+  std::vector<int64_t> lengths(9, 100);
+  lengths.push_back(5000);
+  const LengthHistogram h = length_histogram(lengths);
+  EXPECT_EQ(h.count, 10);
+  EXPECT_EQ(h.tokens, 5900);
+  EXPECT_EQ(h.min, 100);
+  EXPECT_EQ(h.p50, 100);
+  EXPECT_EQ(h.p90, 100);
+  EXPECT_EQ(h.max, 5000);
+  ASSERT_EQ(h.token_share_above.size(), 13u);  // 1, 2, ..., 4096 (8192 >= max)
+  EXPECT_EQ(h.token_share_above.front().first, 1);
+  EXPECT_EQ(h.token_share_above.back().first, 4096);
+  for (const auto& [edge, share] : h.token_share_above) {
+    const double expected = edge < 100 ? 1.0 : 5000.0 / 5900.0;
+    EXPECT_DOUBLE_EQ(share, expected) << "edge " << edge;
+  }
+  // Printed from 64 (the last power of two with every token above it) up.
+  const std::string line = h.describe();
+  EXPECT_NE(line.find("min 100, p50 100, p90 100, max 5000"), std::string::npos) << line;
+  EXPECT_NE(line.find("> 64: 100.0%"), std::string::npos) << line;
+  EXPECT_NE(line.find("> 4096: 84.7%"), std::string::npos) << line;
+  EXPECT_EQ(line.find("> 32:"), std::string::npos) << line;
+}
+
+TEST(LengthHistogram, P90OfTwentyAndEdgeCases) {
+  std::vector<int64_t> lengths;
+  for (int64_t i = 1; i <= 20; ++i) lengths.push_back(i);
+  const LengthHistogram h = length_histogram(lengths);
+  EXPECT_EQ(h.p50, 10);
+  EXPECT_EQ(h.p90, 18);
+  EXPECT_EQ(length_histogram({}).count, 0);
+  EXPECT_TRUE(length_histogram({1, 1}).token_share_above.empty());
+  EXPECT_NE(error_of([] { length_histogram({3, 0}); }).find("length 0 at index 1"), std::string::npos);
+}

@@ -1,0 +1,163 @@
+#include "train/run_record.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <functional>
+#include <numeric>
+
+#include "dcp/planners.h"
+#include "util/logging.h"
+#include "util/stats.h"
+
+namespace dcp {
+using nlohmann::json;
+
+namespace {
+
+std::vector<int64_t> lengths_of(const MicroBatch& mb, const std::vector<Sample>& samples) {
+  std::vector<int64_t> lengths;
+  for (int64_t id : mb.sample_ids) lengths.push_back(samples[static_cast<size_t>(id)].length);
+  return lengths;
+}
+
+json median_or_null(const std::vector<double>& values) { return values.empty() ? json() : json(median(values)); }
+
+json counts(const std::map<int64_t, int64_t>& m) {
+  json out = json::object();
+  for (const auto& [k, n] : m) out[std::to_string(k)] = n;
+  return out;
+}
+
+}  // namespace
+
+RunRecord::RunRecord(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
+                     const MemoryModel& memory, std::string plan_source)
+    : samples_(samples),
+      world_size_(world_size),
+      cost_(cost),
+      memory_(memory),
+      plan_source_(std::move(plan_source)),
+      static_baselines_(world_size, cost, memory) {}
+
+// Per rank: the memory model's peak for the largest of its micro-batches (exact sample lengths), or the model's
+// resident bytes for a rank without micro-batches.
+std::vector<double> RunRecord::predicted_rank_peaks(const StepPlan& plan) const {
+  const double base = memory_.coefficients().base_bytes;
+  std::vector<double> out(static_cast<size_t>(world_size_), base);
+  for (const auto& g : plan.groups) {
+    double peak = base;
+    for (const auto& mb : g.micro_batches) {
+      peak = std::max(peak, memory_.bytes(lengths_of(mb, samples_), g.sp_size, mb.recompute_layers));
+    }
+    for (int64_t r = g.first_rank; r < g.first_rank + g.sp_size && r < world_size_; ++r) {
+      out[static_cast<size_t>(r)] = peak;
+    }
+  }
+  return out;
+}
+
+json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_s, double lr, double grad_norm,
+                     TrainState& state) {
+  const std::vector<double> predicted_peaks = predicted_rank_peaks(plan);
+  for (size_t i = 0; i < r.rank_peak_bytes.size(); ++i) {
+    peak_bytes_ = std::max(peak_bytes_, r.rank_peak_bytes[i]);
+    memory_errors_.push_back(std::abs(predicted_peaks[i] / static_cast<double>(r.rank_peak_bytes[i]) - 1.0));
+  }
+  const double predicted_peak = *std::max_element(predicted_peaks.begin(), predicted_peaks.end());
+  if (predicted_peak > memory_.budget_bytes() && !warned_over_budget_) {
+    spdlog::warn("step {}: predicted peak {:.0f} bytes exceeds the memory budget {:.0f} bytes ({} plans do not "
+                 "consult the memory model; a planner such as dcp-opt does)",
+                 state.step, predicted_peak, memory_.budget_bytes(), plan_source_);
+    warned_over_budget_ = true;
+  }
+
+  // What the plan decided, per group.
+  std::vector<int64_t> sp_sizes, group_micro_batches, rank_recompute(static_cast<size_t>(world_size_), 0);
+  double step_flops = 0;
+  for (const auto& g : plan.groups) {
+    sp_sizes.push_back(g.sp_size);
+    group_micro_batches.push_back(static_cast<int64_t>(g.micro_batches.size()));
+    ++groups_by_sp_[g.sp_size];
+    micro_batches_per_group_.push_back(static_cast<double>(g.micro_batches.size()));
+    int64_t most = 0;  // the most layers any micro-batch of the group recomputes (the plan's answer to memory)
+    for (const auto& mb : g.micro_batches) {
+      most = std::max(most, mb.recompute_layers);
+      ++micro_batches_by_recompute_[mb.recompute_layers];
+      // MFU counts the model's FLOPs without recompute, causal attention included.
+      const FlopCount f = cost_.flops(lengths_of(mb, samples_), 0);
+      step_flops += f.linear + f.attention;
+    }
+    for (int64_t rk = g.first_rank; rk < g.first_rank + g.sp_size && rk < world_size_; ++rk) {
+      rank_recompute[static_cast<size_t>(rk)] = most;
+    }
+  }
+  ++steps_;
+  if (std::adjacent_find(sp_sizes.begin(), sp_sizes.end(), std::not_equal_to<>()) != sp_sizes.end()) {
+    ++steps_mixed_sp_;
+  }
+  flops_ += step_flops;
+  seconds_ += step_time_s;
+
+  // Online recalibration: the model's prediction times an EMA of measured / predicted over past steps.
+  const double raw_prediction = evaluate_step(plan, samples_, world_size_, cost_, memory_).step_s;
+  predicted_s_ += raw_prediction;
+  static_baselines_.add_step(plan.sample_ids(), samples_);
+  const json predicted = state.cost_calibration > 0 ? json(state.cost_calibration * raw_prediction) : json();
+  if (!predicted.is_null()) prediction_errors_.push_back(std::abs(predicted.get<double>() / step_time_s - 1.0));
+  const double ratio = step_time_s / raw_prediction;
+  state.cost_calibration = state.cost_calibration > 0 ? 0.9 * state.cost_calibration + 0.1 * ratio : ratio;
+
+  const double max_busy = *std::max_element(r.rank_busy_s.begin(), r.rank_busy_s.end());
+  double mean_busy = 0;
+  for (double b : r.rank_busy_s) mean_busy += b / static_cast<double>(r.rank_busy_s.size());
+  return {{"step", state.step},
+          {"epoch", state.epoch},
+          {"loss", r.loss},
+          {"tokens", r.tokens},
+          {"samples", r.samples},
+          {"step_time_s", step_time_s},
+          {"tokens_per_s", static_cast<double>(r.tokens) / step_time_s},
+          {"lr", lr},
+          {"grad_norm", grad_norm},
+          {"rank_busy_s", r.rank_busy_s},
+          {"rank_peak_bytes", r.rank_peak_bytes},
+          {"rank_predicted_peak_bytes", predicted_peaks},
+          {"rank_recompute_layers", rank_recompute},
+          {"imbalance", max_busy > 0 ? 1.0 - mean_busy / max_busy : 0.0},
+          {"sp_sizes", sp_sizes},
+          {"group_micro_batches", group_micro_batches},
+          {"model_flops", step_flops},
+          {"predicted_step_s", predicted}};
+}
+
+json RunRecord::summary() const {
+  json plans = {{"groups_by_sp_size", counts(groups_by_sp_)},
+                {"steps_mixed_sp", steps_mixed_sp_},
+                {"micro_batches_by_recompute_layers", counts(micro_batches_by_recompute_)},
+                {"micro_batches_per_group_mean",
+                 micro_batches_per_group_.empty()
+                     ? json()
+                     : json(std::accumulate(micro_batches_per_group_.begin(), micro_batches_per_group_.end(), 0.0) /
+                            static_cast<double>(micro_batches_per_group_.size()))},
+                {"micro_batches_per_group_max",
+                 micro_batches_per_group_.empty()
+                     ? json()
+                     : json(*std::max_element(micro_batches_per_group_.begin(), micro_batches_per_group_.end()))},
+                {"predicted_s", steps_ > 0 ? json(predicted_s_) : json()},
+                {"best_static_layout", json()},
+                {"best_static_predicted_s", json()},
+                {"predicted_speedup_over_best_static", json()}};
+  if (const auto best = static_baselines_.best(); best && predicted_s_ > 0) {
+    plans["best_static_layout"] = best->layout;
+    plans["best_static_predicted_s"] = best->predicted_s;
+    plans["predicted_speedup_over_best_static"] = best->predicted_s / predicted_s_;
+  }
+  return {{"predicted_step_median_rel_err", median_or_null(prediction_errors_)},
+          {"model_flops_per_s", seconds_ > 0 ? json(flops_ / seconds_) : json()},
+          {"peak_bytes", peak_bytes_},
+          {"predicted_peak_median_rel_err", median_or_null(memory_errors_)},
+          {"plans", plans}};
+}
+
+}  // namespace dcp

@@ -1,0 +1,54 @@
+// The trainer's record phase: one metrics.jsonl line per step, and over this invocation the summary's
+// aggregates, among them what the plans decided and what they gained over the best static layout.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "dcp/cost_model.h"
+#include "dcp/data.h"
+#include "dcp/plan.h"
+#include "dcp/runtime.h"
+#include "train/checkpoint.h"
+#include "train/static_baseline.h"
+
+namespace dcp {
+
+class RunRecord {
+ public:
+  /// `plan_source` names where the plans come from (a planner name or "plan-file") in warnings.
+  RunRecord(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost, const MemoryModel& memory,
+            std::string plan_source);
+
+  /// Records an executed step (state.step already counts it) and returns its metrics.jsonl line (README, "Where
+  /// results go"). Updates state.cost_calibration, the EMA of measured / predicted step seconds.
+  nlohmann::json step(const StepPlan& plan, const StepStats& stats, double step_time_s, double lr, double grad_norm,
+                      TrainState& state);
+
+  /// summary.json's fields from this invocation's steps: prediction errors, model FLOP/s, peaks, and "plans"
+  /// (SP sizes, micro-batches per group, recompute, mixed steps, the best static layout's predicted time).
+  nlohmann::json summary() const;
+
+ private:
+  std::vector<double> predicted_rank_peaks(const StepPlan& plan) const;
+
+  const std::vector<Sample>& samples_;
+  int64_t world_size_;
+  const CostModel& cost_;
+  const MemoryModel& memory_;
+  std::string plan_source_;
+  StaticBaselines static_baselines_;
+  bool warned_over_budget_ = false;  // static and file plans do not consult the memory model: say so once
+  int64_t peak_bytes_ = 0;
+  std::vector<double> memory_errors_;      // |predicted / measured - 1| per rank and step
+  std::vector<double> prediction_errors_;  // |calibrated prediction / measured - 1| per step
+  double flops_ = 0, seconds_ = 0, predicted_s_ = 0;
+  int64_t steps_ = 0, steps_mixed_sp_ = 0;
+  std::map<int64_t, int64_t> groups_by_sp_, micro_batches_by_recompute_;
+  std::vector<double> micro_batches_per_group_;
+};
+
+}  // namespace dcp
