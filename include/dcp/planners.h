@@ -25,6 +25,15 @@ struct PlannerOptions {
   /// `packed` and `bucket` only: > 0 fixes their SP size (it must divide world_size and the heads; samples
   /// that do not fit it are skipped); 0 takes the smallest size at which the longest sample fits.
   int64_t static_sp_size = 0;
+  /// `dcp-intra`, `dcp-inter` and `dcp-inter-pac` only (the others ignore it): instead of the common steps,
+  /// each forms its own iterations as the reference does (dcp-reference.md sections 3.4, 3.5): the epoch's
+  /// samples in one pool, each iteration (one StepPlan) one fill of the ranks, SP classes drawn by their number
+  /// of buckets, the first group drawn like the others; dcp-intra gives each group one micro-batch, dcp-inter
+  /// the gas solver's; iterations follow until the pool is empty. The section 7 fixes stay: nothing is
+  /// dropped (tails are kept, ranks the fill leaves idle stay idle), so only unplaceable samples are skipped.
+  /// Iterations then differ from the other planners' steps in size and number: for `dcp simulate` only, to
+  /// compare with the reference as it runs (its optimizer steps are not ours).
+  bool native_iterations = false;
 };
 
 /// A planner's output: the steps of one epoch, and the samples it could not place (no allowed SP size holds
@@ -88,6 +97,7 @@ PlanSet plan_bucket(const std::vector<Sample>& samples, int64_t world_size, cons
 ///    step's largest SP class, so every bucket has a group that holds it; seeded per-step streams instead of a
 ///    generator carried across epochs; sizes sorted before placement, so any world_size works (power-of-two
 ///    groups placed largest first are aligned); sizes divide the heads; every micro-batch fits the budget.
+/// With PlannerOptions::native_iterations, the reference's own iterations instead of the common steps.
 /// Samples that fit no allowed power-of-two size even with full recompute are skipped. Throws as plan_packed.
 PlanSet plan_dcp_intra(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
                        const MemoryModel& memory, const PlannerOptions& options);
@@ -110,6 +120,7 @@ PlanSet plan_dcp_intra(const std::vector<Sample>& samples, int64_t world_size, c
 ///    one uniform number with each class's own probability, so a class is picked only when its probability
 ///    exceeds every smaller class's, and the largest class takes the rest); the first group takes the step's largest class; seeded per-step streams; any world_size;
 ///    sizes divide the heads; every micro-batch fits the budget.
+/// With PlannerOptions::native_iterations, the reference's own iterations instead of the common steps.
 /// Skips as dcp-intra. Throws as plan_packed.
 PlanSet plan_dcp_inter(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
                        const MemoryModel& memory, const PlannerOptions& options);
@@ -139,6 +150,12 @@ PlanSet plan_dcp_inter_pac(const std::vector<Sample>& samples, int64_t world_siz
 ///     fill meets one, then bisection; after the first floor, a floor is skipped unless it can beat the best
 ///     makespan by 0.1 % (its bound, then one fill, must stay below that); ranks left over become more groups;
 ///     local search then moves or swaps samples of the makespan group while that lowers the pair's maximum;
+///     while the best makespan is more than 1 % above floor 0's bound, the best floor is searched again with
+///     dense groups for long samples: a sample over T / 2 at its preferred size that opens a group opens the
+///     size holding the most of its size's long samples still to place per rank (its copies by T, at most
+///     that many, over the size), and the better layout is kept. Least GPU-seconds alone gives each such
+///     sample its own group and can run out of ranks: four 432k-token samples on 24 ranks ran two at a time on
+///     groups of 8 (31.1 s) where three on 16 ranks and one on 8 take 26.4 s;
 ///     while the best makespan is more than 5 % above floor 0's bound (coarse steps, few samples per group),
 ///     the best floor is retried at looser targets (1.02 T .. 1.5 T) and the best layout kept;
 ///  4. each group packs its samples first-fit decreasing, merging a sample into a micro-batch only when that is

@@ -17,6 +17,7 @@ namespace {
 struct SimulateArgs : PlanningArgs {
   std::string planners = "all";
   bool by_sp_size = false;
+  bool native_iterations = false;
 };
 
 // What a planner's groups of one SP size ran over the epoch.
@@ -102,7 +103,8 @@ void run_simulate(const SimulateArgs& a) {
   const auto& source = in.source;
   const CostModel& cost = *in.cost;
   const MemoryModel& memory = *in.memory;
-  const PlannerOptions& opt = in.options;
+  PlannerOptions opt = in.options;
+  opt.native_iterations = a.native_iterations;
   const DeviceSpec& device = cost.device();
 
   std::vector<Row> rows;
@@ -155,12 +157,13 @@ void run_simulate(const SimulateArgs& a) {
     return;
   }
   fmt::print("workload {}: {} samples, {} tokens (max {}); world_size {}; cost model {} ({:.2g}-parameter decoder, "
-             "{} attention, mfu {}, budget {:.1f} GB); steps of {}\n\n",
+             "{} attention, mfu {}, budget {:.1f} GB); steps of {}{}\n\n",
              source, samples.size(), tokens, *std::max_element(lengths.begin(), lengths.end()), a.world_size,
              device.name, in.shape.params(), attention_kind_name(in.shape.attention), device.mfu,
              memory.budget_bytes() / 1e9,
              opt.samples_per_step > 0 ? fmt::format("{} samples", opt.samples_per_step)
-                                      : fmt::format("<= {} tokens", opt.tokens_per_step));
+                                      : fmt::format("<= {} tokens", opt.tokens_per_step),
+             opt.native_iterations ? "; dcp-intra, dcp-inter, dcp-inter-pac: their own iterations" : "");
   fmt::print("| planner | predicted_epoch_s | mean_imbalance | speedup_vs_bucket | lower_bound_ratio | "
              "plan_ms_per_step | samples_trained | samples_skipped | steps | peak_memory_gb | sp_sizes |\n");
   fmt::print("|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -188,6 +191,9 @@ void add_simulate_command(CLI::App& app) {
   auto a = std::make_shared<SimulateArgs>();
   add_planning_options(sub, *a);
   sub->add_option("--planners", a->planners, "'all' or a comma-separated list of bucket, packed, dcp-intra, dcp-inter, dcp-inter-pac, dcp-opt");
+  sub->add_flag("--native-iterations", a->native_iterations,
+                "dcp-intra, dcp-inter and dcp-inter-pac form their own iterations as the reference does (their "
+                "steps column counts them) instead of planning the common steps; see PlannerOptions");
   sub->add_flag("--by-sp-size", a->by_sp_size,
                 "also report, per planner and SP size, the groups, micro-batches, samples, tokens and mean "
                 "recompute_layers of its plans");

@@ -22,8 +22,9 @@ class InterStep {
             int64_t world_size, const CostModel& cost)
       : samples_(samples), profile_(profile), pool_(pool), rng_(rng), world_(world_size), cost_(cost) {}
 
-  std::vector<GroupPlan> plan() {
-    std::vector<RefGroup> groups = first_micro_batches();
+  // native: one iteration of the reference (its first round only), from a pool that spans the epoch.
+  std::vector<GroupPlan> plan(bool native) {
+    std::vector<RefGroup> groups = first_micro_batches(native);
     load_.assign(groups.size(), 0.0);
     std::vector<size_t> serving;
     for (size_t g = 0; g < groups.size(); ++g) {
@@ -34,6 +35,7 @@ class InterStep {
     // Finalize (reference 3.5 step 3): the gas solver balances the groups on their first micro-batches, and
     // each takes its further ones from its bucket.
     accumulate(groups, serving, true);
+    if (native) return place_groups(std::move(groups));
     // The step's samples need more rounds: keep the layout; a group whose bucket ran out serves a bucket of
     // the largest class it holds. Rounds of the reference are separate iterations; here they add up in one
     // step, so a round serves the groups below the slowest one (all when none of those can serve), least
@@ -71,12 +73,13 @@ class InterStep {
   }
 
   // Reference 3.5 step 1 on the step's pool: groups of the drawn buckets' sp sizes until no drawn class fits
-  // the ranks left, each with its first micro-batch; largest groups first. The first group takes the step's
-  // largest class so that a group can hold every bucket of the step in later rounds.
-  std::vector<RefGroup> first_micro_batches() {
+  // the ranks left, each with its first micro-batch; largest groups first. On a step the first group takes the
+  // step's largest class so that a group can hold every bucket of the step in later rounds; the reference
+  // (native) leaves buckets to later iterations.
+  std::vector<RefGroup> first_micro_batches(bool native) {
     std::vector<RefGroup> groups;
     int64_t left = world_;
-    std::optional<int64_t> key = pool_.draw_largest(world_, rng_);
+    std::optional<int64_t> key = native ? pool_.draw(world_, rng_) : pool_.draw_largest(world_, rng_);
     while (key) {
       const int64_t sp = profile_.of(*key).chosen.sp_size;
       groups.push_back(RefGroup{sp, *key, {next_micro_batch(*key, sp)}});
@@ -138,13 +141,22 @@ PlanSet plan_inter(const std::vector<Sample>& samples, int64_t world_size, const
   const ProfileTable profile = profile_buckets(samples, world_size, cost, memory, pac);
   PlanSet out;
   out.skipped_ids = skipped_ids(profile.skipped);
+  if (options.native_iterations) {
+    StepRng rng(options.seed, options.epoch, 0, pac ? 3 : 2);
+    StepPool pool(kept(epoch_ids(steps), profile.skipped), samples, profile, rng, true);
+    while (!pool.empty()) {
+      InterStep it(samples, profile, pool, rng, world_size, cost);
+      out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), it.plan(true)));
+    }
+    return out;
+  }
   for (size_t s = 0; s < steps.size(); ++s) {
     const auto ids = kept(steps[s], profile.skipped);
     if (ids.empty()) continue;
     StepRng rng(options.seed, options.epoch, static_cast<int64_t>(s), pac ? 3 : 2);
     StepPool pool(ids, samples, profile, rng);
     InterStep step(samples, profile, pool, rng, world_size, cost);
-    out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), step.plan()));
+    out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), step.plan(false)));
   }
   return out;
 }

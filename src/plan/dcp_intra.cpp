@@ -30,8 +30,10 @@ class IntraStep {
             int64_t world_size)
       : samples_(samples), profile_(profile), pool_(pool), rng_(rng), world_(world_size) {}
 
-  std::vector<GroupPlan> plan() {
-    std::vector<RefGroup> groups = first_round();
+  // native: one iteration of the reference (its first round only), from a pool that spans the epoch.
+  std::vector<GroupPlan> plan(bool native) {
+    std::vector<RefGroup> groups = first_round(native);
+    if (native) return place_groups(std::move(groups));
     std::vector<double> load(groups.size(), 0.0);
     for (size_t g = 0; g < groups.size(); ++g) {
       for (const auto& mb : groups[g].micro_batches) load[g] += seconds_of(mb, groups[g]);
@@ -84,12 +86,12 @@ class IntraStep {
   }
 
   // Reference 3.4 steps 1-5 on the step's pool; returns the layout, largest groups first (aligned blocks).
-  std::vector<RefGroup> first_round() {
+  std::vector<RefGroup> first_round(bool native) {
     std::vector<Plan> plans;
     int64_t left = world_;
-    // Fill. The first group takes the step's largest class so that a group can hold every bucket of the step
-    // in later rounds (the reference leaves buckets to later iterations; a step cannot).
-    std::optional<int64_t> key = pool_.draw_largest(world_, rng_);
+    // Fill. On a step the first group takes the step's largest class so that a group can hold every bucket of
+    // the step in later rounds; the reference (native) leaves buckets to later iterations.
+    std::optional<int64_t> key = native ? pool_.draw(world_, rng_) : pool_.draw_largest(world_, rng_);
     while (key) {
       const BucketSetting& st = profile_.of(*key).chosen;
       plans.push_back(Plan{0, *key, st.sp_size, pool_.take(*key, st.bs), 0.0});
@@ -205,13 +207,22 @@ PlanSet plan_dcp_intra(const std::vector<Sample>& samples, int64_t world_size, c
   const ProfileTable profile = profile_buckets(samples, world_size, cost, memory, false);
   PlanSet out;
   out.skipped_ids = skipped_ids(profile.skipped);
+  if (options.native_iterations) {
+    StepRng rng(options.seed, options.epoch, 0, 1);
+    StepPool pool(kept(epoch_ids(steps), profile.skipped), samples, profile, rng, true);
+    while (!pool.empty()) {
+      IntraStep it(samples, profile, pool, rng, world_size);
+      out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), it.plan(true)));
+    }
+    return out;
+  }
   for (size_t s = 0; s < steps.size(); ++s) {
     const auto ids = kept(steps[s], profile.skipped);
     if (ids.empty()) continue;
     StepRng rng(options.seed, options.epoch, static_cast<int64_t>(s), 1);
     StepPool pool(ids, samples, profile, rng);
     IntraStep step(samples, profile, pool, rng, world_size);
-    out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), step.plan()));
+    out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), step.plan(false)));
   }
   return out;
 }

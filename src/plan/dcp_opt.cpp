@@ -31,6 +31,9 @@ constexpr double kFirstStep = 1.0 / 128;
 // they can gain (steps of bench_planners at world 1024 end about 1 % above it, tiny cases up to 50 %).
 constexpr double kRetries[] = {1.02, 1.05, 1.1, 1.2, 1.35, 1.5};
 constexpr double kRetryGap = 0.05;
+// dcp-opt tries dense groups for long samples (fill's `dense`) only while the best makespan is more than this
+// above the lower bound: below it the gain is small and the extra search costs about ten fills.
+constexpr double kDenseGap = 0.01;
 
 // Ordered (load, key) entries of a set of groups (the key names the group); node handles keep updates free
 // of allocation.
@@ -112,22 +115,31 @@ class OptStep {
     // and its search is capped there.
     Layout best;
     size_t best_floor = 0;
-    double best_target = 0, bound = kInf;  // the least floor bound: floor 0's, over all sizes
+    bool best_dense = false;
+    double best_target = 0, best_lo = 0, bound = kInf;  // bound: the least floor bound, floor 0's, over all sizes
     for (size_t floor = 0; floor < K; ++floor) {
       const double cap = best.groups.empty() ? kInf : best.makespan() * (1 - 2 * kTargetTolerance);
       const double floor_lo = floor_bound(floor, cap);
       bound = std::min(bound, floor_lo);
       if (floor_lo >= cap) continue;
-      auto found = smallest_target(floor_lo, cap, floor);
+      auto found = smallest_target(floor_lo, cap, floor, false);
       if (!found) continue;
       Layout cand = finish(std::move(found->second));
       if (best.groups.empty() || cand.makespan() < best.makespan()) {
-        best = std::move(cand), best_floor = floor, best_target = found->first;
+        best = std::move(cand), best_floor = floor, best_target = found->first, best_lo = floor_lo;
+      }
+    }
+    // Long samples opening their preferred size can run out of ranks (see fill's `dense`): try the best floor
+    // with dense groups for them while the makespan is far enough above the bound for that to matter.
+    if (best.makespan() > bound * (1 + kDenseGap)) {
+      if (auto found = smallest_target(best_lo, best.makespan() * (1 - 2 * kTargetTolerance), best_floor, true)) {
+        Layout cand = finish(std::move(found->second));
+        if (cand.makespan() < best.makespan()) best = std::move(cand), best_target = found->first, best_dense = true;
       }
     }
     for (double f : kRetries) {
       if (best.makespan() <= bound * (1 + kRetryGap)) break;
-      if (auto l = fill(best_target * f, best_floor)) {
+      if (auto l = fill(best_target * f, best_floor, best_dense)) {
         Layout cand = finish(std::move(*l));
         if (cand.makespan() < best.makespan()) best = std::move(cand);
       }
@@ -218,24 +230,24 @@ class OptStep {
   // layout; nullopt when it fails at cap. The bracket grows geometrically above lo (kFirstStep, doubling), then
   // bisects. With cap = inf the bracket ends: once T exceeds the sum of all times, the first group opened (the
   // largest preferred size, which holds every sample since memory falls with sp) takes every sample.
-  std::optional<std::pair<double, Layout>> smallest_target(double lo, double cap, size_t floor) const {
+  std::optional<std::pair<double, Layout>> smallest_target(double lo, double cap, size_t floor, bool dense) const {
     double hi = cap;
     std::optional<Layout> found;
     if (cap < kInf) {
-      if (!(found = fill(cap, floor))) return std::nullopt;
+      if (!(found = fill(cap, floor, dense))) return std::nullopt;
     } else {
       const double bound = lo;
       hi = lo;
-      if ((found = fill(lo, floor))) return std::make_pair(lo, std::move(*found));
+      if ((found = fill(lo, floor, dense))) return std::make_pair(lo, std::move(*found));
       for (double step = kFirstStep; !found; step *= 2) {
         lo = hi;
         hi = bound * (1 + step);
-        found = fill(hi, floor);
+        found = fill(hi, floor, dense);
       }
     }
     while (hi > lo * (1 + kTargetTolerance)) {
       const double mid = 0.5 * (lo + hi);
-      if (auto l = fill(mid, floor)) {
+      if (auto l = fill(mid, floor, dense)) {
         hi = mid;
         found = std::move(l);
       } else {
@@ -262,11 +274,12 @@ class OptStep {
 
   // Samples by preferred size (from `floor` up), then time, both descending, each into an open group where it
   // finishes by T (least GPU-seconds, then least slack left, then lowest group), else into a new group of its
-  // preferred size while ranks remain. nullopt when a sample finds no place.
+  // preferred size while ranks remain (with `dense`, of dense_size for long samples). nullopt when a sample
+  // finds no place.
   // Open groups of each size are kept in a set ordered by (load, SIZE_MAX - group), so the best fit of a size
   // (the largest load that still finishes by T, lowest group among equal loads) is one lookup; sizes are tried
   // in the sample's GPU-seconds order and the search stops at the first size dearer than a fit: O(n K log G).
-  std::optional<Layout> fill(double T, size_t floor) const {
+  std::optional<Layout> fill(double T, size_t floor, bool dense) const {
     const size_t n = ids_.size(), K = sizes_.size();
     std::vector<size_t> pref(n), start(K + 1, 0);
     for (size_t i = 0; i < n; ++i) {
@@ -276,12 +289,24 @@ class OptStep {
     for (size_t k = 0; k < K; ++k) start[k + 1] += start[k];
     std::vector<size_t> order(n);
     for (size_t i = 0; i < n; ++i) order[start[K - 1 - pref[i]]++] = i;
+    // With `dense`: the long samples (over T / 2 at their preferred size) still to place from each position
+    // on, in its preferred size; they lead their size's run of `order`, longest first.
+    std::vector<size_t> long_left;
+    if (dense) {
+      long_left.assign(n, 0);
+      for (size_t p = n; p-- > 0;) {
+        const size_t i = order[p];
+        if (2 * t(i, pref[i]) <= T) continue;
+        long_left[p] = 1 + (p + 1 < n && pref[order[p + 1]] == pref[i] ? long_left[p + 1] : 0);
+      }
+    }
     std::vector<LoadSet> open(K);
     std::vector<LoadSet::iterator> pos;  // of each group in open[its size]
     std::vector<size_t> group_of(n);
     Layout l;
     int64_t ranks = 0;
-    for (size_t i : order) {
+    for (size_t p = 0; p < n; ++p) {
+      const size_t i = order[p];
       size_t best = l.groups.size();
       double best_cost = kInf, best_slack = kInf;
       const size_t* o = &by_cost_[i * K];
@@ -305,15 +330,15 @@ class OptStep {
           best = g, best_cost = c, best_slack = slack;
         }
       }
-      const double ti = t(i, best == l.groups.size() ? pref[i] : l.groups[best]);
       if (best == l.groups.size()) {
-        if (ranks + sizes_[pref[i]] > world_) return std::nullopt;
-        ranks += sizes_[pref[i]];
-        l.groups.push_back(pref[i]);
-        l.loads.push_back(ti);
-        pos.push_back(open[pref[i]].insert(Entry{ti, SIZE_MAX - best}).first);
+        const size_t k = dense && long_left[p] > 0 ? dense_size(i, T, floor, long_left[p], world_ - ranks) : pref[i];
+        if (ranks + sizes_[k] > world_) return std::nullopt;
+        ranks += sizes_[k];
+        l.groups.push_back(k);
+        l.loads.push_back(t(i, k));
+        pos.push_back(open[k].insert(Entry{t(i, k), SIZE_MAX - best}).first);
       } else {
-        l.loads[best] += ti;
+        l.loads[best] += t(i, l.groups[best]);
         update(open[l.groups[best]], pos[best], l.loads[best]);
       }
       group_of[i] = best;
@@ -321,6 +346,24 @@ class OptStep {
     l.order = std::move(order);
     l.group_of = std::move(group_of);
     return l;
+  }
+
+  // The size of a new group for long sample i (over T / 2 at its preferred size, so a group of that size holds
+  // one of it) with `left` long samples of its preferred size still to place (it included) and `ranks` free:
+  // the size, among those from `floor` up that fit the ranks and run it by T, that holds the most of them per
+  // rank (copies of i by T, at most `left`, over the size); the preferred size on ties. Preferring least
+  // GPU-seconds alone opens one group per long sample and may run out of ranks where larger groups holding
+  // several fit (world 24: four 432k-token samples as 8 + 8 + 8 + 8 ranks, not 16 (three) + 8 (one)).
+  size_t dense_size(size_t i, double T, size_t floor, size_t left, int64_t ranks) const {
+    size_t best = preferred_size(i, T, floor);
+    double best_rate = sizes_[best] <= ranks ? 1.0 / static_cast<double>(sizes_[best]) : 0.0;
+    for (size_t k = floor; k < sizes_.size(); ++k) {
+      if (sizes_[k] > ranks || t(i, k) > T) continue;
+      const double copies = std::min(std::floor(T / t(i, k)), static_cast<double>(left));
+      const double rate = copies / static_cast<double>(sizes_[k]);
+      if (rate > best_rate) best = k, best_rate = rate;
+    }
+    return best;
   }
 
   // Ranks left over become groups (largest power of two that fits first), groups are ordered largest first

@@ -56,6 +56,12 @@ std::vector<int64_t> skipped_ids(const std::vector<char>& skipped) {
   return out;
 }
 
+std::vector<int64_t> epoch_ids(const std::vector<std::vector<int64_t>>& steps) {
+  std::vector<int64_t> out;
+  for (const auto& s : steps) out.insert(out.end(), s.begin(), s.end());
+  return out;
+}
+
 std::vector<int64_t> kept(const std::vector<int64_t>& ids, const std::vector<char>& skipped) {
   std::vector<int64_t> out;
   for (int64_t id : ids) {

@@ -33,6 +33,8 @@ StaticSetting static_setting(const std::vector<Sample>& samples, int64_t world_s
 
 /// The ids whose flag is set.
 std::vector<int64_t> skipped_ids(const std::vector<char>& skipped);
+/// The ids of all steps, in order.
+std::vector<int64_t> epoch_ids(const std::vector<std::vector<int64_t>>& steps);
 /// The step's ids without the skipped ones.
 std::vector<int64_t> kept(const std::vector<int64_t>& ids, const std::vector<char>& skipped);
 /// A StepPlan of these groups, sorted by first rank, with its global token count.

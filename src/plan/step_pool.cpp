@@ -6,8 +6,8 @@
 namespace dcp::planner_detail {
 
 StepPool::StepPool(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, const ProfileTable& profile,
-                   StepRng& rng)
-    : profile_(profile) {
+                   StepRng& rng, bool by_buckets)
+    : profile_(profile), by_buckets_(by_buckets) {
   std::map<int64_t, std::vector<int64_t>> by_key;
   for (int64_t id : ids) by_key[length_bucket(length_of(samples, id))].push_back(id);
   for (auto& [key, v] : by_key) {
@@ -53,6 +53,7 @@ std::optional<int64_t> StepPool::draw(int64_t max_sp, StepRng& rng) const {
   const auto cls = classes();
   // GPU-seconds of the class's remaining samples (see the header for why not the number of buckets).
   auto weight = [&](int64_t sp, const std::vector<int64_t>& keys) {
+    if (by_buckets_) return static_cast<double>(keys.size());
     double w = 0;
     for (int64_t k : keys) w += static_cast<double>(remaining(k) * sp) * profile_.of(k).chosen.work_s;
     return w;

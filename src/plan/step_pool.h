@@ -19,9 +19,10 @@ namespace dcp::planner_detail {
 /// to the front, so every sample is placed exactly once.
 class StepPool {
  public:
-  /// `ids` must be placeable (not skipped in `profile`).
+  /// `ids` must be placeable (not skipped in `profile`). by_buckets: draw weights classes by their number of
+  /// non-empty buckets, as the reference does (for PlannerOptions::native_iterations).
   StepPool(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, const ProfileTable& profile,
-           StepRng& rng);
+           StepRng& rng, bool by_buckets = false);
 
   bool empty() const { return left_ == 0; }
   int64_t remaining(int64_t key) const;
@@ -36,7 +37,7 @@ class StepPool {
   /// weight is the GPU-seconds its remaining samples need at their profiled settings (samples x per-sample
   /// seconds x sp_size), not the reference's number of buckets: the reference draws a new layout every
   /// iteration while buckets drain, so over an epoch each class gets GPU time by its work; a step has one
-  /// layout, which must give each class its share at once.
+  /// layout, which must give each class its share at once. With by_buckets the weight is the reference's.
   std::optional<int64_t> draw(int64_t max_sp, StepRng& rng) const;
   /// A non-empty bucket of the largest class <= max_sp, uniformly; nullopt when none.
   std::optional<int64_t> draw_largest(int64_t max_sp, StepRng& rng) const;
@@ -46,6 +47,7 @@ class StepPool {
   std::map<int64_t, std::vector<int64_t>> classes() const;
 
   const ProfileTable& profile_;
+  bool by_buckets_;
   std::map<int64_t, std::deque<int64_t>> ids_;  // bucket key -> ids
   int64_t left_ = 0;
 };

@@ -242,6 +242,13 @@ TEST(StepPool, ClassDrawIsCumulativeByWorkAndSeeded) {
   EXPECT_FALSE(pool.draw(0, rng).has_value());
   EXPECT_EQ(t.of(*pool.draw_largest(8, rng)).chosen.sp_size, 4);
   EXPECT_EQ(t.of(*pool.draw_largest(3, rng)).chosen.sp_size, 2);
+  // The reference's weights (native iterations): each class by its number of buckets.
+  StepPool by_buckets({0, 1, 2, 3, 4, 5}, samples, t, rng, true);
+  std::map<int64_t, int64_t> drawn_by_buckets;
+  for (int i = 0; i < n; ++i) ++drawn_by_buckets[t.of(*by_buckets.draw(8, rng)).chosen.sp_size];
+  for (const auto& [sp, count] : buckets_of_class) {
+    EXPECT_NEAR(static_cast<double>(drawn_by_buckets[sp]) / n, count / 5.0, 0.02) << "class " << sp;
+  }
   // take and give_back keep every id exactly once.
   const int64_t key = length_bucket(1000);
   auto ids = pool.take(key, 5);
@@ -312,6 +319,42 @@ TEST(ReferencePlanners, IntraGivesEachGroupOneMicroBatchWhenTheStepFitsOneRound)
   size_t most = 0;
   for (const auto& g : two.steps[0].groups) most = std::max(most, g.micro_batches.size());
   EXPECT_GT(most, 1u);
+}
+
+// PlannerOptions::native_iterations: the reference's own iterations over the epoch's pool, each one fill of the
+// ranks. On the common steps dcp-intra's rounds give groups several micro-batches; natively each iteration gives
+// a group at most one, so there are more iterations than steps; every sample stays planned once.
+TEST(ReferencePlanners, NativeIterationsAreOneFillEach) {
+  const CostModel cost(kShape, kH200);
+  const MemoryModel memory(kShape, kH200);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> u(std::log(1000.0), std::log(400'000.0));
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 300; ++i) lengths.push_back(static_cast<int64_t>(std::exp(u(rng))));
+  const auto samples = samples_from_lengths(lengths, "r");
+  for (int64_t world : {8, 12}) {
+    PlannerOptions opt;
+    opt.tokens_per_step = world * 1'000'000;
+    for (const char* name : {"dcp-intra", "dcp-inter", "dcp-inter-pac"}) {
+      const std::string what = std::string(name) + " world " + std::to_string(world);
+      const PlanSet fixed = planner_by_name(name)(samples, world, cost, memory, opt);
+      PlannerOptions native_opt = opt;
+      native_opt.native_iterations = true;
+      const PlanSet native = planner_by_name(name)(samples, world, cost, memory, native_opt);
+      expect_valid(native, samples, world, cost, memory, what);
+      EXPECT_EQ(native.skipped_ids, fixed.skipped_ids) << what;
+      EXPECT_GT(native.steps.size(), fixed.steps.size()) << what;
+      if (std::string(name) != "dcp-intra") continue;
+      size_t most_fixed = 0;
+      for (const auto& step : fixed.steps) {
+        for (const auto& g : step.groups) most_fixed = std::max(most_fixed, g.micro_batches.size());
+      }
+      EXPECT_GT(most_fixed, 1u) << what << ": the steps need rounds, else this checks nothing";
+      for (const auto& step : native.steps) {
+        for (const auto& g : step.groups) EXPECT_LE(g.micro_batches.size(), 1u) << what;
+      }
+    }
+  }
 }
 
 // One bucket of 5 samples whose bs is 2 on one rank, two ranks: the fill gives each rank 2 samples (left 1),
