@@ -19,6 +19,11 @@ work=$(mktemp -d /tmp/dcp_default_job.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 dcp=./build/dcp
 [ -x "$dcp" ] || { echo "default_job.sh: build first (bash scripts/build.sh)" >&2; exit 2; }
+# tokens/s counts the steps after the first 2, so at least 3.
+[[ "$steps" =~ ^[0-9]+$ ]] && [ "$steps" -ge 3 ] || { echo "default_job.sh: STEPS must be an integer >= 3, not '$steps'" >&2; exit 2; }
+# The report is written after ~20 minutes of training: check now that it can be.
+mkdir -p "$(dirname "$out")" 2>/dev/null && touch "$out" 2>/dev/null || {
+  echo "default_job.sh: cannot write the report '$out'" >&2; exit 2; }
 # The PyTorch loops need Debian's python3-torch.
 /usr/bin/python3 -c 'import torch' 2>/dev/null || bash scripts/install-deps.sh python3-torch || {
   echo "default_job.sh: the PyTorch loops need python3-torch (apt-get install python3-torch, as root)" >&2; exit 2; }

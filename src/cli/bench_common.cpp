@@ -1,3 +1,4 @@
+#include "util/file_write.h"
 #include "cli/bench_common.h"
 
 #include <dlfcn.h>
@@ -94,11 +95,7 @@ int run_child(const std::vector<std::string>& args, const fs::path& log_path) {
   return 1;
 }
 
-void write_text(const fs::path& path, const std::string& text) {
-  std::ofstream out(path);
-  out << text;
-  if (!out) throw std::runtime_error(fmt::format("cannot write '{}'", path.string()));
-}
+void write_text(const fs::path& path, const std::string& text) { write_file_checked(path, text); }
 
 void run_gnuplot(const std::string& script, const fs::path& script_path, const fs::path& log_path) {
   write_text(script_path, script);

@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include "util/error_message.h"
+#include "util/file_write.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 namespace dcp {
@@ -62,9 +64,15 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
   fs::path tmp = dir + ".tmp";
   fs::remove_all(tmp);
   fs::create_directories(tmp);
+  // Serialized in memory first: LibTorch's file writer reports a full disk from its destructor, which aborts.
+  auto save_to = [](const auto& object, const fs::path& path) {
+    std::ostringstream bytes;
+    torch::save(object, bytes);
+    write_file_checked(path, bytes.str());
+  };
   try {
-    torch::save(model, (tmp / "model.pt").string());
-    torch::save(optimizer, (tmp / "optimizer.pt").string());
+    save_to(model, tmp / "model.pt");
+    save_to(optimizer, tmp / "optimizer.pt");
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format("writing checkpoint to '{}' failed: {}", tmp.string(), error_message(e)));
   }
@@ -76,11 +84,8 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
                       {"heldout_bits_per_byte_initial", number_or_null(state.heldout_bits_per_byte_initial)},
                       {"wall_time_s", state.wall_time_s},
                       {"cost_calibration", state.cost_calibration}};
-  std::ofstream(tmp / "state.json") << j.dump(1) << "\n";
-  std::ofstream cfg_out(tmp / "config.yaml");
-  cfg_out << cfg.to_yaml();
-  if (!cfg_out) throw std::runtime_error(fmt::format("writing checkpoint to '{}' failed", tmp.string()));
-  cfg_out.close();
+  write_file_checked(tmp / "state.json", j.dump(1) + "\n");
+  write_file_checked(tmp / "config.yaml", cfg.to_yaml());
   fs::path old = dir + ".old";
   fs::remove_all(old);
   if (fs::exists(dir)) fs::rename(dir, old);

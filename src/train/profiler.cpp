@@ -1,4 +1,5 @@
 #include "dcp/profiler.h"
+#include "util/file_write.h"
 
 #include <fmt/format.h>
 #include <sys/resource.h>
@@ -401,9 +402,7 @@ void write_profile(const ProfileResult& r, const std::string& path) {
         "high-water mark after the run",
         "sequence parallelism is not profiled: intra_node_bw, inter_node_bw and collective_latency_s are the "
         "DeviceSpec defaults"}}};
-  std::ofstream out(path);
-  out << doc.dump(1) << "\n";
-  if (!out) throw std::runtime_error(fmt::format("profile: cannot write '{}'", path));
+  write_file_checked(path, doc.dump(1) + "\n");
 }
 
 }  // namespace dcp

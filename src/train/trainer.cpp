@@ -15,6 +15,7 @@
 #include "train/optimizer.h"
 #include "train/progress.h"
 #include "train/run_record.h"
+#include "util/file_write.h"
 #include "util/logging.h"
 #include "util/clock.h"
 
@@ -46,17 +47,14 @@ void truncate_metrics(const fs::path& path, int64_t keep_through_step) {
       if (json::parse(line).value("step", int64_t{0}) <= keep_through_step) kept.push_back(line);
     }
   }
-  std::ofstream out(path, std::ios::trunc);
-  for (const auto& l : kept) out << l << "\n";
+  std::string text;
+  for (const auto& l : kept) text += l + "\n";
+  write_file_checked(path, text);
 }
 
 void write_file(const fs::path& path, const std::string& text) {
-  fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << text;
-    if (!out) throw std::runtime_error(fmt::format("cannot write '{}'", tmp.string()));
-  }
+  const fs::path tmp = path.string() + ".tmp";
+  write_file_checked(tmp, text);
   fs::rename(tmp, path);
 }
 
@@ -135,20 +133,19 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   }
   check_same_weights(model, world);
 
-  const fs::path metrics_path = run_dir / "metrics.jsonl";
-  if (lead) {
-    write_file(run_dir / "config.yaml", cfg.to_yaml());
-    truncate_metrics(metrics_path, resume ? state.step : 0);
-  }
-  std::ofstream metrics;
-  if (lead) metrics.open(metrics_path, std::ios::app);
-
-  // Plans and the cost model (a profile of another model or precision is refused) before the evaluation.
+  // Plans and the cost model (a profile of another model or precision is refused) before the run_dir's files
+  // are touched: a refused run leaves an earlier run's metrics and config as they were.
   for (const auto& p : file_plans) p.validate(env.world_size, corpus.samples(), cfg.model.n_layers);
   const ModelShape shape = model_shape_of(cfg, activation_bytes(precision.precision));
   const DeviceSpec device = DeviceSpec::named(cfg.train.cost_model);
   const CostModel cost(shape, device);
   const MemoryModel memory = memory_model_for(cfg.train.cost_model, shape, device, cfg.memory, lengths.max);
+
+  const fs::path metrics_path = run_dir / "metrics.jsonl";
+  if (lead) {
+    write_file(run_dir / "config.yaml", cfg.to_yaml());
+    truncate_metrics(metrics_path, resume ? state.step : 0);
+  }
   if (corpus.heldout_ids().empty()) {
     spdlog::warn("no held-out samples (data.heldout_fraction={}): held-out evaluation skipped, reported as null",
                  cfg.data.heldout_fraction);
@@ -217,10 +214,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     state.tokens_trained += r.tokens;
     state.samples_trained += r.samples;
     const json line = record.step(plan, r, step_time, lr, grad_norm, state);
-    if (lead) {
-      metrics << line.dump() << "\n";
-      metrics.flush();
-    }
+    if (lead) append_line_checked(metrics_path, line.dump());
     progress.update(state.step, r.loss, line["tokens_per_s"].get<double>(), lr);
     if (cfg.train.checkpoint_every > 0 && state.step % cfg.train.checkpoint_every == 0 &&
         state.step < cfg.train.max_steps) {

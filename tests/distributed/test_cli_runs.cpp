@@ -199,6 +199,14 @@ TEST(CliRuns, ResumeWithoutHeldOutDataAndRefusesAChangedModel) {
   auto [s2b, log2b] = run({"--resume", "--attention.backend=flexformer"}, "changed_attention.log");
   EXPECT_FALSE(exited_ok(s2b));
   EXPECT_NE(log2b.find("'attention.backend' is 'softmax' there but 'flexformer' now"), std::string::npos) << log2b;
+  // A refused cost model is found before the run_dir's files are touched: the stopped run stays resumable.
+  auto slurp = [](const fs::path& p) { std::ifstream in(p); std::stringstream t; t << in.rdbuf(); return t.str(); };
+  const std::string config_before = slurp(dir / "run" / "config.yaml");
+  auto [s2c, log2c] = run({"--train.cost_model=" + (dir / "missing.json").string()}, "missing_profile.log");
+  EXPECT_FALSE(exited_ok(s2c));
+  EXPECT_NE(log2c.find("missing.json"), std::string::npos) << log2c;
+  EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 1);
+  EXPECT_EQ(slurp(dir / "run" / "config.yaml"), config_before);
   auto [s3, log3] = run({"--resume"}, "resumed.log");
   ASSERT_TRUE(exited_ok(s3)) << log3;
   EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 2);
