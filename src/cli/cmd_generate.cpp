@@ -1,7 +1,5 @@
 #include <fmt/format.h>
 
-#include <cmath>
-
 #include "cli/commands.h"
 #include "dcp/infer.h"
 #include "train/checkpoint.h"
@@ -16,18 +14,8 @@ void add_generate_command(CLI::App& app) {
   sub->add_option("--checkpoint", *checkpoint, "checkpoint folder (run_dir/checkpoint)")->required();
   sub->add_option("--prompt", *prompt, "text the sample continues");
   sub->add_option("--max-new-tokens", opt->max_new_tokens, "bytes to generate")->check(CLI::Range(0, 1 << 20));
-  // CLI::Range lets NaN through (every comparison with it is false).
-  const CLI::Validator finite(
-      [](std::string& text) {
-        try {
-          return std::isfinite(std::stod(text)) ? std::string() : std::string("must be a finite number");
-        } catch (const std::exception&) {
-          return std::string("must be a number");
-        }
-      },
-      "FINITE");
   sub->add_option("--temperature", opt->temperature, "softmax temperature; 0 = greedy")
-      ->check(finite)
+      ->check(finite_number_validator("", 0, true))
       ->check(CLI::Range(0.0, 100.0));
   sub->add_option("--top-k", opt->top_k, "sample among the k most likely bytes; 0 = all")->check(CLI::Range(0, 256));
   sub->add_option("--seed", opt->seed, "sampling seed")->check(CLI::Validator(

@@ -15,9 +15,9 @@
 
 namespace dcp {
 
-CLI::Validator finite_number_validator(const std::string& unit, double min) {
+CLI::Validator finite_number_validator(const std::string& unit, double min, bool zero_ok) {
   return CLI::Validator(
-      [unit, min](std::string& text) -> std::string {
+      [unit, min, zero_ok](std::string& text) -> std::string {
         size_t used = 0;
         double v = 0;
         try {
@@ -25,9 +25,11 @@ CLI::Validator finite_number_validator(const std::string& unit, double min) {
         } catch (const std::exception&) {
           used = 0;
         }
-        const bool ok = used != 0 && used == text.size() && std::isfinite(v) && (min > 0 ? v >= min : v > 0);
+        const bool ok = used != 0 && used == text.size() && std::isfinite(v) &&
+                        (min > 0 ? v >= min : zero_ok ? v >= 0 : v > 0);
         if (ok) return "";
-        return fmt::format("must be a positive finite number{}{}, got '{}'", unit.empty() ? "" : " of " + unit,
+        return fmt::format("must be a {} finite number{}{}, got '{}'", zero_ok ? "non-negative" : "positive",
+                           unit.empty() ? "" : " of " + unit,
                            min > 0 ? fmt::format(" (at least {:g})", min) : "", text);
       },
       "POSITIVE");

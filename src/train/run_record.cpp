@@ -37,8 +37,7 @@ RunRecord::RunRecord(const std::vector<Sample>& samples, int64_t world_size, con
       world_size_(world_size),
       cost_(cost),
       memory_(memory),
-      plan_source_(std::move(plan_source)),
-      static_baselines_(world_size, cost, memory) {}
+      plan_source_(std::move(plan_source)) {}
 
 // Per rank: the memory model's peak for the largest of its micro-batches (exact sample lengths), or the model's
 // resident bytes for a rank without micro-batches.
@@ -102,7 +101,7 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
   // Online recalibration: the model's prediction times an EMA of measured / predicted over past steps.
   const double raw_prediction = evaluate_step(plan, samples_, world_size_, cost_, memory_).step_s;
   predicted_s_ += raw_prediction;
-  static_baselines_.add_step(plan.sample_ids(), samples_);
+  step_sample_ids_.push_back(plan.sample_ids());
   const json predicted = state.cost_calibration > 0 ? json(state.cost_calibration * raw_prediction) : json();
   if (!predicted.is_null()) prediction_errors_.push_back(std::abs(predicted.get<double>() / step_time_s - 1.0));
   const double ratio = step_time_s / raw_prediction;
@@ -148,7 +147,10 @@ json RunRecord::summary() const {
                 {"best_static_layout", json()},
                 {"best_static_predicted_s", json()},
                 {"predicted_speedup_over_best_static", json()}};
-  if (const auto best = static_baselines_.best(); best && predicted_s_ > 0) {
+  // Only the summary needs the static layouts, so the step loop does not plan them.
+  StaticBaselines static_baselines(world_size_, cost_, memory_);
+  for (const auto& ids : step_sample_ids_) static_baselines.add_step(ids, samples_);
+  if (const auto best = static_baselines.best(); best && predicted_s_ > 0) {
     plans["best_static_layout"] = best->layout;
     plans["best_static_predicted_s"] = best->predicted_s;
     plans["predicted_speedup_over_best_static"] = best->predicted_s / predicted_s_;

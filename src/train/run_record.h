@@ -40,7 +40,7 @@ class RunRecord {
   const CostModel& cost_;
   const MemoryModel& memory_;
   std::string plan_source_;
-  StaticBaselines static_baselines_;
+  std::vector<std::vector<int64_t>> step_sample_ids_;  // the static layouts plan them once, in summary()
   bool warned_over_budget_ = false;  // static and file plans do not consult the memory model: say so once
   int64_t peak_bytes_ = 0;
   std::vector<double> memory_errors_;      // |predicted / measured - 1| per rank and step
