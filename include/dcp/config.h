@@ -79,13 +79,20 @@ struct TrainConfig {
   /// bf16 where the CPU has AVX512-BF16 or AMX, else fp32). Parameters and optimizer state are fp32 in both.
   std::string precision = "auto";
   /// static (parallel.sp_size everywhere) | bucket | packed | dcp-intra | dcp-inter | dcp-inter-pac | dcp-opt
-  std::string planner = "static";
-  std::string cost_model = "h200";      ///< device model the planners and step predictions use: h200 or a
-                                        ///< `dcp profile` JSON file
+  std::string planner = "dcp-opt";
+  /// Device model the planners and step predictions use: auto (this machine, profiled on first use and cached
+  /// in train.profile_dir), h200 (the analytic H200 model) or a `dcp profile` JSON file.
+  std::string cost_model = "auto";
+  /// Folder of train.cost_model auto's cached profiles; "" = $DCP_CACHE_DIR, $XDG_CACHE_HOME/dcp or
+  /// $HOME/.cache/dcp (profile_cache_dir).
+  std::string profile_dir;
 };
 
 struct ParallelConfig {
-  int64_t sp_size = 1;              ///< static sequence-parallel size of every micro-batch (divides world_size)
+  /// The static planner's sequence-parallel size of every micro-batch (divides world_size); 0 = the smallest size
+  /// of parallel.sp_sizes at which the longest training sample fits the memory budget, with the fewest
+  /// recomputed layers there (model.recompute_layers is then not used), as packed and bucket size themselves.
+  int64_t sp_size = 1;
   std::string sp_sizes = "pow2";    ///< SP sizes to create groups for: pow2 | all (every divisor) | "1,2,3"
 };
 

@@ -38,12 +38,30 @@ double memory_budget_bytes(const MemoryConfig& memory, const DeviceSpec& device)
 MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& shape, const DeviceSpec& device,
                              const MemoryConfig& memory, int64_t longest_sample_tokens);
 
+/// What one sample of `length` tokens needs under a memory budget: the smallest SP size that fits it and the
+/// fewest recomputed layers at that size (MemoryModel::bytes of the one-sample micro-batch).
+struct LengthNeed {
+  int64_t length = 0;            ///< tokens
+  int64_t sp_size = 0;           ///< 0 when no SP size fits even with every layer recomputed
+  int64_t recompute_layers = 0;  ///< at sp_size
+  double bytes = 0;              ///< predicted peak bytes per rank at that choice (at the largest SP size if none fits)
+};
+
+/// LengthNeed at powers of two from 256 up to, and at, `longest` tokens, over `sp_sizes` (ascending). Throws
+/// std::invalid_argument when sp_sizes is empty or longest < 1.
+std::vector<LengthNeed> memory_needs(const MemoryModel& memory, const std::vector<int64_t>& sp_sizes,
+                                     int64_t longest);
+
+/// memory_needs as one line, runs of lengths with the same need merged: "<= 2048 tokens: sp 1; 4096: sp 1,
+/// recompute 2 layers; 16384: sp 2, recompute 4 layers".
+std::string describe_memory_needs(const std::vector<LengthNeed>& needs);
+
 /// One epoch of the training samples planned by `planner` (a name of planner_names()): the planner sees the
 /// training samples as a dense list, and the plans it returns are mapped back to corpus sample ids. Samples
 /// the planner cannot place (no SP size fits memory) are returned in `skipped_ids` (corpus ids).
-/// Throws std::invalid_argument for an unknown planner name, when no training sample fits the memory budget (the
-/// message gives the budget and the bytes of the shortest sample with every layer recomputed; the trainer
-/// would otherwise loop over empty epochs) and what the planner throws.
+/// Throws ConfigError (the CLI's exit 2) when no training sample fits the memory budget (the message gives the
+/// budget and the bytes of the shortest sample with every layer recomputed; the trainer would otherwise loop
+/// over empty epochs), std::invalid_argument for an unknown planner name, and what the planner throws.
 PlanSet plan_training_epoch(const std::string& planner, const std::vector<Sample>& samples,
                             const std::vector<int64_t>& train_ids, int64_t epoch, int64_t world_size,
                             const CostModel& cost, const MemoryModel& memory, const PlannerOptions& options);

@@ -10,7 +10,7 @@ namespace dcp {
 std::vector<int64_t> sp_sizes_for(const Config& cfg, int64_t world_size, const std::vector<StepPlan>& plans) {
   std::vector<int64_t> sizes = resolve_sp_sizes(cfg.parallel.sp_sizes, world_size);
   std::set<int64_t> all(sizes.begin(), sizes.end());
-  all.insert(cfg.parallel.sp_size);
+  if (cfg.parallel.sp_size > 0) all.insert(cfg.parallel.sp_size);  // 0: sized to a size of parallel.sp_sizes
   for (const auto& p : plans) {
     for (const auto& g : p.groups) all.insert(g.sp_size);
   }

@@ -98,6 +98,56 @@ ModelShape with_attention(ModelShape shape, const AttentionConfig& a) {
   return shape;
 }
 
+std::vector<LengthNeed> memory_needs(const MemoryModel& memory, const std::vector<int64_t>& sp_sizes,
+                                     int64_t longest) {
+  if (sp_sizes.empty() || longest < 1) {
+    throw std::invalid_argument(fmt::format("memory_needs: {} SP sizes, longest {} tokens (need both positive)",
+                                            sp_sizes.size(), longest));
+  }
+  std::vector<int64_t> lengths;
+  for (int64_t len = 256; len < longest; len *= 2) lengths.push_back(len);
+  lengths.push_back(longest);
+  std::vector<LengthNeed> out;
+  for (int64_t len : lengths) {
+    LengthNeed need{len, 0, memory.shape().layers, 0};
+    for (int64_t sp : sp_sizes) {
+      for (int64_t r = 0; r <= memory.shape().layers; ++r) {
+        const double bytes = memory.bytes(std::vector<int64_t>{len}, sp, r);
+        if (bytes <= memory.budget_bytes()) {
+          need = {len, sp, r, bytes};
+          break;
+        }
+      }
+      if (need.sp_size > 0) break;
+    }
+    if (need.sp_size == 0) need.bytes = memory.bytes(std::vector<int64_t>{len}, sp_sizes.back(), need.recompute_layers);
+    out.push_back(need);
+  }
+  return out;
+}
+
+std::string describe_memory_needs(const std::vector<LengthNeed>& needs) {
+  auto same = [](const LengthNeed& a, const LengthNeed& b) {
+    return a.sp_size == b.sp_size && a.recompute_layers == b.recompute_layers;
+  };
+  std::string out;
+  for (size_t first = 0; first < needs.size();) {
+    size_t last = first;
+    while (last + 1 < needs.size() && same(needs[last + 1], needs[first])) ++last;
+    const LengthNeed& n = needs[first];
+    const std::string lengths = first == last  ? fmt::format("{}", n.length)
+                                : first == 0   ? fmt::format("<= {}", needs[last].length)
+                                               : fmt::format("{}..{}", n.length, needs[last].length);
+    const std::string what =
+        n.sp_size == 0            ? "fit no SP size even with every layer recomputed (skipped)"
+        : n.recompute_layers == 0 ? fmt::format("sp {}", n.sp_size)
+                                  : fmt::format("sp {}, recompute {} layers", n.sp_size, n.recompute_layers);
+    out += fmt::format("{}{} tokens: {}", out.empty() ? "" : "; ", lengths, what);
+    first = last + 1;
+  }
+  return out;
+}
+
 PlanSet plan_training_epoch(const std::string& planner, const std::vector<Sample>& samples,
                             const std::vector<int64_t>& train_ids, int64_t epoch, int64_t world_size,
                             const CostModel& cost, const MemoryModel& memory, const PlannerOptions& options) {
@@ -123,7 +173,7 @@ PlanSet plan_training_epoch(const std::string& planner, const std::vector<Sample
     const auto shortest = std::min_element(dense.begin(), dense.end(), [](const Sample& a, const Sample& b) {
       return a.length < b.length;
     });
-    throw std::invalid_argument(fmt::format(
+    throw ConfigError(fmt::format(
         "planner {}: no training sample fits the per-rank memory budget of {:.0f} bytes (memory.budget_bytes / "
         "memory.fraction): the shortest sample ({} tokens) needs {:.0f} bytes on one rank with every layer "
         "recomputed, the model's state alone {:.0f} bytes",

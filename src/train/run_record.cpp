@@ -104,6 +104,7 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
   step_sample_ids_.push_back(plan.sample_ids());
   const json predicted = state.cost_calibration > 0 ? json(state.cost_calibration * raw_prediction) : json();
   if (!predicted.is_null()) prediction_errors_.push_back(std::abs(predicted.get<double>() / step_time_s - 1.0));
+  model_errors_.push_back(std::abs(raw_prediction / step_time_s - 1.0));
   const double ratio = step_time_s / raw_prediction;
   state.cost_calibration = state.cost_calibration > 0 ? 0.9 * state.cost_calibration + 0.1 * ratio : ratio;
 
@@ -127,7 +128,8 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
           {"sp_sizes", sp_sizes},
           {"group_micro_batches", group_micro_batches},
           {"model_flops", step_flops},
-          {"predicted_step_s", predicted}};
+          {"predicted_step_s", predicted},
+          {"model_step_s", raw_prediction}};
 }
 
 json RunRecord::summary() const {
@@ -156,6 +158,7 @@ json RunRecord::summary() const {
     plans["predicted_speedup_over_best_static"] = best->predicted_s / predicted_s_;
   }
   return {{"predicted_step_median_rel_err", median_or_null(prediction_errors_)},
+          {"model_step_median_rel_err", median_or_null(model_errors_)},
           {"model_flops_per_s", seconds_ > 0 ? json(flops_ / seconds_) : json()},
           {"peak_bytes", peak_bytes_},
           {"predicted_peak_median_rel_err", median_or_null(memory_errors_)},

@@ -45,6 +45,7 @@ class RunRecord {
   int64_t peak_bytes_ = 0;
   std::vector<double> memory_errors_;      // |predicted / measured - 1| per rank and step
   std::vector<double> prediction_errors_;  // |calibrated prediction / measured - 1| per step
+  std::vector<double> model_errors_;       // |uncalibrated cost-model prediction / measured - 1| per step
   double flops_ = 0, seconds_ = 0, predicted_s_ = 0;
   int64_t steps_ = 0, steps_mixed_sp_ = 0;
   std::map<int64_t, int64_t> groups_by_sp_, micro_batches_by_recompute_;

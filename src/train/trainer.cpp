@@ -10,9 +10,11 @@
 #include "dcp/memory_meter.h"
 #include "dcp/planning.h"
 #include "dcp/precision.h"
+#include "dcp/profiler.h"
 #include "dcp/train.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
+#include "train/profile_cache.h"
 #include "train/progress.h"
 #include "train/run_record.h"
 #include "util/file_write.h"
@@ -56,6 +58,41 @@ void write_file(const fs::path& path, const std::string& text) {
   const fs::path tmp = path.string() + ".tmp";
   write_file_checked(tmp, text);
   fs::rename(tmp, path);
+}
+
+// train.cost_model as a file or device name: auto resolves to this machine's cached (or fresh) profile.
+std::string resolve_cost_model(const Config& cfg, const ModelShape& shape, int64_t threads,
+                               const ProcessGroups& groups) {
+  if (cfg.train.cost_model == "h200") {
+    spdlog::warn("train.cost_model h200: this CPU run is planned with an H200's speeds and {:.0f} GB; its "
+                 "predictions and memory budget do not describe this machine (auto profiles it)",
+                 DeviceSpec{}.memory_bytes / 1e9);
+  }
+  if (cfg.train.cost_model != "auto") return cfg.train.cost_model;
+  const json key = profile_cache_key(cfg, shape, threads, groups.env());
+  Config profiled = cfg;
+  profiled.train.threads = threads;
+  const CachedProfile c = resolve_cached_profile(cfg, shape, key, groups.world(), [&] {
+    return profile_model(profiled);
+  });
+  if (c.profiled) {
+    spdlog::info("train.cost_model auto: profiled this model in {:.1f} s ({}); cached at {}", c.seconds, c.reason,
+                 c.path);
+  } else {
+    spdlog::info("train.cost_model auto: cached profile {} (train.profile_dir; delete it to re-profile)", c.path);
+  }
+  return c.path;
+}
+
+// A budget below what the model holds before any token (weights, gradients, AdamW moments) admits nothing.
+void check_resident_bytes(const MemoryModel& memory) {
+  const double resident = memory.coefficients().base_bytes;
+  if (memory.budget_bytes() <= resident) {
+    throw ConfigError(fmt::format(
+        "memory.budget_bytes {:.0f} is below the model's resident bytes {:.0f} (weights, gradients and AdamW "
+        "moments, {} memory model): no micro-batch can fit; allow at least {:.0f} bytes plus its activations",
+        memory.budget_bytes(), resident, memory.source(), resident));
+  }
 }
 
 }  // namespace
@@ -110,6 +147,8 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   }
 
   const PrecisionChoice precision = resolve_precision(cfg.train.precision);
+  const ModelShape shape = model_shape_of(cfg, activation_bytes(precision.precision));
+  const std::string cost_model = resolve_cost_model(cfg, shape, threads, groups);
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   Transformer model(cfg.model, cfg.attention, precision.precision);
   auto optimizer = make_optimizer(model, cfg.train);
@@ -136,10 +175,10 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   // Plans and the cost model (a profile of another model or precision is refused) before the run_dir's files
   // are touched: a refused run leaves an earlier run's metrics and config as they were.
   for (const auto& p : file_plans) p.validate(env.world_size, corpus.samples(), cfg.model.n_layers);
-  const ModelShape shape = model_shape_of(cfg, activation_bytes(precision.precision));
-  const DeviceSpec device = DeviceSpec::named(cfg.train.cost_model);
+  const DeviceSpec device = DeviceSpec::named(cost_model);
   const CostModel cost(shape, device);
-  const MemoryModel memory = memory_model_for(cfg.train.cost_model, shape, device, cfg.memory, lengths.max);
+  const MemoryModel memory = memory_model_for(cost_model, shape, device, cfg.memory, lengths.max);
+  check_resident_bytes(memory);
 
   const fs::path metrics_path = run_dir / "metrics.jsonl";
   if (lead) {
@@ -161,9 +200,29 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                                            : fmt::format("memory.fraction {} x {:.1f} GB", cfg.memory.fraction,
                                                          device.memory_bytes / 1e9),
                memory.source(), MemoryMeter::install());
+  const std::vector<LengthNeed> needs =
+      memory_needs(memory, resolve_sp_sizes(cfg.parallel.sp_sizes, env.world_size), lengths.max);
+  spdlog::info("memory: one sample of {}", describe_memory_needs(needs));
   std::map<std::string, int64_t> planner_skips;
   DataParallelOptions dp{env.world_size, cfg.train.global_batch_tokens, cfg.train.micro_batch_tokens,
                          cfg.model.recompute_layers, cfg.parallel.sp_size};
+  if (cfg.train.planner == "static" && cfg.parallel.sp_size == 0) {
+    const LengthNeed& longest = needs.back();
+    if (longest.sp_size == 0) {
+      throw ConfigError(fmt::format("parallel.sp_size 0: the longest training sample ({} tokens) fits no SP size of "
+                                    "parallel.sp_sizes '{}' within memory.budget_bytes {:.0f}, even with every layer "
+                                    "recomputed ({:.0f} bytes)",
+                                    longest.length, cfg.parallel.sp_sizes, memory.budget_bytes(), longest.bytes));
+    }
+    dp.sp_size = longest.sp_size;
+    dp.recompute_layers = longest.recompute_layers;
+    // Micro-batches packed to what the budget holds at that setting, as packed and bucket pack.
+    dp.micro_batch_tokens =
+        std::min(dp.micro_batch_tokens, memory.max_tokens(dp.sp_size, dp.recompute_layers) / dp.sp_size);
+    spdlog::info("static planner sized to the longest sample ({} tokens): sp {}, {} recomputed layers, micro-batches "
+                 "of up to {} tokens per rank",
+                 longest.length, dp.sp_size, dp.recompute_layers, dp.micro_batch_tokens);
+  }
   auto plans_for = [&](int64_t epoch) {
     if (!file_plans.empty()) return file_plans;
     if (cfg.train.planner == "static") {
@@ -176,10 +235,11 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     PlanSet set = plan_training_epoch(cfg.train.planner, corpus.samples(), corpus.train_ids(), epoch,
                                       env.world_size, cost, memory, opt);
     if (!set.skipped_ids.empty()) {
-      spdlog::warn("planner {} could not place {} sample(s) of epoch {} within memory (e.g. {}); they are skipped",
-                   cfg.train.planner, set.skipped_ids.size(), epoch,
-                   corpus.samples()[static_cast<size_t>(set.skipped_ids[0])].source);
-      planner_skips["planner_no_fit"] += static_cast<int64_t>(set.skipped_ids.size());
+      const Sample& example = corpus.samples()[static_cast<size_t>(set.skipped_ids[0])];
+      spdlog::warn("planner {} skips {} sample(s) of epoch {}: longer than the memory budget admits at any SP size "
+                   "with every layer recomputed (e.g. {}, {} tokens)",
+                   cfg.train.planner, set.skipped_ids.size(), epoch, example.source, example.length);
+      planner_skips["exceeds_memory_budget"] += static_cast<int64_t>(set.skipped_ids.size());
     }
     return set.steps;
   };
@@ -251,8 +311,17 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                     {"precision", precision_name(precision.precision)},
                     {"planner", file_plans.empty() ? cfg.train.planner : "plan-file"},
                     {"cost_model", cfg.train.cost_model},
+                    {"cost_model_file", cost_model},
                     {"memory_budget_bytes", memory.budget_bytes()},
                     {"memory_model", memory.source()},
+                    {"memory_needs", [&] {
+                       json out = json::array();
+                       for (const LengthNeed& n : needs) {
+                         out.push_back({{"length", n.length}, {"sp_size", n.sp_size},
+                                        {"recompute_layers", n.recompute_layers}, {"predicted_bytes", n.bytes}});
+                       }
+                       return out;
+                     }()},
                     {"memory_meter", MemoryMeter::method()},
                     {"train_lengths", {{"min", lengths.min}, {"p50", lengths.p50}, {"p90", lengths.p90},
                                        {"max", lengths.max}, {"tokens", lengths.tokens}}},

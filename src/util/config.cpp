@@ -19,6 +19,7 @@ struct RealRule {
   double max = std::numeric_limits<double>::infinity();
 };
 using Choices = std::vector<std::string>;
+struct EmptyOrText {};  // a string whose empty value means "the default" (e.g. a folder resolved at run time)
 
 // The one list of configuration keys. Each entry binds a key to its member and its rule; loading,
 // overrides, printing and validation all walk this list, so a key is declared exactly once.
@@ -66,7 +67,8 @@ void visit(C& c, F&& f) {
   f("train.precision", c.train.precision, Choices{"auto", "bf16", "fp32"});
   f("train.planner", c.train.planner, Choices{"static", "bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-opt"});
   f("train.cost_model", c.train.cost_model, Choices{});
-  f("parallel.sp_size", c.parallel.sp_size, IntRule{1, 1 << 20});
+  f("train.profile_dir", c.train.profile_dir, EmptyOrText{});
+  f("parallel.sp_size", c.parallel.sp_size, IntRule{0, 1 << 20});
   f("parallel.sp_sizes", c.parallel.sp_sizes, Choices{});
   f("eval.max_tokens", c.eval.max_tokens, IntRule{0});
   f("dist.timeout_s", c.dist.timeout_s, RealRule{0.1, 86400.0});
@@ -120,6 +122,8 @@ void parse_into(const std::string& key, const std::string& text, std::string& ou
   if (c.empty() && text.empty()) fail(key, text, "a non-empty string");
   out = text;
 }
+
+void parse_into(const std::string&, const std::string& text, std::string& out, const EmptyOrText&) { out = text; }
 
 std::string to_text(int64_t v) { return std::to_string(v); }
 std::string to_text(const std::string& v) { return v; }
@@ -182,7 +186,7 @@ void Config::validate() const {
         "embeddings; d_model={})",
         model.n_heads, model.d_model));
   }
-  if (model.n_heads % parallel.sp_size != 0) {
+  if (parallel.sp_size > 0 && model.n_heads % parallel.sp_size != 0) {
     throw ConfigError(fmt::format(
         "config key 'parallel.sp_size': bad value '{}' (allowed: a divisor of model.n_heads={}; Ulysses shards heads)",
         parallel.sp_size, model.n_heads));

@@ -43,7 +43,11 @@ std::vector<std::string> train_args(const fs::path& dir, const std::vector<std::
                                 "--train.global_batch_tokens=1024",
                                 "--train.threads=1",
                                 "--eval.max_tokens=2048",
-                                "--dist.timeout_s=8"};
+                                "--dist.timeout_s=8",
+                                // The planner-independent baseline and a model that needs no profiling; the
+                                // tests of planners and of train.cost_model auto set their own.
+                                "--train.planner=static",
+                                "--train.cost_model=h200"};
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
@@ -213,6 +217,52 @@ TEST(CliRuns, ResumeWithoutHeldOutDataAndRefusesAChangedModel) {
   fs::remove_all(dir);
 }
 
+TEST(CliRuns, AutoCostModelProfilesOnceAndReprofilesACorruptOrOtherKeyCache) {
+  fs::path dir = make_workdir("auto_cost");
+  const fs::path cache = dir / "cache";
+  auto run = [&](const std::string& name, const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"--train.max_steps=2", "--train.planner=dcp-opt", "--train.cost_model=auto",
+                                     "--train.profile_dir=" + cache.string(), "--run.dir=" + (dir / name).string()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Child c = Child::spawn(launch(2, train_args(dir, args)), {}, (dir / (name + ".log")).string());
+    const int status = c.wait(180);
+    return std::make_pair(status, c.log());
+  };
+  auto cache_files = [&] {
+    std::vector<fs::path> out;
+    for (const auto& e : fs::directory_iterator(cache)) out.push_back(e.path());
+    return out;
+  };
+  auto [s1, log1] = run("first", {});
+  ASSERT_TRUE(exited_ok(s1)) << log1;
+  EXPECT_NE(log1.find("train.cost_model auto: profiled this model"), std::string::npos) << log1;
+  ASSERT_EQ(cache_files().size(), 1u);
+  const fs::path file = cache_files()[0];
+  const auto summary = nlohmann::json::parse(std::ifstream(dir / "first" / "summary.json"));
+  EXPECT_EQ(summary.at("cost_model_file"), file.string());
+  EXPECT_EQ(summary.at("memory_model"), "profile");
+  const auto doc = nlohmann::json::parse(std::ifstream(file));
+  EXPECT_EQ(doc.at("cache_key").at("world_size"), 2);
+  EXPECT_EQ(doc.at("cache_key").at("threads_per_rank"), 1);
+
+  auto [s2, log2] = run("second", {});
+  ASSERT_TRUE(exited_ok(s2)) << log2;
+  EXPECT_NE(log2.find("train.cost_model auto: cached profile " + file.string()), std::string::npos) << log2;
+  EXPECT_EQ(log2.find("profiled this model"), std::string::npos) << log2;
+
+  fs::resize_file(file, fs::file_size(file) / 2);  // a crash of an older writer, a full disk
+  auto [s3, log3] = run("corrupt", {});
+  ASSERT_TRUE(exited_ok(s3)) << log3;
+  EXPECT_NE(log3.find("cache file '" + file.string() + "' is corrupt"), std::string::npos) << log3;
+  EXPECT_NO_THROW(nlohmann::json::parse(std::ifstream(file)));  // re-profiled and rewritten whole
+
+  auto [s4, log4] = run("other_model", {"--model.d_ff=48"});
+  ASSERT_TRUE(exited_ok(s4)) << log4;
+  EXPECT_NE(log4.find("no cached profile for this key"), std::string::npos) << log4;
+  EXPECT_EQ(cache_files().size(), 2u);
+  fs::remove_all(dir);
+}
+
 TEST(CliRuns, FittedMemoryModelKeepsMeasuredPeaksUnderTheBudget) {
   // Profile the test model, then train with its fitted memory model and a budget that admits a micro-batch of
   // 512 tokens without recompute: every rank's measured peak of every step must stay under it.
@@ -261,10 +311,25 @@ TEST(CliRuns, FittedMemoryModelKeepsMeasuredPeaksUnderTheBudget) {
   // the trainer's micro-batches, below the grid, by up to 9% measured). Issue 11 tightens the CPU memory model.
   EXPECT_LE(static_cast<double>(max_peak), 1.10 * summary.at("memory_budget_bytes").get<double>());
 
-  // A budget below the model's resident state: a clear error, not an endless loop over empty epochs.
+  // A budget below the model's resident state: exit 2 naming the bytes, not an endless loop over empty epochs.
   auto [small_status, small_log] = train(base / 2, "too_small");
-  EXPECT_FALSE(exited_ok(small_status));
-  EXPECT_NE(small_log.find("no training sample fits the per-rank memory budget"), std::string::npos) << small_log;
+  EXPECT_TRUE(WIFEXITED(small_status) && WEXITSTATUS(small_status) == 2) << small_log;
+  EXPECT_NE(small_log.find("is below the model's resident bytes"), std::string::npos) << small_log;
+  // Above the resident bytes but below any sample: exit 2 from the planner.
+  auto [none_status, none_log] = train(base + 64.0, "none_fits");
+  EXPECT_TRUE(WIFEXITED(none_status) && WEXITSTATUS(none_status) == 2) << none_log;
+  EXPECT_NE(none_log.find("no training sample fits the per-rank memory budget"), std::string::npos) << none_log;
+  // A budget between the short and the long samples: the long ones are skipped and counted, the run goes on.
+  // A 100-token sample on sp 2 with both layers recomputed (MemoryCoefficients' formula, t = 50, Q = 100^2 / 2):
+  // the corpus' 128-token chunks fit no layout, its shorter samples do.
+  const double mid = base + 50.0 * (2 * m.at("token_recompute_bytes").get<double>() +
+                                    m.at("sp_token_bytes").get<double>()) +
+                     5000.0 * m.at("square_bytes").get<double>();
+  auto [mid_status, mid_log] = train(mid, "some_fit");
+  ASSERT_TRUE(exited_ok(mid_status)) << mid_log;
+  const auto mid_summary = nlohmann::json::parse(std::ifstream(dir / "some_fit" / "summary.json"));
+  EXPECT_GT(mid_summary.at("samples_skipped").value("exceeds_memory_budget", 0), 0) << mid_summary.dump();
+  EXPECT_NE(mid_log.find("longer than the memory budget admits"), std::string::npos) << mid_log;
   fs::remove_all(dir);
 }
 
@@ -339,7 +404,10 @@ TEST(CliRuns, BenchComparesPlannersOnTheSameSamples) {
   fs::path dir = make_workdir("bench");
   std::vector<std::string> args = train_args(dir, {"--train.max_steps=4"});
   args.erase(args.begin());  // "train": the bench runs it
-  args.erase(std::remove_if(args.begin(), args.end(), [](const std::string& a) { return a.rfind("--run.dir=", 0) == 0; }),
+  args.erase(std::remove_if(args.begin(), args.end(),
+                            [](const std::string& a) {  // keys the bench sets itself
+                              return a.rfind("--run.dir=", 0) == 0 || a.rfind("--train.planner=", 0) == 0;
+                            }),
              args.end());
   std::vector<std::string> bench = {DCP_BINARY, "bench", "--nproc", "2", "--planners", "bucket,dcp-opt", "--slices",
                                     "2", "--grace", "3", "--out", (dir / "bench").string()};

@@ -122,6 +122,35 @@ TEST(MemoryModelFitted, BytesFollowTheFormulaAndDivideBySp) {
   EXPECT_THROW(m.bytes({64}, 1, 5), std::invalid_argument);
 }
 
+TEST(MemoryNeeds, SmallestSpSizeThenFewestRecomputedLayersPerLength) {
+  MemoryCoefficients c;  // linear in tokens, as the tiled softmax's fit: 1000 B kept, 500 B recomputed per layer
+  c.base_bytes = 1e6;
+  c.token_layer_bytes = 1000;
+  c.token_recompute_bytes = 500;
+  const MemoryModel m(small_shape(), c, 1e6 + 4 * 1000 * 1024.0, 0);  // budget: 1024 tokens x 4 kept layers
+  const std::vector<LengthNeed> needs = memory_needs(m, {1, 2}, 4096);
+  ASSERT_EQ(needs.size(), 5u);  // 256, 512, 1024, 2048, 4096
+  EXPECT_EQ(needs[2].length, 1024);
+  EXPECT_EQ(needs[2].sp_size, 1);
+  EXPECT_EQ(needs[2].recompute_layers, 0);
+  // 2048 tokens on one rank: 2048 (1000 (4 - r) + 500 r) <= 4096000 needs r = 4.
+  EXPECT_EQ(needs[3].sp_size, 1);
+  EXPECT_EQ(needs[3].recompute_layers, 4);
+  // 4096 tokens fit one rank with no r; on sp 2 each rank holds 2048, as above.
+  EXPECT_EQ(needs[4].sp_size, 2);
+  EXPECT_EQ(needs[4].recompute_layers, 4);
+  EXPECT_DOUBLE_EQ(needs[4].bytes, 1e6 + 2048 * 4 * 500.0);
+  EXPECT_EQ(describe_memory_needs(needs), "<= 1024 tokens: sp 1; 2048 tokens: sp 1, recompute 4 layers; 4096 "
+                                          "tokens: sp 2, recompute 4 layers");
+  // Too long for every size: reported, with the bytes at the largest size and every layer recomputed.
+  const MemoryModel tight(small_shape(), c, 1.2e6, 0);
+  const auto none = memory_needs(tight, {1, 2}, 8192);
+  EXPECT_EQ(none.back().sp_size, 0);
+  EXPECT_DOUBLE_EQ(none.back().bytes, tight.bytes(std::vector<int64_t>{8192}, 2, 4));
+  EXPECT_NE(describe_memory_needs(none).find("8192 tokens: fit no SP size"), std::string::npos);
+  EXPECT_THROW(memory_needs(m, {}, 10), std::invalid_argument);
+}
+
 TEST(MemoryModelFitted, TokenOnlyBytesBoundEveryPackingOfThatManyTokens) {
   const MemoryModel m(small_shape(), fitted_like(), 1e9, 512);
   // Up to the longest sample a single sample is the worst case; beyond it, samples of the longest length.
