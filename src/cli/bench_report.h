@@ -17,6 +17,8 @@ struct BenchStep {
   double step_time_s = 0;
   double imbalance = 0;
   std::optional<double> predicted_step_s;  ///< null on a run's first step (no calibration yet)
+  std::optional<double> model_step_s;      ///< the cost model's uncalibrated prediction (metrics `model_step_s`)
+  std::string sp_sizes;                    ///< the step's distinct group SP sizes, ascending, "+"-joined ("1+2")
   std::optional<double> peak_bytes;        ///< largest of the step's `rank_peak_bytes`, when the trainer writes them
 };
 
@@ -48,14 +50,47 @@ struct BenchRow {
   std::optional<double> median_prediction_error;  ///< median |predicted / measured - 1| over the same steps
   std::optional<double> peak_bytes;  ///< max of summary `peak_bytes` and every step's `rank_peak_bytes`
   std::optional<double> heldout_bits_per_byte_final;
-  std::optional<double> speedup_vs_bucket;  ///< tokens_per_s / bucket's; absent without a bucket run
+  /// tokens / sum of model_step_s over the measured steps: the throughput the cost model predicts before any
+  /// calibration (absent when a measured step has no model_step_s)
+  std::optional<double> model_tokens_per_s;
+  /// tokens_per_s / the fastest static planner's (static, bucket, packed); absent without a static run
+  std::optional<double> speedup_vs_best_static;
 };
+
+/// True for the planners that fix one SP size and recompute for the whole run: static, bucket, packed.
+bool is_static_planner(const std::string& planner);
 
 /// Summarises one run. Throws std::runtime_error when no step is left to measure.
 BenchRow summarize_bench_run(const BenchRun& run, const std::set<int64_t>& warmup_steps);
 
-/// One row per run, fastest (tokens/s) first, with speedup_vs_bucket filled in when a "bucket" run is present.
+/// One row per run, fastest (tokens/s) first, with speedup_vs_best_static filled in when a static run is present.
 std::vector<BenchRow> summarize_bench(const std::vector<BenchRun>& runs, const std::set<int64_t>& warmup_steps);
+
+/// Tokens/s of every planner in one repetition (time slice) of the bench: slice r holds steps
+/// r * slice_steps + 1 .. (r + 1) * slice_steps, warm-up steps excluded. Planners in the order of `runs`.
+struct BenchRepetition {
+  int64_t index = 0;  ///< 1-based
+  std::vector<std::pair<std::string, double>> tokens_per_s;
+};
+
+/// One BenchRepetition per slice. Throws std::invalid_argument when slice_steps < 1, std::runtime_error naming
+/// the planner and slice when a slice has no measured step.
+std::vector<BenchRepetition> summarize_repetitions(const std::vector<BenchRun>& runs,
+                                                   const std::set<int64_t>& warmup_steps, int64_t slice_steps);
+
+/// The repetitions as a markdown table: tokens/s per planner, the fastest planner, and dcp-opt's tokens/s over
+/// the fastest static planner's when both ran.
+std::string bench_repetition_table(const std::vector<BenchRepetition>& reps);
+
+/// Per step composition of SP sizes (BenchStep::sp_sizes), over every run's measured steps with a model_step_s:
+/// the number of steps and the median |model_step_s / step_time_s - 1| (the uncalibrated cost model's error).
+struct SpPredictionError {
+  std::string sp_sizes;
+  int64_t steps = 0;
+  double median_error = 0;
+};
+std::vector<SpPredictionError> model_error_by_sp_sizes(const std::vector<BenchRun>& runs,
+                                                       const std::set<int64_t>& warmup_steps);
 
 /// Median of the rows' step-time prediction errors, each step of every row counted once; absent when none.
 std::optional<double> overall_median_prediction_error(const std::vector<BenchRun>& runs,

@@ -94,6 +94,45 @@ std::string bench_markdown(const BenchOptions& opt, const Config& cfg, const std
   std::vector<std::string> order;
   for (const auto& r : rows) order.push_back(r.planner);
   md += fmt::format("\nMeasured ordering (tokens/s, fastest first): {}.\n", fmt::join(order, " > "));
+  std::vector<BenchRow> by_model = rows;
+  if (std::all_of(by_model.begin(), by_model.end(), [](const BenchRow& r) { return r.model_tokens_per_s; })) {
+    std::stable_sort(by_model.begin(), by_model.end(), [](const BenchRow& a, const BenchRow& b) {
+      return *a.model_tokens_per_s > *b.model_tokens_per_s;
+    });
+    std::vector<std::string> predicted;
+    for (const auto& r : by_model) predicted.push_back(r.planner);
+    md += fmt::format("Ordering the cost model predicts (uncalibrated `model_step_s`): {} ({}).\n",
+                      fmt::join(predicted, " > "), predicted == order ? "the same" : "differs from the measured");
+  }
+  const std::vector<BenchRepetition> reps = summarize_repetitions(runs, warmup, slice_steps);
+  md += fmt::format("\nPer repetition (slice; its warm-up step excluded):\n\n{}", bench_repetition_table(reps));
+  int64_t opt_fastest = 0;
+  std::vector<double> opt_vs_static;
+  for (const auto& rep : reps) {
+    double best = 0, best_static = 0, opt = 0;
+    std::string fastest;
+    for (const auto& [planner, v] : rep.tokens_per_s) {
+      if (v > best) best = v, fastest = planner;
+      if (is_static_planner(planner)) best_static = std::max(best_static, v);
+      if (planner == "dcp-opt") opt = v;
+    }
+    opt_fastest += fastest == "dcp-opt";
+    if (opt > 0 && best_static > 0) opt_vs_static.push_back(opt / best_static);
+  }
+  if (!opt_vs_static.empty()) {
+    const auto [lo, hi] = std::minmax_element(opt_vs_static.begin(), opt_vs_static.end());
+    md += fmt::format("\ndcp-opt was the fastest planner in {} of {} repetitions; its tokens/s over the best static "
+                      "planner's (static, bucket, packed) ranged {:.3f}..{:.3f} over the repetitions.\n",
+                      opt_fastest, reps.size(), *lo, *hi);
+  }
+  const auto sp_errors = model_error_by_sp_sizes(runs, warmup);
+  if (!sp_errors.empty()) {
+    md += "\nUncalibrated cost-model error by the SP sizes of a step's groups (every planner's measured steps):\n\n"
+          "| SP sizes in the step | steps | median \\|model_step_s / step_time_s - 1\\| |\n|---|---|---|\n";
+    for (const auto& e : sp_errors) {
+      md += fmt::format("| {} | {} | {:.1f}% |\n", e.sp_sizes, e.steps, 100.0 * e.median_error);
+    }
+  }
   if (auto err = overall_median_prediction_error(runs, warmup)) {
     md += fmt::format("Median step-time prediction error over every planner's measured steps: {:.1f}%.\n",
                       100.0 * *err);

@@ -75,15 +75,59 @@ TEST(BenchReport, PeakMemoryIsTheLargestOfSummaryAndMeasuredSteps) {
   EXPECT_DOUBLE_EQ(*dcp::summarize_bench_run(r, kWarmup).peak_bytes, 7e6);
 }
 
-TEST(BenchReport, SortsFastestFirstWithSpeedupVsBucket) {
-  auto rows = dcp::summarize_bench({bucket_run(), opt_run()}, kWarmup);
-  ASSERT_EQ(rows.size(), 2u);
+TEST(BenchReport, SortsFastestFirstWithSpeedupVsBestStatic) {
+  BenchRun packed = bucket_run();  // a faster static planner than bucket: it becomes the reference
+  packed.planner = "packed";
+  for (auto& s : packed.steps) s.step_time_s *= 0.8;
+  auto rows = dcp::summarize_bench({bucket_run(), opt_run(), packed}, kWarmup);
+  ASSERT_EQ(rows.size(), 3u);
   EXPECT_EQ(rows[0].planner, "dcp-opt");
-  EXPECT_DOUBLE_EQ(*rows[0].speedup_vs_bucket, 2.0);
-  EXPECT_DOUBLE_EQ(*rows[1].speedup_vs_bucket, 1.0);
-  // without a bucket run there is nothing to compare to
+  EXPECT_EQ(rows[1].planner, "packed");
+  EXPECT_DOUBLE_EQ(*rows[0].speedup_vs_best_static, 2.0 * 0.8);
+  EXPECT_DOUBLE_EQ(*rows[1].speedup_vs_best_static, 1.0);
+  // without a static run there is nothing to compare to
   auto alone = dcp::summarize_bench({opt_run()}, kWarmup);
-  EXPECT_FALSE(alone[0].speedup_vs_bucket.has_value());
+  EXPECT_FALSE(alone[0].speedup_vs_best_static.has_value());
+  EXPECT_TRUE(dcp::is_static_planner("static"));
+  EXPECT_FALSE(dcp::is_static_planner("dcp-inter-pac"));
+}
+
+TEST(BenchReport, ModelPredictedThroughputNeedsEveryMeasuredStepModelled) {
+  BenchRun r = bucket_run();
+  for (auto& s : r.steps) s.model_step_s = 4.0;
+  EXPECT_DOUBLE_EQ(*dcp::summarize_bench_run(r, kWarmup).model_tokens_per_s, 2000.0 / 8.0);
+  r.steps[3].model_step_s.reset();  // a measured step without it: no number rather than a biased one
+  EXPECT_FALSE(dcp::summarize_bench_run(r, kWarmup).model_tokens_per_s.has_value());
+}
+
+TEST(BenchReport, RepetitionsComparePlannersSliceBySlice) {
+  // Slices of 2 steps: repetition 1 = step 2, repetition 2 = step 4 (1 and 3 are warm-ups).
+  BenchRun packed = bucket_run();
+  packed.planner = "packed";
+  packed.steps[3].step_time_s = 0.5;  // beats dcp-opt in repetition 2
+  const auto reps = dcp::summarize_repetitions({packed, opt_run()}, kWarmup, 2);
+  ASSERT_EQ(reps.size(), 2u);
+  EXPECT_EQ(reps[0].tokens_per_s[0].first, "packed");
+  EXPECT_DOUBLE_EQ(reps[0].tokens_per_s[0].second, 500.0);
+  EXPECT_DOUBLE_EQ(reps[0].tokens_per_s[1].second, 1000.0);
+  EXPECT_DOUBLE_EQ(reps[1].tokens_per_s[0].second, 2000.0);
+  const std::string md = dcp::bench_repetition_table(reps);
+  EXPECT_NE(md.find("| 1 | 500 | 1000 | dcp-opt | 2.000 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| 2 | 2000 | 1000 | packed | 0.500 |"), std::string::npos) << md;
+  EXPECT_THROW(dcp::summarize_repetitions({packed}, {1, 2, 3}, 2), std::runtime_error);  // repetition 1 empty
+  EXPECT_THROW(dcp::summarize_repetitions({packed}, kWarmup, 0), std::invalid_argument);
+}
+
+TEST(BenchReport, ModelErrorIsGroupedByTheStepsSpSizes) {
+  BenchRun r = opt_run();
+  r.steps[1].model_step_s = 1.2, r.steps[1].sp_sizes = "1+2";  // error 0.2
+  r.steps[3].model_step_s = 0.9, r.steps[3].sp_sizes = "2";    // error 0.1
+  const auto errors = dcp::model_error_by_sp_sizes({r}, kWarmup);
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_EQ(errors[0].sp_sizes, "1+2");
+  EXPECT_EQ(errors[0].steps, 1);
+  EXPECT_NEAR(errors[0].median_error, 0.2, 1e-12);
+  EXPECT_NEAR(errors[1].median_error, 0.1, 1e-12);
 }
 
 TEST(BenchReport, OverallMedianPoolsEveryPlannersSteps) {
@@ -102,18 +146,18 @@ TEST(BenchReport, NoMeasuredStepIsAnError) {
 TEST(BenchReport, TableAndCsvCarryTheNumbers) {
   auto rows = dcp::summarize_bench({bucket_run(), opt_run()}, kWarmup);
   std::string md = dcp::bench_markdown_table(rows);
-  EXPECT_NE(md.find("| dcp-opt | 4 (2) | 1000 | 2.000 | 0.100 | 0.950 | 1.000 | 15.0% | 8.0 | 3.2501 |"),
+  EXPECT_NE(md.find("| dcp-opt | 4 (2) | 1000 | 2.000 | n/a | 0.100 | 0.950 | 1.000 | 15.0% | 8.0 | 3.2501 |"),
             std::string::npos)
       << md;
-  EXPECT_NE(md.find("| bucket | 4 (2) | 500 | 1.000 | 0.200 | 1.900 | 2.000 | 15.0% | n/a | 3.2500 |"),
+  EXPECT_NE(md.find("| bucket | 4 (2) | 500 | 1.000 | n/a | 0.200 | 1.900 | 2.000 | 15.0% | n/a | 3.2500 |"),
             std::string::npos)
       << md;
   std::string csv = dcp::bench_csv(rows);
   EXPECT_EQ(csv.substr(0, csv.find('\n')),
-            "planner,steps,steps_measured,tokens_measured,tokens_per_s,speedup_vs_bucket,mean_imbalance,"
-            "steps_predicted,mean_predicted_step_s,mean_measured_step_s,median_prediction_error_pct,peak_memory_mb,"
+            "planner,steps,steps_measured,tokens_measured,tokens_per_s,speedup_vs_best_static,model_tokens_per_s,"
+            "mean_imbalance,steps_predicted,mean_predicted_step_s,mean_measured_step_s,median_prediction_error_pct,peak_memory_mb,"
             "heldout_bits_per_byte_final");
-  EXPECT_NE(csv.find("\nbucket,4,2,2000,500.0,1.0000,0.2000,2,1.9000,2.0000,15.00,,3.25000\n"), std::string::npos)
+  EXPECT_NE(csv.find("\nbucket,4,2,2000,500.0,1.0000,,0.2000,2,1.9000,2.0000,15.00,,3.25000\n"), std::string::npos)
       << csv;
   std::string script = dcp::bench_gnuplot_script("out/b.csv", "out/b.png");
   EXPECT_NE(script.find("set output \"out/b.png\""), std::string::npos) << script;
