@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -55,6 +56,18 @@ struct ModelShape {
   void validate() const;
 };
 
+/// The Ulysses exchanges of an aligned group of one SP size, fitted by `dcp profile` under `dcp launch` on the
+/// real group. One all-to-all call that sends a rank's chunks takes latency_s + bytes_leaving_rank / bytes_per_s
+/// seconds, where bytes_leaving_rank = (sp - 1) / sp of the bytes the rank holds (the chunk to itself stays);
+/// both are fitted to the calls alone. Inside a real micro-batch every byte a rank exchanges costs
+/// overhead_s_per_byte more, fitted to real SP micro-batches: what the calls alone do not show, the waits for a
+/// peer that is behind, calls that run slower after compute, the copies around them (docs/sequence_parallel.md).
+struct CommFit {
+  double latency_s = 0;            ///< seconds per call
+  double bytes_per_s = 0;          ///< bytes leaving a rank per second
+  double overhead_s_per_byte = 0;  ///< seconds per byte a rank exchanges, in a micro-batch beyond the calls
+};
+
 /// A device and its interconnect.
 struct DeviceSpec {
   std::string name = "h200";
@@ -69,6 +82,10 @@ struct DeviceSpec {
   int64_t gpus_per_node = 8;
   double collective_latency_s = 10e-6;   ///< fixed latency of one all-to-all / all-reduce, seconds
   double micro_batch_overhead_s = 2e-3;  ///< kernel launches, data loading, loss: seconds per micro-batch
+  /// Measured all-to-alls by SP size (a profile's "sequence_parallel" fits). An SP size listed here uses its
+  /// latency_s and bytes_per_s instead of collective_latency_s and intra_node_bw / inter_node_bw, and adds its
+  /// overhead_s_per_byte.
+  std::map<int64_t, CommFit> all_to_all;
 
   /// attention_mfu, or mfu when attention_mfu is 0.
   double effective_attention_mfu() const { return attention_mfu > 0 ? attention_mfu : mfu; }
@@ -80,9 +97,12 @@ struct DeviceSpec {
 
   /// Reads the "device" object of a JSON file written by `dcp profile` (write_profile in dcp/profiler.h): the
   /// string name and the numbers memory_bytes, peak_flops, mfu, attention_mfu, intra_node_bw, inter_node_bw, gpus_per_node,
-  /// collective_latency_s and micro_batch_overhead_s, all required. Throws std::runtime_error naming the file
-  /// when it cannot be read or is not JSON, std::invalid_argument naming the file and the field when a field is
-  /// missing or has the wrong type.
+  /// collective_latency_s and micro_batch_overhead_s, all required; and all_to_all from the optional
+  /// "sequence_parallel" object (absent in single-process profiles and in those written before SP was profiled):
+  /// its array "fits" of objects with the integer sp_size (>= 2, each once) and the numbers latency_s (>= 0),
+  /// bytes_per_s (> 0) and overhead_s_per_byte (>= 0). Throws std::runtime_error naming the file when it cannot
+  /// be read or is not JSON, std::invalid_argument naming the file and the field (e.g.
+  /// 'sequence_parallel.fits[0].bytes_per_s') when a field is missing, has the wrong type or an impossible value.
   static DeviceSpec from_profile(const std::string& path);
 };
 
@@ -97,8 +117,8 @@ struct FlopCount {
 /// A micro-batch holds packed samples of lengths s_1..s_n (tokens, T = sum s_j, no attention across samples),
 /// runs on a group of `sp` ranks, and recomputes the activations of `r` of the L layers in backward. Its time is
 ///   seconds = fixed(sp, r) + sum_j work(s_j, sp, r)
-/// where fixed(sp, r) = micro_batch_overhead_s + collective_latency_s * (12 L + 4 r) when sp > 1
-/// [the all-to-alls, see comm]
+/// where fixed(sp, r) = micro_batch_overhead_s + latency(sp) * (4 L + 2 r) when sp > 1 [the all-to-all calls,
+/// see comm]
 /// and work(s, sp, r) = compute(s, sp, r) + comm(s, sp, r):
 ///   compute = linear / (sp * peak_flops * mfu) + attention / (sp * peak_flops * attention_mfu)
 ///     linear = L 6 P_l s + r 2 P_l s + 6 h V s,  attention = L 6 h s^2 + r 2 h s^2  (FLOPs; attention_mfu 0
@@ -124,17 +144,26 @@ struct FlopCount {
 ///   The chunks run over the packed stream, so A is exactly linear in s whatever the sample boundaries. With
 ///   C = 0 (quadratic form) A(s) = H (2 s^2 (F + D') + 4 P D s). The Omega parameters (H P D per layer) are
 ///   not counted in params_per_layer (0.8 % of a layer of the 1.3B decoder at m = 64).
-///   comm = (12 L + 4 r) * s * h * b * (sp - 1) / sp^2 / bw(sp)
-///     - per layer forward, Ulysses runs 4 all-to-alls (Q, K, V in, O out); backward runs the 8 transposed ones;
-///       a recomputed layer repeats the 4 forward ones (DeepSpeed-Ulysses blog: aggregate 4 N h per layer);
-///     - each all-to-all moves a rank's s/sp tokens x h x b bytes, of which (sp-1)/sp leave the rank;
-///     - bw = intra_node_bw when the aligned group fits in a node (sp <= gpus_per_node), else inter_node_bw.
-///     comm is not overlapped with compute (conservative).
+///   comm = (8 L + 4 r) * (s / sp) * h * b * ((sp - 1) / sp / bw(sp) + overhead(sp))
+///     - the calls SequenceParallelAttention makes (src/dist/sequence_parallel.cpp): per layer forward, one
+///       all-to-all of q, k and v stacked (3 h elements per local token) and one of the output (h); backward
+///       runs the same two exchanges on their gradients (the all-to-all is its own transpose); a recomputed
+///       layer repeats its forward's two. So 4 L + 2 r calls per micro-batch, moving (8 L + 4 r) h elements
+///       per local token. (DeepSpeed-Ulysses sends q, k and v in separate calls; the 12 L + 4 r calls of its
+///       count are not what this implementation runs.)
+///     - of a rank's s/sp local tokens' bytes in a call, (sp - 1)/sp leave the rank (its own chunk stays);
+///     - bw(sp), latency(sp), overhead(sp): the fitted CommFit of device.all_to_all for sp when present (`dcp
+///       profile` under `dcp launch` measures them on the real group; overhead is its overhead_s_per_byte, the
+///       cost of exchanging a byte inside a micro-batch beyond the calls), else bw = intra_node_bw when the
+///       aligned group fits in a node (sp <= gpus_per_node), inter_node_bw otherwise, latency =
+///       collective_latency_s and overhead 0.
+///     comm is not overlapped with compute (conservative; the implementation does not overlap it either).
 /// A step adds step_seconds: the data-parallel gradient all-reduce of 2 (W-1)/W * params * b bytes per rank
 /// (ring all-reduce) plus 2 collective latencies; the optimizer update is neglected.
 class CostModel {
  public:
-  /// Throws std::invalid_argument when the shape is invalid or a device rate is not positive.
+  /// Throws std::invalid_argument when the shape is invalid, a device rate is not positive, or an all_to_all
+  /// fit has an sp_size below 2, a negative latency or overhead or a non-positive bandwidth.
   CostModel(ModelShape shape, DeviceSpec device);
 
   const ModelShape& shape() const { return shape_; }
@@ -152,8 +181,19 @@ class CostModel {
   double fixed_seconds(int64_t sp_size, int64_t recompute_layers) const;
   /// Per global step: gradient all-reduce over `world_size` ranks, seconds (0 for one rank).
   double step_seconds(int64_t world_size) const;
-  /// Bytes/s of an all-to-all in an aligned group of sp ranks (NVLink inside a node, InfiniBand across).
+  /// Bytes leaving a rank per second in an all-to-all of an aligned group of sp ranks: the fitted
+  /// device().all_to_all[sp] when present, else NVLink inside a node, InfiniBand across.
   double all_to_all_bandwidth(int64_t sp_size) const;
+  /// Seconds per all-to-all call in an aligned group of sp ranks: the fitted device().all_to_all[sp] when
+  /// present, else collective_latency_s.
+  double all_to_all_latency(int64_t sp_size) const;
+  /// All-to-all calls of one micro-batch on sp ranks with r recomputed layers: 4 L + 2 r when sp > 1, else 0.
+  /// Throws std::invalid_argument when sp is not positive or r is outside [0, L].
+  int64_t all_to_all_calls(int64_t sp_size, int64_t recompute_layers) const;
+  /// Bytes a rank exchanges in the all-to-alls of one micro-batch of `tokens` tokens (sent, its own chunk
+  /// included): (8 L + 4 r) * (tokens / sp) * hidden * bytes_per_element when sp > 1, else 0. Throws like
+  /// all_to_all_calls.
+  double all_to_all_bytes(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const;
 
  private:
   void check(int64_t sp_size, int64_t recompute_layers) const;

@@ -72,6 +72,8 @@ class ProcessGroups {
   const Communicator& world() const { return *world_; }
   /// Throws std::out_of_range naming the size when no group of that size was created.
   const Communicator& group(int64_t sp_size) const;
+  /// The SP sizes group() answers, ascending: 1, world_size and those given at construction.
+  std::vector<int64_t> sp_sizes() const;
   double creation_seconds() const { return creation_seconds_; }
 
  private:

@@ -1,5 +1,6 @@
 // `dcp profile`: measures forward+backward seconds and peak bytes of the real model on this process's device
-// (the CPU) over a grid of micro-batch shapes and fits the time model of CostModel and a MemoryModel to them.
+// (the CPU) over a grid of micro-batch shapes and fits the time model of CostModel and a MemoryModel to them;
+// under `dcp launch` also the Ulysses all-to-alls of every SP group, and real SP micro-batches against the fit.
 #pragma once
 
 #include <cstdint>
@@ -11,13 +12,32 @@
 
 namespace dcp {
 
-/// What profile_model measures.
+class ProcessGroups;
+
+/// What profile_model measures. Empty lists and zeros take the defaults described, which follow the config.
 struct ProfileOptions {
-  int64_t repeats = 3;  ///< timed runs per grid point after one warm-up; the point's time is their median
-  /// Sample lengths of the grid, tokens; those above data.max_seq_len are dropped.
-  std::vector<int64_t> sample_lengths = {64, 128, 256, 512, 1024};
-  /// Token targets of a micro-batch: it holds max(1, tokens / length) samples of one length.
-  std::vector<int64_t> micro_batch_tokens = {1024, 4096};
+  /// Timed runs per point after one warm-up (the point's time is their median). A point whose warm-up took
+  /// longer than long_point_s on some rank is measured by its warm-up alone: long points vary little from run
+  /// to run, and they are what makes the profile take long.
+  int64_t repeats = 3;
+  double long_point_s = 1.0;  ///< seconds; see repeats
+  /// The longest sample of the default lists below, tokens; 0 = data.max_seq_len (larger values are capped at it).
+  int64_t max_length = 0;
+  /// Sample lengths of the compute grid, tokens; those above data.max_seq_len are dropped. Empty: max_length,
+  /// max_length / 4, / 16, ... down to 128, or max_length, / 2 and / 4 when that gives fewer than three.
+  std::vector<int64_t> sample_lengths;
+  /// Token targets of a micro-batch: it holds max(1, tokens / length) samples of one length. Empty: {T / 8, T}
+  /// with T = max(max_length, train.micro_batch_tokens).
+  std::vector<int64_t> micro_batch_tokens;
+  /// SP profile (under `dcp launch`): tokens a rank holds in the timed all-to-alls. Empty: 64, 128, ... (doubling)
+  /// up to the most of 128, max(T, max_length) / sp and the tokens of a 4 MiB q, k, v call.
+  std::vector<int64_t> comm_local_tokens;
+  int64_t comm_repeats = 9;  ///< timed calls per all-to-all point after three warm-up calls (median)
+  /// Sample lengths of the SP validation micro-batches (recompute 0 and n_layers; each holds as many samples as
+  /// the smallest micro_batch_tokens target gives, at least one, so that it is within the grid's sizes); each
+  /// must be a multiple of every SP size and at most data.max_seq_len. Empty: max_length / 16, / 8, / 4, / 2 and
+  /// / 1, each rounded down to a multiple of the SP size (at least the SP size, at most max_length).
+  std::vector<int64_t> validation_lengths;
 };
 
 /// One measured micro-batch shape.
@@ -26,11 +46,53 @@ struct ProfilePoint {
   int64_t tokens = 0;            ///< sum of lengths
   int64_t recompute_layers = 0;
   FlopCount flops;               ///< CostModel::flops of the point
-  double measured_s = 0;         ///< median forward+backward seconds
+  double measured_s = 0;         ///< median forward+backward seconds (mean over the ranks under `dcp launch`)
   double predicted_s = 0;        ///< CostModel::seconds with the fitted device, sp_size 1
-  double measured_peak_bytes = 0;   ///< largest MemoryMeter::peak_bytes of the timed runs, bytes
+  /// largest MemoryMeter::peak_bytes of the timed runs (max over the ranks), bytes
+  double measured_peak_bytes = 0;
   double predicted_peak_bytes = 0;  ///< MemoryModel::bytes(lengths, 1, recompute_layers) of the fitted model
   bool held_out = false;         ///< left out of the fit; its error is the reported fit error
+};
+
+/// One timed all-to-all shape of the SP profile: Communicator::all_to_all of a rank's local_tokens x width x
+/// hidden activations in the run's precision, as SequenceParallelAttention sends them.
+struct CommPoint {
+  int64_t local_tokens = 0;       ///< tokens a rank holds (the micro-batch's tokens / sp)
+  int64_t width = 1;              ///< hidden-sized vectors per token: 3 (q, k, v stacked) or 1 (the output)
+  double bytes_leaving_rank = 0;  ///< local_tokens * width * hidden * bytes_per_element * (sp - 1) / sp, bytes
+  double measured_s = 0;          ///< median seconds of one call, mean over the ranks of the world
+  double predicted_s = 0;         ///< latency_s + bytes_leaving_rank / bytes_per_s of the fit
+  bool held_out = false;          ///< left out of the fit (every 3rd point)
+};
+
+/// The SP profile of one size, on the aligned groups of that size (all of them at once).
+struct SpProfile {
+  int64_t sp_size = 0;
+  /// latency_s and bytes_per_s: seconds per call = latency_s + bytes_leaving_rank / bytes_per_s fitted to
+  /// `points`; overhead_s_per_byte: fitted to the validation points not held out (profile_model).
+  CommFit fit;
+  std::vector<CommPoint> points;
+  double heldout_median_error = 0;  ///< median |predicted - measured| / measured over held-out calls
+  double heldout_max_error = 0;     ///< max of the same
+  double fit_median_error = 0;      ///< median relative error over the calls the fit used
+  /// The same over this size's validation micro-batches, with the fitted overhead: held out, and fitted.
+  double validation_heldout_median_error = 0;
+  double validation_heldout_max_error = 0;
+  double validation_fit_median_error = 0;
+};
+
+/// A real sequence-parallel micro-batch of the model (make_shard + SequenceParallelAttention, as the trainer
+/// runs it), timed and predicted.
+struct ValidationPoint {
+  int64_t sp_size = 0;
+  std::vector<int64_t> lengths;  ///< sample lengths, tokens
+  int64_t recompute_layers = 0;
+  double measured_s = 0;   ///< median forward+backward seconds on a rank, mean over the ranks of the world
+  /// CostModel::seconds(lengths, sp_size, recompute_layers) with the fitted device (overhead_s_per_byte included)
+  double predicted_s = 0;
+  double measured_peak_bytes = 0;   ///< largest MemoryMeter::peak_bytes of the timed runs, max over ranks
+  double predicted_peak_bytes = 0;  ///< MemoryModel::bytes(lengths, sp_size, recompute_layers) of the fit
+  bool held_out = false;  ///< left out of the overhead fit (alternate points: lengths and recompute both vary)
 };
 
 /// Result of profile_model: the fitted device and the grid it was fitted to.
@@ -40,7 +102,8 @@ struct ProfileResult {
   ModelShape shape;
   /// name "cpu-profile"; peak_flops = fitted linear FLOP/s with mfu 1; attention_mfu = attention FLOP/s / linear
   /// FLOP/s; micro_batch_overhead_s = fitted fixed seconds; memory_bytes = physical RAM; gpus_per_node 1;
-  /// bandwidths and collective latency keep the DeviceSpec defaults (sequence parallelism is not profiled).
+  /// all_to_all = the fits of `sequence_parallel`; intra_node_bw, inter_node_bw and collective_latency_s keep
+  /// the DeviceSpec defaults (used only by SP sizes without a fit, and by the gradient all-reduce).
   DeviceSpec device;
   std::vector<ProfilePoint> points;
   double fixed_s = 0;                ///< fitted seconds per micro-batch independent of its samples
@@ -59,9 +122,14 @@ struct ProfileResult {
   double memory_heldout_max_error = 0;     ///< max of the same
   double memory_fit_median_error = 0;      ///< median relative error over the points the fit used
   std::string memory_method;               ///< MemoryMeter::method(): counting-allocator or the fallback
-  int64_t threads = 0;               ///< intra-op threads used
+  /// One per SP size above 1 of the process groups, ascending; empty in one process.
+  std::vector<SpProfile> sequence_parallel;
+  std::vector<ValidationPoint> validation;  ///< by SP size, then length, then recompute; empty in one process
+  int64_t world_size = 1;            ///< ranks that measured concurrently
+  int64_t threads = 0;               ///< intra-op threads per rank
   int64_t repeats = 0;
-  double max_rss_bytes = 0;          ///< process high-water mark (getrusage ru_maxrss) after the run
+  double max_rss_bytes = 0;          ///< process high-water mark (getrusage ru_maxrss) after the run, max over ranks
+  double wall_s = 0;                 ///< seconds profile_model took on this rank
 };
 
 /// Least squares with non-negative coefficients: the x >= 0 minimising sum_i (rows[i] . x - targets[i])^2.
@@ -72,41 +140,61 @@ struct ProfileResult {
 std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<double>>& rows,
                                                   const std::vector<double>& targets);
 
-/// Builds the model of `cfg` in train.precision (resolve_precision; one process, torch::manual_seed(run.seed),
-/// train.threads intra-op threads or all cores), and times loss_sum(batch, r).backward() on packed
-/// micro-batches of random printable bytes (built with Corpus::from_documents) over sample lengths x micro-batch tokens x recompute_layers {0, n_layers}: one
-/// warm-up, then the median of `repeats` runs. Within a length the (tokens, recompute) combinations are visited
-/// in an order rotated by the length's index, and every 4th point of the grid is held out, so held-out points
-/// cover every combination. Fits
+/// Builds the model of `cfg` in train.precision (resolve_precision; torch::manual_seed(run.seed) reseeds torch's
+/// global generator; intra-op threads = threads_per_rank: train.threads, or the cores / local ranks as the
+/// trainer uses), and times loss_sum(batch, r).backward() on packed micro-batches of random printable bytes
+/// (built with Corpus::from_documents) over sample lengths x micro-batch tokens x recompute_layers {0, n_layers}
+/// (ProfileOptions): one warm-up, then the median of `repeats` runs. Within a length the (tokens, recompute)
+/// combinations are visited in an order rotated by the length's index, and every 4th point of the grid is held
+/// out, so held-out points cover every combination. Fits
 ///   seconds = fixed + linear_flops / linear_rate + attention_flops / attention_rate
 /// (FLOPs from CostModel::flops of the result's shape) with fit_nonnegative_least_squares on relative
 /// residuals (each row divided by its measured seconds), so that the fit minimises relative error. When the
 /// attention coefficient comes out 0, it refits seconds = fixed + (linear + attention flops) / rate and sets
 /// attention_separated false (attention_mfu 1).
 /// Memory: before the grid every parameter gets a gradient and two fp32 tensors of its size (AdamW's moments,
-/// which the trainer holds), so the measured peaks include the trainer's resident state; gradients are zeroed in
-/// place between runs. MemoryMeter::reset_peak() precedes every run and a point's peak is the largest over its
-/// timed runs. Fits, on the same points and held-out split,
+/// which the trainer holds), so the measured peaks include the trainer's resident state (and every other tensor
+/// alive in the process: call it before building a model of your own, or count that model in the budget);
+/// gradients are zeroed in place between runs. MemoryMeter::reset_peak() precedes every run and a point's peak
+/// is the largest over its timed runs. Fits, on the same points and held-out split,
 ///   bytes = base + t * (a (L - r) + b r) + Q * (q (L - r) + q0),  t = tokens, Q = sum of squared lengths
 /// (MemoryCoefficients; the Q terms are per-sample [heads, s, s] tensors, fitted only for operators that keep
 /// them: `attention.impl: reference` softmax and the quadratic flexformer form; 0 for the tiled softmax and the
-/// chunked forms) with fit_nonnegative_least_squares on relative residuals. The grid runs sp 1 only: MemoryModel's division by sp
-/// is assumed, not measured, and sp_token_bytes is set to 6 * hidden * bytes_per_element (MemoryCoefficients).
-/// Throws std::invalid_argument when repeats < 1 or no grid length fits data.max_seq_len, and std::runtime_error
-/// when even the one-rate fit gives FLOPs no cost (times that do not grow with FLOPs: too much noise) or the
-/// memory fit gives tokens no cost (peaks that do not grow with the micro-batch).
-ProfileResult profile_model(const Config& cfg, const ProfileOptions& options = {});
+/// chunked forms) with fit_nonnegative_least_squares on relative residuals. sp_token_bytes is set to
+/// 6 * hidden * bytes_per_element (MemoryCoefficients), not fitted.
+///
+/// With `groups` (every rank of groups->world() calls this at once, e.g. under `dcp launch`): every rank runs
+/// the grid concurrently (a barrier of the world before every run), and each point's time is the mean and its
+/// peak the max over the ranks (one allreduce) before the fits, so every rank returns the identical fit. Then
+/// for each SP size s > 1 of groups->sp_sizes() that divides n_heads: the all-to-alls of SequenceParallelAttention
+/// timed on groups->group(s) and fitted (SpProfile, train/profile_comm.h) into device.all_to_all[s]; then
+/// real SP micro-batches of the model on that group (ValidationPoint; train/profile_validation.h), to which
+///   measured - CostModel::seconds without overhead = overhead_s_per_byte * CostModel::all_to_all_bytes
+/// is fitted (relative residuals, >= 0) on alternate points, the others held out, and compared with the
+/// MemoryModel. Without `groups` (nullptr): one process, no SP profile.
+/// Throws std::invalid_argument for bad options (repeats or comm_repeats < 1, long_point_s <= 0, max_length
+/// < 0, no grid length fitting data.max_seq_len, validation lengths that are not multiples of an SP size),
+/// and std::runtime_error when even the one-rate fit gives FLOPs no cost (times that do not grow with FLOPs:
+/// too much noise), the memory fit gives tokens no cost (peaks that do not grow with the micro-batch), an
+/// all-to-all fit gives bytes no cost, or a peer fails (the collectives' timeouts).
+ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, const ProfileOptions& options = {});
 
 /// Writes `result` as JSON to `path`: "device" (the DeviceSpec fields, read back by DeviceSpec::from_profile),
 /// "model" (the ModelShape, its "precision" (precision_of_bytes of bytes_per_element: "fp32" or "bf16"), its
 /// attention kind "softmax", "softmax-reference" or "linear" and the linear operator's feature_dim,
 /// feature_projections and chunk_size included), "fit" (coefficients, attention_separated and relative errors),
-/// "memory" (the
-/// MemoryCoefficients, read back with "model" by MemoryModel::from_profile, the meter's method and relative
-/// errors), "grid" (per point: sample_length, samples, tokens, recompute_layers, linear_flops, attention_flops,
-/// measured_s, predicted_s, measured_peak_bytes, predicted_peak_bytes, held_out), "threads",
-/// "repeats", "max_rss_bytes" and "notes" (what is not profiled). Throws std::runtime_error naming the path
-/// when it cannot be written.
+/// "memory" (the MemoryCoefficients, read back with "model" by MemoryModel::from_profile, the meter's method and
+/// relative errors), "grid" (per point: sample_length, samples, tokens, recompute_layers, linear_flops,
+/// attention_flops, measured_s, predicted_s, measured_peak_bytes, predicted_peak_bytes, held_out), when the
+/// result has an SP profile "sequence_parallel" ("formula"; "fits": per SP size sp_size, latency_s,
+/// bytes_per_s, overhead_s_per_byte (read back into DeviceSpec::all_to_all), heldout_median_rel_error,
+/// heldout_max_rel_error, fit_median_rel_error, validation_heldout_median_rel_error,
+/// validation_heldout_max_rel_error, validation_fit_median_rel_error and its "grid" of local_tokens, width,
+/// bytes_leaving_rank, measured_s, predicted_s, held_out; "validation": per point sp_size, sample_length,
+/// samples, recompute_layers, measured_s, predicted_s, rel_error, measured_peak_bytes, predicted_peak_bytes,
+/// held_out), "world_size", "threads", "repeats",
+/// "max_rss_bytes", "wall_s" and "notes" (what is assumed rather than measured). Throws std::runtime_error
+/// naming the path when it cannot be written.
 void write_profile(const ProfileResult& result, const std::string& path);
 
 }  // namespace dcp

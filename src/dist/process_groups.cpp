@@ -73,4 +73,10 @@ const Communicator& ProcessGroups::group(int64_t sp_size) const {
   return *it->second;
 }
 
+std::vector<int64_t> ProcessGroups::sp_sizes() const {
+  std::vector<int64_t> sizes;
+  for (const auto& entry : groups_) sizes.push_back(entry.first);
+  return sizes;
+}
+
 }  // namespace dcp

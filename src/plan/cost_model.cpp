@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
@@ -57,6 +58,58 @@ DeviceSpec DeviceSpec::named(const std::string& name) {
       fmt::format("unknown device '{}' (known: h200, or the path of a JSON file written by `dcp profile`)", name));
 }
 
+namespace {
+
+// The optional "sequence_parallel" object of a profile (DeviceSpec::from_profile): its per-SP-size fits.
+std::map<int64_t, CommFit> read_all_to_all_fits(const nlohmann::json& doc, const std::string& path) {
+  std::map<int64_t, CommFit> fits;
+  if (!doc.contains("sequence_parallel")) return fits;
+  auto bad = [&](const std::string& field, const std::string& what) {
+    return std::invalid_argument(fmt::format("device profile '{}': field '{}' {}", path, field, what));
+  };
+  const nlohmann::json& sp = doc["sequence_parallel"];
+  if (!sp.is_object()) throw bad("sequence_parallel", "must be an object, got " + sp.dump());
+  if (!sp.contains("fits") || !sp["fits"].is_array()) {
+    throw bad("sequence_parallel.fits", sp.contains("fits") ? "must be an array, got " + sp["fits"].dump()
+                                                            : "is missing (an array of per-SP-size fits)");
+  }
+  const nlohmann::json& list = sp["fits"];
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string at = fmt::format("sequence_parallel.fits[{}]", i);
+    const nlohmann::json& f = list[i];
+    if (!f.is_object()) throw bad(at, "must be an object, got " + f.dump());
+    auto number = [&](const char* key) {
+      if (!f.contains(key) || !f[key].is_number()) {
+        throw bad(at + "." + key, f.contains(key) ? "must be a number, got " + f[key].dump() : "is missing");
+      }
+      return f[key].get<double>();
+    };
+    const double size = number("sp_size");
+    if (!f["sp_size"].is_number_integer() || size < 2) {
+      throw bad(at + ".sp_size", "must be an integer >= 2, got " + f["sp_size"].dump());
+    }
+    const auto sp_size = static_cast<int64_t>(size);
+    if (fits.count(sp_size)) throw bad(at + ".sp_size", fmt::format("repeats sp_size {}", sp_size));
+    CommFit fit;
+    fit.latency_s = number("latency_s");
+    fit.bytes_per_s = number("bytes_per_s");
+    fit.overhead_s_per_byte = number("overhead_s_per_byte");
+    for (const auto& [key, value] : {std::pair<const char*, double>{"latency_s", fit.latency_s},
+                                     {"overhead_s_per_byte", fit.overhead_s_per_byte}}) {
+      if (!(value >= 0) || !std::isfinite(value)) {
+        throw bad(at + "." + key, fmt::format("must be finite and >= 0, got {}", value));
+      }
+    }
+    if (!(fit.bytes_per_s > 0) || !std::isfinite(fit.bytes_per_s)) {
+      throw bad(at + ".bytes_per_s", fmt::format("must be finite and > 0, got {}", fit.bytes_per_s));
+    }
+    fits[sp_size] = fit;
+  }
+  return fits;
+}
+
+}  // namespace
+
 DeviceSpec DeviceSpec::from_profile(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error(fmt::format("device profile '{}': cannot open the file", path));
@@ -100,6 +153,7 @@ DeviceSpec DeviceSpec::from_profile(const std::string& path) {
   spec.gpus_per_node = gpus.get<int64_t>();
   spec.collective_latency_s = field("collective_latency_s").get<double>();
   spec.micro_batch_overhead_s = field("micro_batch_overhead_s").get<double>();
+  spec.all_to_all = read_all_to_all_fits(doc, path);
   return spec;
 }
 
@@ -113,6 +167,15 @@ CostModel::CostModel(ModelShape shape, DeviceSpec device) : shape_(shape), devic
                                             "attention_mfu and latencies non-negative",
                                             device_.name));
   }
+  for (const auto& [sp, fit] : device_.all_to_all) {
+    if (sp < 2 || !(fit.latency_s >= 0) || !(fit.bytes_per_s > 0) || !(fit.overhead_s_per_byte >= 0)) {
+      throw std::invalid_argument(fmt::format("device '{}': the all-to-all fit of sp_size {} needs sp_size >= 2, "
+                                              "latency_s >= 0, bytes_per_s > 0 and overhead_s_per_byte >= 0 (got "
+                                              "{} s, {} B/s, {} s/B)",
+                                              device_.name, sp, fit.latency_s, fit.bytes_per_s,
+                                              fit.overhead_s_per_byte));
+    }
+  }
 }
 
 void CostModel::check(int64_t sp_size, int64_t recompute_layers) const {
@@ -124,7 +187,29 @@ void CostModel::check(int64_t sp_size, int64_t recompute_layers) const {
 }
 
 double CostModel::all_to_all_bandwidth(int64_t sp_size) const {
+  const auto fit = device_.all_to_all.find(sp_size);
+  if (fit != device_.all_to_all.end()) return fit->second.bytes_per_s;
   return sp_size <= device_.gpus_per_node ? device_.intra_node_bw : device_.inter_node_bw;
+}
+
+double CostModel::all_to_all_latency(int64_t sp_size) const {
+  const auto fit = device_.all_to_all.find(sp_size);
+  return fit != device_.all_to_all.end() ? fit->second.latency_s : device_.collective_latency_s;
+}
+
+int64_t CostModel::all_to_all_calls(int64_t sp_size, int64_t recompute_layers) const {
+  check(sp_size, recompute_layers);
+  return sp_size > 1 ? 4 * shape_.layers + 2 * recompute_layers : 0;
+}
+
+double CostModel::all_to_all_bytes(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const {
+  check(sp_size, recompute_layers);
+  if (sp_size == 1) return 0.0;
+  // Per local token (class comment): 3 h + h elements per layer forward and backward, per recomputed layer once
+  // more.
+  const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
+  return (8.0 * L + 4.0 * r) * static_cast<double>(tokens) / static_cast<double>(sp_size) *
+         static_cast<double>(shape_.hidden * shape_.bytes_per_element);
 }
 
 namespace {
@@ -170,22 +255,20 @@ FlopCount CostModel::flops(const std::vector<int64_t>& lengths, int64_t recomput
 double CostModel::work_seconds(int64_t length, int64_t sp_size, int64_t recompute_layers) const {
   check(sp_size, recompute_layers);
   if (length < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", length));
-  const double s = static_cast<double>(length), h = static_cast<double>(shape_.hidden);
-  const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
   const double sp = static_cast<double>(sp_size);
   const FlopCount f = sample_flops(shape_, length, recompute_layers);
   const double compute = (f.linear / device_.mfu + f.attention / device_.effective_attention_mfu()) /
                          (sp * device_.peak_flops);
-  const double comm = (12.0 * L + 4.0 * r) * s * h * static_cast<double>(shape_.bytes_per_element) * (sp - 1.0) /
-                      (sp * sp) / all_to_all_bandwidth(sp_size);
+  const auto fit = device_.all_to_all.find(sp_size);
+  const double overhead = fit != device_.all_to_all.end() ? fit->second.overhead_s_per_byte : 0.0;
+  const double comm = all_to_all_bytes(length, sp_size, recompute_layers) *
+                      ((sp - 1.0) / sp / all_to_all_bandwidth(sp_size) + overhead);
   return compute + comm;
 }
 
 double CostModel::fixed_seconds(int64_t sp_size, int64_t recompute_layers) const {
-  check(sp_size, recompute_layers);
-  const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
-  const double collectives = sp_size > 1 ? 12.0 * L + 4.0 * r : 0.0;
-  return device_.micro_batch_overhead_s + collectives * device_.collective_latency_s;
+  return device_.micro_batch_overhead_s +
+         static_cast<double>(all_to_all_calls(sp_size, recompute_layers)) * all_to_all_latency(sp_size);
 }
 
 double CostModel::seconds(const std::vector<int64_t>& lengths, int64_t sp_size, int64_t recompute_layers) const {

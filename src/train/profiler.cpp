@@ -1,5 +1,6 @@
+// profile_model (dcp/profiler.h): the sp-1 compute grid and its time and memory fits, then, under
+// `dcp launch`, the all-to-all fits (train/profile_comm.h) and the SP validation (train/profile_validation.h).
 #include "dcp/profiler.h"
-#include "util/file_write.h"
 
 #include <fmt/format.h>
 #include <sys/resource.h>
@@ -8,59 +9,25 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <random>
 #include <stdexcept>
-#include <thread>
 
 #include "dcp/data.h"
 #include "dcp/memory_meter.h"
 #include "dcp/model.h"
 #include "dcp/planning.h"
 #include "dcp/precision.h"
+#include "train/optimizer.h"
+#include "train/over_ranks.h"
+#include "train/profile_comm.h"
+#include "train/profile_runs.h"
+#include "train/profile_validation.h"
+#include "util/clock.h"
 #include "util/stats.h"
 
 namespace dcp {
 
 namespace {
-
-constexpr size_t kMaxColumns = 8;
-
-// Solves a x = b (n x n, row-major) by Gaussian elimination with partial pivoting; false when a pivot is
-// negligible against the largest entry of its column (the subset of columns is degenerate).
-bool solve(std::vector<std::vector<double>> a, std::vector<double> b, std::vector<double>& x) {
-  const size_t n = b.size();
-  for (size_t col = 0; col < n; ++col) {
-    size_t pivot = col;
-    for (size_t r = col + 1; r < n; ++r) {
-      if (std::abs(a[r][col]) > std::abs(a[pivot][col])) pivot = r;
-    }
-    if (!(std::abs(a[pivot][col]) > 1e-12)) return false;
-    std::swap(a[col], a[pivot]);
-    std::swap(b[col], b[pivot]);
-    for (size_t r = col + 1; r < n; ++r) {
-      const double f = a[r][col] / a[col][col];
-      for (size_t c = col; c < n; ++c) a[r][c] -= f * a[col][c];
-      b[r] -= f * b[col];
-    }
-  }
-  x.assign(n, 0.0);
-  for (size_t i = n; i-- > 0;) {
-    double v = b[i];
-    for (size_t c = i + 1; c < n; ++c) v -= a[i][c] * x[c];
-    x[i] = v / a[i][i];
-  }
-  return true;
-}
-
-// Printable ASCII, so that the corpus keeps every document (no NUL, valid UTF-8).
-std::string random_text(int64_t length, std::mt19937_64& rng) {
-  std::uniform_int_distribution<int> byte(32, 126);
-  std::string s(static_cast<size_t>(length), ' ');
-  for (char& c : s) c = static_cast<char>(byte(rng));
-  return s;
-}
 
 double max_rss_bytes() {
   rusage usage{};
@@ -72,73 +39,65 @@ double physical_memory_bytes() {
   return static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
 }
 
-}  // namespace
-
-std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<double>>& rows,
-                                                  const std::vector<double>& targets) {
-  if (rows.empty() || rows.size() != targets.size()) {
-    throw std::invalid_argument(fmt::format("least squares: {} rows and {} targets (need as many, at least one)",
-                                            rows.size(), targets.size()));
-  }
-  const size_t k = rows[0].size();
-  if (k == 0 || k > kMaxColumns) {
-    throw std::invalid_argument(fmt::format("least squares: {} columns (allowed 1 to {})", k, kMaxColumns));
-  }
-  for (const auto& row : rows) {
-    if (row.size() != k) throw std::invalid_argument("least squares: rows differ in width");
-  }
-  std::vector<double> norm(k, 0.0);
-  for (const auto& row : rows)
-    for (size_t c = 0; c < k; ++c) norm[c] += row[c] * row[c];
-  for (double& n : norm) n = n > 0 ? std::sqrt(n) : 1.0;
-
-  auto residual = [&](const std::vector<double>& x) {
-    double sum = 0;
-    for (size_t i = 0; i < rows.size(); ++i) {
-      double r = -targets[i];
-      for (size_t c = 0; c < k; ++c) r += rows[i][c] * x[c];
-      sum += r * r;
-    }
-    return sum;
-  };
-  std::vector<double> best(k, 0.0);
-  double best_residual = residual(best);
-  for (uint32_t mask = 1; mask < (1u << k); ++mask) {
-    std::vector<size_t> cols;
-    for (size_t c = 0; c < k; ++c) {
-      if (mask & (1u << c)) cols.push_back(c);
-    }
-    const size_t m = cols.size();
-    std::vector<std::vector<double>> ata(m, std::vector<double>(m, 0.0));
-    std::vector<double> atb(m, 0.0);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      for (size_t a = 0; a < m; ++a) {
-        const double va = rows[i][cols[a]] / norm[cols[a]];
-        atb[a] += va * targets[i];
-        for (size_t b = 0; b < m; ++b) ata[a][b] += va * rows[i][cols[b]] / norm[cols[b]];
-      }
-    }
-    std::vector<double> z;
-    if (!solve(ata, atb, z)) continue;
-    if (std::any_of(z.begin(), z.end(), [](double v) { return v < 0; })) continue;
-    std::vector<double> x(k, 0.0);
-    for (size_t a = 0; a < m; ++a) x[cols[a]] = z[a] / norm[cols[a]];
-    const double r = residual(x);
-    if (r < best_residual) {
-      best_residual = r;
-      best = x;
-    }
-  }
-  return best;
-}
-
-namespace {
-
 // Sum of squared sample lengths of a point, tokens^2.
 double squares(const ProfilePoint& p) {
   double q = 0;
   for (int64_t len : p.lengths) q += static_cast<double>(len) * static_cast<double>(len);
   return q;
+}
+
+// first, 2 first, 4 first, ... below `last`, then `last`.
+std::vector<int64_t> doubling_up_to(int64_t first, int64_t last) {
+  std::vector<int64_t> out;
+  for (int64_t v = first; v < last; v *= 2) out.push_back(v);
+  out.push_back(last);
+  return out;
+}
+
+// Default ProfileOptions::sample_lengths, ascending: longest / 4^k down to 128, or longest, / 2 and / 4 when that
+// gives fewer than three. Spacing by 4 rather than 2 halves the grid (the s^2 term needs only a few lengths, and
+// the long ones dominate the profile's time); with fewer than three lengths the linear and attention FLOPs are
+// too close to proportional for the fit to tell them apart.
+std::vector<int64_t> default_sample_lengths(int64_t longest) {
+  std::vector<int64_t> out{longest};
+  while (out.back() / 4 >= 128) out.push_back(out.back() / 4);
+  if (out.size() < 3) {
+    out = {longest};
+    for (int64_t len = longest / 2; len >= 1 && out.size() < 3; len /= 2) out.push_back(len);
+  }
+  return {out.rbegin(), out.rend()};
+}
+
+// The grids of ProfileOptions with its defaults filled in for this config.
+struct Grid {
+  int64_t max_length = 0;
+  std::vector<int64_t> lengths, micro_batch_tokens;
+};
+
+Grid resolve_grid(const Config& cfg, const ProfileOptions& options) {
+  if (options.repeats < 1 || options.comm_repeats < 1 || !(options.long_point_s > 0) || options.max_length < 0) {
+    throw std::invalid_argument(fmt::format("profile: repeats {} and comm_repeats {} must be >= 1, long_point_s {} "
+                                            "> 0 and max_length {} >= 0",
+                                            options.repeats, options.comm_repeats, options.long_point_s,
+                                            options.max_length));
+  }
+  Grid g;
+  g.max_length = options.max_length > 0 ? std::min(options.max_length, cfg.data.max_seq_len) : cfg.data.max_seq_len;
+  const std::vector<int64_t> lengths =
+      options.sample_lengths.empty() ? default_sample_lengths(g.max_length) : options.sample_lengths;
+  for (int64_t len : lengths) {
+    if (len >= 1 && len <= cfg.data.max_seq_len) g.lengths.push_back(len);
+  }
+  g.micro_batch_tokens = options.micro_batch_tokens;
+  if (g.micro_batch_tokens.empty()) {
+    const int64_t top = std::max(g.max_length, cfg.train.micro_batch_tokens);
+    g.micro_batch_tokens = {std::max<int64_t>(1, top / 8), top};
+  }
+  if (g.lengths.empty()) {
+    throw std::invalid_argument(
+        fmt::format("profile: no grid sample length fits data.max_seq_len {}", cfg.data.max_seq_len));
+  }
+  return g;
 }
 
 // The memory fit of profile_model (its doc comment): relative residuals over the points not held out.
@@ -177,103 +136,26 @@ void fit_memory(ProfileResult& result) {
   c.token_bytes = 0;  // not separable from a and b: c t = (c / L) (t (L - r) + t r)
   c.square_layer_bytes = x[3];
   c.square_bytes = x[4];
-  // Not measurable in one process: the q, k, v stack and send copy of Ulysses (MemoryCoefficients).
+  // Not fitted (the SP validation's peaks show how close it is): the q, k, v stack and send copy of Ulysses
+  // (MemoryCoefficients).
   c.sp_token_bytes = 6.0 * static_cast<double>(result.shape.hidden * result.shape.bytes_per_element);
 
   const MemoryModel fitted(result.shape, c, result.device.memory_bytes);
-  std::vector<double> heldout_errors, fit_errors;
+  std::vector<double> errors;
+  std::vector<bool> held_out;
   for (ProfilePoint& p : result.points) {
     p.predicted_peak_bytes = fitted.bytes(p.lengths, 1, p.recompute_layers);
-    const double err = std::abs(p.predicted_peak_bytes - p.measured_peak_bytes) / p.measured_peak_bytes;
-    (p.held_out ? heldout_errors : fit_errors).push_back(err);
+    errors.push_back(std::abs(p.predicted_peak_bytes - p.measured_peak_bytes) / p.measured_peak_bytes);
+    held_out.push_back(p.held_out);
   }
-  result.memory_heldout_median_error = median(heldout_errors);
-  result.memory_heldout_max_error =
-      heldout_errors.empty() ? 0.0 : *std::max_element(heldout_errors.begin(), heldout_errors.end());
-  result.memory_fit_median_error = median(fit_errors);
+  const SplitErrors e = split_errors(errors, held_out);
+  result.memory_heldout_median_error = e.heldout_median;
+  result.memory_heldout_max_error = e.heldout_max;
+  result.memory_fit_median_error = e.fit_median;
 }
 
-}  // namespace
-
-ProfileResult profile_model(const Config& cfg, const ProfileOptions& options) {
-  if (options.repeats < 1) {
-    throw std::invalid_argument(fmt::format("profile: repeats {} must be >= 1", options.repeats));
-  }
-  std::vector<int64_t> lengths;
-  for (int64_t len : options.sample_lengths) {
-    if (len >= 1 && len <= cfg.data.max_seq_len) lengths.push_back(len);
-  }
-  if (lengths.empty() || options.micro_batch_tokens.empty()) {
-    throw std::invalid_argument(fmt::format("profile: no grid sample length fits data.max_seq_len {} (or no "
-                                            "micro-batch token target)",
-                                            cfg.data.max_seq_len));
-  }
-
-  ProfileResult result;
-  const Precision precision = resolve_precision(cfg.train.precision).precision;
-  result.shape = model_shape_of(cfg, activation_bytes(precision));
-  result.repeats = options.repeats;
-  result.threads = cfg.train.threads > 0 ? cfg.train.threads
-                                         : std::max<int64_t>(1, std::thread::hardware_concurrency());
-  torch::set_num_threads(static_cast<int>(result.threads));
-  torch::manual_seed(cfg.run.seed);
-  Transformer model(cfg.model, cfg.attention, precision);
-  model->train();
-  const CostModel flop_model(result.shape, DeviceSpec{});
-  // The trainer's resident state during forward+backward: weights, gradients (zeroed in place between runs
-  // here) and AdamW's two moments per parameter.
-  result.memory_method = MemoryMeter::install();
-  std::vector<torch::Tensor> optimizer_state;
-  for (auto& p : model->parameters()) {
-    p.mutable_grad() = torch::zeros_like(p);
-    optimizer_state.push_back(torch::zeros_like(p));
-    optimizer_state.push_back(torch::zeros_like(p));
-  }
-
-  // The grid: per length, the (tokens, recompute) combinations rotated by the length's index.
-  struct Combo {
-    int64_t tokens, recompute;
-  };
-  std::vector<Combo> combos;
-  for (int64_t t : options.micro_batch_tokens)
-    for (int64_t r : {int64_t{0}, cfg.model.n_layers}) combos.push_back({t, r});
-  for (size_t li = 0; li < lengths.size(); ++li) {
-    for (size_t j = 0; j < combos.size(); ++j) {
-      const Combo& c = combos[(j + li) % combos.size()];
-      ProfilePoint p;
-      p.lengths.assign(static_cast<size_t>(std::max<int64_t>(1, c.tokens / lengths[li])), lengths[li]);
-      p.tokens = lengths[li] * static_cast<int64_t>(p.lengths.size());
-      p.recompute_layers = c.recompute;
-      p.flops = flop_model.flops(p.lengths, p.recompute_layers);
-      p.held_out = result.points.size() % 4 == 3;
-      result.points.push_back(std::move(p));
-    }
-  }
-
-  std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
-  for (ProfilePoint& p : result.points) {
-    std::vector<std::pair<std::string, std::string>> docs;
-    std::vector<int64_t> ids;
-    for (size_t i = 0; i < p.lengths.size(); ++i) {
-      docs.emplace_back(fmt::format("profile{}", i), random_text(p.lengths[i], rng));
-      ids.push_back(static_cast<int64_t>(i));
-    }
-    const Corpus corpus = Corpus::from_documents(docs, cfg.data);
-    const PackedBatch batch = make_batch(corpus, ids);
-    std::vector<double> times;
-    for (int64_t run = 0; run <= options.repeats; ++run) {
-      model->zero_grad();  // set_to_none false: the gradients stay allocated, as after a trainer's micro-batch
-      MemoryMeter::reset_peak();
-      const auto start = std::chrono::steady_clock::now();
-      model->loss_sum(batch, p.recompute_layers).backward();
-      const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
-      if (run == 0) continue;  // the warm-up
-      times.push_back(elapsed.count());
-      p.measured_peak_bytes = std::max(p.measured_peak_bytes, static_cast<double>(MemoryMeter::peak_bytes()));
-    }
-    p.measured_s = median(times);
-  }
-
+// The time fit of profile_model (its doc comment); sets the result's rates, device and time errors.
+void fit_time(ProfileResult& result) {
   std::vector<std::vector<double>> rows;
   std::vector<double> targets;
   for (const ProfilePoint& p : result.points) {
@@ -308,101 +190,156 @@ ProfileResult profile_model(const Config& cfg, const ProfileOptions& options) {
   d.gpus_per_node = 1;
 
   const CostModel fitted(result.shape, d);
-  std::vector<double> heldout_errors, fit_errors;
+  std::vector<double> errors;
+  std::vector<bool> held_out;
   for (ProfilePoint& p : result.points) {
     p.predicted_s = fitted.seconds(p.lengths, 1, p.recompute_layers);
-    const double err = std::abs(p.predicted_s - p.measured_s) / p.measured_s;
-    (p.held_out ? heldout_errors : fit_errors).push_back(err);
+    errors.push_back(std::abs(p.predicted_s - p.measured_s) / p.measured_s);
+    held_out.push_back(p.held_out);
   }
-  result.heldout_median_error = median(heldout_errors);
-  result.heldout_max_error =
-      heldout_errors.empty() ? 0.0 : *std::max_element(heldout_errors.begin(), heldout_errors.end());
-  result.fit_median_error = median(fit_errors);
-  fit_memory(result);
-  result.max_rss_bytes = max_rss_bytes();
-  return result;
+  const SplitErrors e = split_errors(errors, held_out);
+  result.heldout_median_error = e.heldout_median;
+  result.heldout_max_error = e.heldout_max;
+  result.fit_median_error = e.fit_median;
 }
 
-void write_profile(const ProfileResult& r, const std::string& path) {
-  const DeviceSpec& d = r.device;
-  nlohmann::json grid = nlohmann::json::array();
-  for (const ProfilePoint& p : r.points) {
-    grid.push_back({{"sample_length", p.lengths.front()},
-                    {"samples", p.lengths.size()},
-                    {"tokens", p.tokens},
-                    {"recompute_layers", p.recompute_layers},
-                    {"linear_flops", p.flops.linear},
-                    {"attention_flops", p.flops.attention},
-                    {"measured_s", p.measured_s},
-                    {"predicted_s", p.predicted_s},
-                    {"measured_peak_bytes", p.measured_peak_bytes},
-                    {"predicted_peak_bytes", p.predicted_peak_bytes},
-                    {"held_out", p.held_out}});
+// The points of the compute grid: per length, the (tokens, recompute) combinations rotated by the length's
+// index; a combination that repeats an earlier point of its length (tokens / length rounding to the same
+// sample count) is dropped.
+std::vector<ProfilePoint> grid_points(const Grid& g, int64_t n_layers, const CostModel& flop_model) {
+  struct Combo {
+    int64_t tokens, recompute;
+  };
+  std::vector<Combo> combos;
+  for (int64_t t : g.micro_batch_tokens)
+    for (int64_t r : {int64_t{0}, n_layers}) combos.push_back({t, r});
+  std::vector<ProfilePoint> points;
+  for (size_t li = 0; li < g.lengths.size(); ++li) {
+    const size_t first_of_length = points.size();
+    for (size_t j = 0; j < combos.size(); ++j) {
+      const Combo& c = combos[(j + li) % combos.size()];
+      ProfilePoint p;
+      p.lengths.assign(static_cast<size_t>(std::max<int64_t>(1, c.tokens / g.lengths[li])), g.lengths[li]);
+      p.recompute_layers = c.recompute;
+      const bool repeated = std::any_of(points.begin() + static_cast<long>(first_of_length), points.end(),
+                                        [&](const ProfilePoint& q) {
+                                          return q.lengths == p.lengths && q.recompute_layers == p.recompute_layers;
+                                        });
+      if (repeated) continue;
+      p.tokens = g.lengths[li] * static_cast<int64_t>(p.lengths.size());
+      p.flops = flop_model.flops(p.lengths, p.recompute_layers);
+      p.held_out = points.size() % 4 == 3;
+      points.push_back(std::move(p));
+    }
   }
-  const nlohmann::json doc = {
-      {"device",
-       {{"name", d.name},
-        {"memory_bytes", d.memory_bytes},
-        {"peak_flops", d.peak_flops},
-        {"mfu", d.mfu},
-        {"attention_mfu", d.attention_mfu},
-        {"intra_node_bw", d.intra_node_bw},
-        {"inter_node_bw", d.inter_node_bw},
-        {"gpus_per_node", d.gpus_per_node},
-        {"collective_latency_s", d.collective_latency_s},
-        {"micro_batch_overhead_s", d.micro_batch_overhead_s}}},
-      {"model",
-       {{"hidden", r.shape.hidden},
-        {"layers", r.shape.layers},
-        {"heads", r.shape.heads},
-        {"ffn", r.shape.ffn},
-        {"mlp_matrices", r.shape.mlp_matrices},
-        {"vocab", r.shape.vocab},
-        {"bytes_per_element", r.shape.bytes_per_element},
-        {"precision", precision_of_bytes(r.shape.bytes_per_element)},
-        {"attention", attention_kind_name(r.shape.attention)},
-        {"feature_dim", r.shape.feature_dim},
-        {"feature_projections", r.shape.feature_projections},
-        {"chunk_size", r.shape.chunk_size}}},
-      {"fit",
-       {{"formula", "seconds = fixed_s + linear_flops / linear_flops_per_s + attention_flops / attention_flops_per_s"},
-        {"weighting", "relative residuals (each point divided by its measured seconds), coefficients >= 0"},
-        {"fixed_s", r.fixed_s},
-        {"linear_flops_per_s", r.linear_flops_per_s},
-        {"attention_flops_per_s", r.attention_flops_per_s},
-        {"attention_separated", r.attention_separated},
-        {"heldout_median_rel_error", r.heldout_median_error},
-        {"heldout_max_rel_error", r.heldout_max_error},
-        {"fit_median_rel_error", r.fit_median_error}}},
-      {"memory",
-       {{"formula", "bytes = base_bytes + t * (token_layer_bytes * (L - r) + token_recompute_bytes * r + token_bytes "
-                    "+ [sp > 1] sp_token_bytes) + Q * (square_layer_bytes * (L - r) + square_bytes); t = tokens / sp, "
-                    "Q = sum of squared sample lengths / sp, L layers, r recomputed"},
-        {"weighting", "relative residuals (each point divided by its measured peak bytes), coefficients >= 0"},
-        {"method", r.memory_method},
-        {"base_bytes", r.memory.base_bytes},
-        {"token_layer_bytes", r.memory.token_layer_bytes},
-        {"token_recompute_bytes", r.memory.token_recompute_bytes},
-        {"token_bytes", r.memory.token_bytes},
-        {"square_layer_bytes", r.memory.square_layer_bytes},
-        {"square_bytes", r.memory.square_bytes},
-        {"sp_token_bytes", r.memory.sp_token_bytes},
-        {"heldout_median_rel_error", r.memory_heldout_median_error},
-        {"heldout_max_rel_error", r.memory_heldout_max_error},
-        {"fit_median_rel_error", r.memory_fit_median_error}}},
-      {"grid", grid},
-      {"threads", r.threads},
-      {"repeats", r.repeats},
-      {"max_rss_bytes", r.max_rss_bytes},
-      {"notes",
-       {"memory: peak bytes of tensor storage per run (memory.method; the fallback is the process high-water "
-        "mark), with weights, gradients and AdamW moments resident as in the trainer; token_bytes is 0 because it "
-        "is not separable from token_layer_bytes and token_recompute_bytes; the division by sp and sp_token_bytes "
-        "= 6 hidden bytes_per_element are assumed (sp 1 only is measured); max_rss_bytes is the process "
-        "high-water mark after the run",
-        "sequence parallelism is not profiled: intra_node_bw, inter_node_bw and collective_latency_s are the "
-        "DeviceSpec defaults"}}};
-  write_file_checked(path, doc.dump(1) + "\n");
+  return points;
+}
+
+// ProfileOptions::comm_local_tokens for sp ranks; default 64, 128, ... up to the grid's largest micro-batch / sp,
+// and at least to calls of kCommBytes.
+std::vector<int64_t> comm_tokens(const Grid& g, const ProfileOptions& options, const ModelShape& shape,
+                                 int64_t sp) {
+  if (!options.comm_local_tokens.empty()) return options.comm_local_tokens;
+  // Below a few MB per call a call's time is mostly latency and noise; the bandwidth needs larger ones.
+  constexpr int64_t kCommBytes = int64_t{4} << 20;
+  const int64_t largest = std::max(g.max_length, *std::max_element(g.micro_batch_tokens.begin(),
+                                                                   g.micro_batch_tokens.end()));
+  const int64_t bytes_per_token = 3 * shape.hidden * shape.bytes_per_element;  // the stacked q, k, v
+  return doubling_up_to(64, std::max({int64_t{128}, largest / sp, kCommBytes / bytes_per_token}));
+}
+
+// ProfileOptions::validation_lengths for sp ranks; default max_length / 16, / 8, ... / 1 as multiples of sp.
+std::vector<int64_t> validation_lengths(const Grid& g, const ProfileOptions& options, int64_t sp) {
+  if (!options.validation_lengths.empty()) return options.validation_lengths;
+  std::vector<int64_t> out;
+  for (int64_t len : {g.max_length / 16, g.max_length / 8, g.max_length / 4, g.max_length / 2, g.max_length}) {
+    const int64_t multiple = std::max(sp, len / sp * sp);
+    if (multiple <= g.max_length && std::find(out.begin(), out.end(), multiple) == out.end()) out.push_back(multiple);
+  }
+  return out;
+}
+
+}  // namespace
+
+ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, const ProfileOptions& options) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  const Grid grid = resolve_grid(cfg, options);
+  const Communicator self("self", 0, 1, nullptr);
+  const Communicator& world = groups ? groups->world() : self;
+
+  ProfileResult result;
+  const Precision precision = resolve_precision(cfg.train.precision).precision;
+  result.shape = model_shape_of(cfg, activation_bytes(precision));
+  result.repeats = options.repeats;
+  result.world_size = world.size();
+  result.threads = threads_per_rank(cfg.train, groups ? groups->env() : DistEnv{});
+  torch::set_num_threads(static_cast<int>(result.threads));
+  torch::manual_seed(cfg.run.seed);
+  Transformer model(cfg.model, cfg.attention, precision);
+  model->train();
+  const CostModel flop_model(result.shape, DeviceSpec{});
+  // The trainer's resident state during forward+backward: weights, gradients (zeroed in place between runs
+  // here) and AdamW's two moments per parameter.
+  result.memory_method = MemoryMeter::install();
+  std::vector<torch::Tensor> optimizer_state;
+  for (auto& p : model->parameters()) {
+    p.mutable_grad() = torch::zeros_like(p);
+    optimizer_state.push_back(torch::zeros_like(p));
+    optimizer_state.push_back(torch::zeros_like(p));
+  }
+
+  // Every rank runs the whole grid at the same time, as ranks of the trainer compute at the same time (they
+  // share the memory bandwidth); the fits see each point's mean time and max peak over the ranks.
+  result.points = grid_points(grid, cfg.model.n_layers, flop_model);
+  std::mt19937_64 rng(static_cast<uint64_t>(cfg.run.seed));
+  std::vector<double> times, peaks;
+  for (const ProfilePoint& p : result.points) {
+    const Corpus corpus = random_corpus(p.lengths, cfg.data, rng);
+    std::vector<int64_t> ids(p.lengths.size());
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
+    const PackedBatch batch = make_batch(corpus, ids);
+    const int64_t r = p.recompute_layers;
+    const Timing t = time_backward(
+        model, [&] { return model->loss_sum(batch, r); }, world, world, options.repeats, options.long_point_s);
+    times.push_back(t.median_s);
+    peaks.push_back(t.peak_bytes);
+  }
+  const size_t n = result.points.size();
+  times.insert(times.end(), peaks.begin(), peaks.end());
+  const OverRanks measured = over_ranks(world, times);
+  for (size_t i = 0; i < n; ++i) {
+    result.points[i].measured_s = measured.mean[i];
+    result.points[i].measured_peak_bytes = measured.max[n + i];
+  }
+  fit_time(result);
+  fit_memory(result);
+
+  if (groups) {
+    const at::ScalarType dtype = compute_dtype(precision);
+    std::vector<int64_t> sp_sizes;
+    for (int64_t sp : groups->sp_sizes()) {
+      // Ulysses shards heads: a size that does not divide them cannot run this model (the planners refuse it).
+      if (sp > 1 && cfg.model.n_heads % sp == 0) sp_sizes.push_back(sp);
+    }
+    for (int64_t sp : sp_sizes) {
+      result.sequence_parallel.push_back(profile_all_to_all(world, groups->group(sp), result.shape, dtype,
+                                                            comm_tokens(grid, options, result.shape, sp), options.comm_repeats));
+      result.device.all_to_all[sp] = result.sequence_parallel.back().fit;
+    }
+    const MemoryModel memory(result.shape, result.memory, result.device.memory_bytes);
+    for (SpProfile& sp : result.sequence_parallel) {
+      std::vector<ValidationPoint> v =
+          validate_sequence_parallel(model, world, groups->group(sp.sp_size), cfg,
+                                     validation_lengths(grid, options, sp.sp_size),
+                                     *std::min_element(grid.micro_batch_tokens.begin(), grid.micro_batch_tokens.end()),
+                                     options.repeats, options.long_point_s);
+      fit_sp_overhead(sp, v, result.shape, result.device, memory);
+      result.validation.insert(result.validation.end(), v.begin(), v.end());
+    }
+  }
+  result.max_rss_bytes = over_ranks(world, {max_rss_bytes()}).max[0];
+  result.wall_s = seconds_since(wall_start);
+  return result;
 }
 
 }  // namespace dcp

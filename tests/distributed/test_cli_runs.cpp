@@ -333,6 +333,46 @@ TEST(CliRuns, FittedMemoryModelKeepsMeasuredPeaksUnderTheBudget) {
   fs::remove_all(dir);
 }
 
+TEST(CliRuns, TwoRankProfileFitsTheAllToAllAndChecksSpMicroBatches) {
+  // `dcp profile` under the launcher: both ranks run the grid, the all-to-alls of the sp 2 group are fitted, and
+  // real sp 2 micro-batches (lengths 2048 / 16, / 8, / 4, / 2, / 1, recompute 0 and 2) are timed, half of them
+  // for the overhead fit and half held out.
+  fs::path dir = make_workdir("sp_profile");
+  const fs::path out = dir / "profile.json";
+  Child p = Child::spawn(launch(2, {"profile", "--out", out.string(), "--repeats", "1", "--model.d_model=32",
+                                    "--model.n_layers=2", "--model.n_heads=2", "--model.d_ff=64",
+                                    "--data.max_seq_len=2048", "--train.micro_batch_tokens=2048",
+                                    "--train.global_batch_tokens=4096", "--train.threads=1", "--dist.timeout_s=20"}),
+                         {}, (dir / "profile.log").string());
+  ASSERT_TRUE(exited_ok(p.wait(120))) << p.log();
+  const auto doc = nlohmann::json::parse(std::ifstream(out));
+  EXPECT_EQ(doc.at("world_size"), 2);
+  EXPECT_EQ(doc.at("threads"), 1);
+  const auto& fits = doc.at("sequence_parallel").at("fits");
+  ASSERT_EQ(fits.size(), 1u) << fits.dump();
+  EXPECT_EQ(fits[0].at("sp_size"), 2);
+  EXPECT_GT(fits[0].at("bytes_per_s").get<double>(), 0.0);
+  EXPECT_GE(fits[0].at("latency_s").get<double>(), 0.0);
+  EXPECT_GE(fits[0].at("overhead_s_per_byte").get<double>(), 0.0);
+  EXPECT_GE(fits[0].at("grid").size(), 4u);
+  const auto& validation = doc.at("sequence_parallel").at("validation");
+  ASSERT_EQ(validation.size(), 10u) << validation.dump();
+  int held_out = 0;
+  for (const auto& v : validation) {
+    EXPECT_EQ(v.at("sp_size"), 2);
+    EXPECT_GT(v.at("measured_s").get<double>(), 0.0);
+    EXPECT_GT(v.at("predicted_s").get<double>(), 0.0);
+    EXPECT_GT(v.at("measured_peak_bytes").get<double>(), 0.0);
+    held_out += v.at("held_out").get<bool>();
+  }
+  EXPECT_EQ(held_out, 5);
+  EXPECT_EQ(validation[0].at("sample_length"), 128);
+  EXPECT_EQ(validation[9].at("sample_length"), 2048);
+  EXPECT_EQ(validation[9].at("recompute_layers"), 2);
+  EXPECT_NE(p.log().find("all-to-all fits"), std::string::npos) << p.log();
+  fs::remove_all(dir);
+}
+
 TEST(CliRuns, KilledRankStopsThePeerWithAnError) {
   fs::path dir = make_workdir("kill");
   auto [r0, r1] = start_two_ranks(dir, {"--train.max_steps=100000"}, test_port());

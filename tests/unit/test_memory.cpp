@@ -404,7 +404,7 @@ TEST(MemoryProfile, TinyModelFitsMeasuredPeaksAndTheFileReproducesThem) {
   opt.repeats = 3;
   opt.sample_lengths = {64, 128, 256};
   opt.micro_batch_tokens = {512, 2048};
-  const ProfileResult r = profile_model(cfg, opt);
+  const ProfileResult r = profile_model(cfg, nullptr, opt);
   EXPECT_EQ(r.memory_method, "counting-allocator");
   // Resident state alone: weights, gradients, two AdamW moments = 16 bytes per parameter.
   double params = 0;
@@ -457,7 +457,7 @@ TEST(MemoryProfile, ReferenceSoftmaxKeepsTheSquareTermsAndTheFileRecordsIt) {
   opt.repeats = 3;
   opt.sample_lengths = {64, 128, 256};
   opt.micro_batch_tokens = {512, 2048};
-  const ProfileResult r = profile_model(cfg, opt);
+  const ProfileResult r = profile_model(cfg, nullptr, opt);
   EXPECT_EQ(r.shape.attention, AttentionKind::kSoftmaxReference);
   EXPECT_GT(r.memory.square_layer_bytes + r.memory.square_bytes, 0.0);  // [heads, s, s] scores per sample
   EXPECT_LT(r.memory_heldout_max_error, 0.15);

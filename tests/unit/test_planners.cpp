@@ -127,6 +127,65 @@ TEST(CostModel, SequenceParallelReducesPerRankTimeOfLongSamples) {
   EXPECT_THROW(cost.seconds({10}, 1, 25), std::invalid_argument);
 }
 
+TEST(CostModel, AllToAllCallsAreThoseOfSequenceParallelAttention) {
+  // Per layer: q, k, v stacked in one call and the output in another, both again in backward; a recomputed
+  // layer repeats its forward's two (src/dist/sequence_parallel.cpp).
+  const CostModel cost(kShape, kH200);
+  EXPECT_EQ(cost.all_to_all_calls(1, 5), 0);
+  EXPECT_EQ(cost.all_to_all_calls(2, 0), 4 * 24);
+  EXPECT_EQ(cost.all_to_all_calls(8, 5), 4 * 24 + 2 * 5);
+  // Without a fit, the defaults; the fixed part is the calls' latency.
+  EXPECT_EQ(cost.all_to_all_latency(2), kH200.collective_latency_s);
+  EXPECT_DOUBLE_EQ(cost.fixed_seconds(2, 5), kH200.micro_batch_overhead_s + 106 * kH200.collective_latency_s);
+}
+
+TEST(CostModel, FittedAllToAllOfAnSpSizeReplacesTheDefaults) {
+  // The default CPU model's shape in bf16 on a device with a fitted all-to-all for sp 2 only.
+  ModelShape shape;
+  shape.hidden = 128;
+  shape.layers = 4;
+  shape.heads = 4;
+  shape.ffn = 384;
+  shape.mlp_matrices = 3;
+  shape.vocab = 256;
+  shape.bytes_per_element = 2;
+  DeviceSpec d;
+  d.name = "fitted";
+  d.peak_flops = 1e11;
+  d.mfu = 1.0;
+  d.attention_mfu = 0.5;
+  d.micro_batch_overhead_s = 1e-3;
+  d.gpus_per_node = 1;
+  d.all_to_all[2] = CommFit{50e-6, 2e9, 4e-9};
+  const CostModel cost(shape, d);
+  EXPECT_EQ(cost.all_to_all_latency(2), 50e-6);
+  EXPECT_EQ(cost.all_to_all_bandwidth(2), 2e9);
+  EXPECT_EQ(cost.all_to_all_latency(4), d.collective_latency_s);  // no fit: the defaults (sp 4 > 1 GPU per node)
+  EXPECT_EQ(cost.all_to_all_bandwidth(4), d.inter_node_bw);
+
+  // One sample of 4096 tokens on 2 ranks, all 4 layers recomputed, by hand:
+  const double s = 4096, h = 128, pl = 4 * h * h + 3 * h * 384;
+  const double linear = 4 * 6 * pl * s + 4 * 2 * pl * s + 6 * h * 256 * s;
+  const double attention = (3 * 4 + 4) * 2 * h * s * s;
+  const double compute = (linear / 1.0 + attention / 0.5) / (2 * 1e11);
+  const double fixed = 1e-3 + (4 * 4 + 2 * 4) * 50e-6;  // 24 calls
+  // (8 L + 4 r) = 48 hidden vectors of 2 bytes per local token, 2048 local tokens: 25.2 MB exchanged, half of
+  // it leaves the rank, and every byte costs the fitted overhead.
+  const double exchanged = 48 * 2048 * h * 2;
+  EXPECT_DOUBLE_EQ(cost.all_to_all_bytes(4096, 2, 4), exchanged);
+  EXPECT_EQ(cost.all_to_all_bytes(4096, 1, 4), 0.0);
+  const double comm = exchanged * 0.5 / 2e9 + exchanged * 4e-9;
+  EXPECT_NEAR(cost.seconds({4096}, 2, 4), fixed + compute + comm, 1e-12);
+  EXPECT_NEAR(comm, 6.291456e-3 + 0.100663296, 1e-12);
+
+  d.all_to_all[2].bytes_per_s = 0;
+  EXPECT_THROW(CostModel(shape, d), std::invalid_argument);
+  d.all_to_all[2] = CommFit{50e-6, 2e9, -1e-9};
+  EXPECT_THROW(CostModel(shape, d), std::invalid_argument);
+  d.all_to_all = {{1, CommFit{0, 1e9}}};
+  EXPECT_THROW(CostModel(shape, d), std::invalid_argument);
+}
+
 TEST(CostModel, MemoryRecomputeMatchesExhaustiveSearch) {
   const MemoryModel memory(kShape, kH200);
   EXPECT_NEAR(memory.budget_bytes(), 0.9 * 141e9, 1);

@@ -5,11 +5,15 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "dcp/dist.h"
 #include "dcp/profiler.h"
 #include "error_of.h"
+#include "train/over_ranks.h"
+#include "util/stats.h"
 
 namespace dcp {
 namespace {
@@ -138,6 +142,100 @@ TEST(ProfileFile, MissingOrMistypedFieldIsNamedWithTheFile) {
   EXPECT_THROW(DeviceSpec::from_profile(temp_file("absent.json").string()), std::runtime_error);
 }
 
+ProfileResult with_sequence_parallel(ProfileResult r) {
+  SpProfile c;
+  c.sp_size = 2;
+  c.fit = CommFit{80e-6, 1.5e9, 5e-9};
+  c.points.push_back(CommPoint{1024, 3, 393216.0, 3.4e-4, 3.42e-4, false});
+  r.sequence_parallel.push_back(c);
+  c.sp_size = 4;
+  c.fit = CommFit{120e-6, 1.1e9};
+  r.sequence_parallel.push_back(c);
+  ValidationPoint v;
+  v.sp_size = 2;
+  v.lengths = {4096};
+  v.measured_s = 0.5;
+  v.predicted_s = 0.55;
+  r.validation.push_back(v);
+  return r;
+}
+
+TEST(ProfileFile, SequenceParallelFitsRoundTripIntoTheDevice) {
+  const std::string path = temp_file("sp.json").string();
+  write_profile(with_sequence_parallel(handmade_result()), path);
+  const DeviceSpec d = DeviceSpec::from_profile(path);
+  ASSERT_EQ(d.all_to_all.size(), 2u);
+  EXPECT_DOUBLE_EQ(d.all_to_all.at(2).latency_s, 80e-6);
+  EXPECT_DOUBLE_EQ(d.all_to_all.at(2).bytes_per_s, 1.5e9);
+  EXPECT_DOUBLE_EQ(d.all_to_all.at(2).overhead_s_per_byte, 5e-9);
+  EXPECT_DOUBLE_EQ(d.all_to_all.at(4).overhead_s_per_byte, 0.0);
+  EXPECT_DOUBLE_EQ(d.all_to_all.at(4).bytes_per_s, 1.1e9);
+  nlohmann::json doc;
+  std::ifstream(path) >> doc;
+  const auto& v = doc.at("sequence_parallel").at("validation").at(0);
+  EXPECT_EQ(v.at("sample_length"), 4096);
+  EXPECT_NEAR(v.at("rel_error").get<double>(), 0.1, 1e-12);
+  EXPECT_EQ(doc.at("sequence_parallel").at("fits").at(0).at("grid").size(), 1u);
+  // A single-process profile, and one written before SP was profiled, have none: the defaults stay.
+  const std::string single = temp_file("single.json").string();
+  write_profile(handmade_result(), single);
+  std::ifstream(single) >> doc;
+  EXPECT_FALSE(doc.contains("sequence_parallel"));
+  EXPECT_TRUE(DeviceSpec::from_profile(single).all_to_all.empty());
+}
+
+TEST(ProfileFile, MalformedSequenceParallelIsNamedWithTheFileAndField) {
+  const std::string good = temp_file("sp_good.json").string();
+  write_profile(with_sequence_parallel(handmade_result()), good);
+  nlohmann::json doc;
+  std::ifstream(good) >> doc;
+  int n = 0;
+  auto expect_refused = [&](const std::function<void(nlohmann::json&)>& spoil, const std::string& field) {
+    nlohmann::json bad = doc;
+    spoil(bad);
+    const std::string path = temp_file(fmt::format("sp_bad{}.json", n++)).string();
+    std::ofstream(path) << bad.dump();
+    const std::string m = test::error_of([&] { DeviceSpec::from_profile(path); });
+    EXPECT_NE(m.find(path), std::string::npos) << m;
+    EXPECT_NE(m.find("'" + field + "'"), std::string::npos) << m;
+    EXPECT_THROW(DeviceSpec::from_profile(path), std::invalid_argument) << field;
+  };
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"] = 3; }, "sequence_parallel");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"].erase("fits"); }, "sequence_parallel.fits");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"] = "none"; }, "sequence_parallel.fits");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][1] = 7; }, "sequence_parallel.fits[1]");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][0]["bytes_per_s"] = "fast"; },
+                 "sequence_parallel.fits[0].bytes_per_s");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][0]["bytes_per_s"] = 0; },
+                 "sequence_parallel.fits[0].bytes_per_s");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][1].erase("latency_s"); },
+                 "sequence_parallel.fits[1].latency_s");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][0]["latency_s"] = -1e-6; },
+                 "sequence_parallel.fits[0].latency_s");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][0].erase("overhead_s_per_byte"); },
+                 "sequence_parallel.fits[0].overhead_s_per_byte");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][1]["overhead_s_per_byte"] = -1e-9; },
+                 "sequence_parallel.fits[1].overhead_s_per_byte");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][0]["sp_size"] = 1; },
+                 "sequence_parallel.fits[0].sp_size");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][0]["sp_size"] = 2.5; },
+                 "sequence_parallel.fits[0].sp_size");
+  expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][1]["sp_size"] = 2; },
+                 "sequence_parallel.fits[1].sp_size");
+}
+
+TEST(ProfileStats, OverRanksOfOneProcessAndSplitErrors) {
+  const Communicator self("self", 0, 1, nullptr);
+  const OverRanks r = over_ranks(self, {1.5, 0.0, 2.0});
+  EXPECT_EQ(r.mean, (std::vector<double>{1.5, 0.0, 2.0}));
+  EXPECT_EQ(r.max, r.mean);
+  EXPECT_THROW(over_ranks(self, {-1.0}), std::invalid_argument);
+  const SplitErrors e = split_errors({0.1, 0.3, 0.2, 0.05}, {false, true, true, false});
+  EXPECT_DOUBLE_EQ(e.heldout_median, 0.25);
+  EXPECT_DOUBLE_EQ(e.heldout_max, 0.3);
+  EXPECT_DOUBLE_EQ(e.fit_median, 0.075);
+}
+
 TEST(Profile, TinyModelGivesAFinitePositiveFitThatTheCostModelReproduces) {
   Config cfg;
   cfg.model.d_model = 32;
@@ -150,7 +248,10 @@ TEST(Profile, TinyModelGivesAFinitePositiveFitThatTheCostModelReproduces) {
   cfg.train.threads = 1;
   ProfileOptions opt;
   opt.repeats = 3;
-  const ProfileResult r = profile_model(cfg, opt);
+  // Short points only (the defaults would be the one length 128): the grid this test was written for.
+  opt.sample_lengths = {64, 128};
+  opt.micro_batch_tokens = {1024, 4096};
+  const ProfileResult r = profile_model(cfg, nullptr, opt);
 
   ASSERT_EQ(r.points.size(), 8u);  // lengths 64, 128 x tokens 1024, 4096 x recompute 0, 2
   int held_out = 0;
@@ -179,11 +280,17 @@ TEST(Profile, TinyModelGivesAFinitePositiveFitThatTheCostModelReproduces) {
     EXPECT_NEAR(cost.seconds(p.lengths, 1, p.recompute_layers), p.predicted_s, 1e-9 * p.predicted_s);
     EXPECT_NEAR(by_formula, p.predicted_s, 1e-9 * p.predicted_s);
   }
+  EXPECT_TRUE(r.sequence_parallel.empty());  // one process: SP is not profiled
+  EXPECT_TRUE(r.validation.empty());
+  EXPECT_EQ(r.world_size, 1);
   opt.repeats = 0;
-  EXPECT_THROW(profile_model(cfg, opt), std::invalid_argument);
+  EXPECT_THROW(profile_model(cfg, nullptr, opt), std::invalid_argument);
   opt.repeats = 1;
+  opt.long_point_s = 0;
+  EXPECT_THROW(profile_model(cfg, nullptr, opt), std::invalid_argument);
+  opt.long_point_s = 1;
   cfg.data.max_seq_len = 32;
-  EXPECT_THROW(profile_model(cfg, opt), std::invalid_argument);
+  EXPECT_THROW(profile_model(cfg, nullptr, opt), std::invalid_argument);
 }
 
 }  // namespace
