@@ -73,7 +73,7 @@ std::string resolve_cost_model(const Config& cfg, const ModelShape& shape, int64
   Config profiled = cfg;
   profiled.train.threads = threads;
   const CachedProfile c = resolve_cached_profile(cfg, shape, key, groups.world(), [&] {
-    return profile_model(profiled);
+    return profile_model(profiled, &groups);
   });
   if (c.profiled) {
     spdlog::info("train.cost_model auto: profiled this model in {:.1f} s ({}); cached at {}", c.seconds, c.reason,
