@@ -252,9 +252,11 @@ struct MemoryCoefficients {
 ///   from a and b). The CPU's softmax attention keeps [heads, s, s] probabilities and masks per sample, hence Q;
 ///   a chunked linear-attention model keeps none, and its fit finds q, q0 near 0 by itself (1.9 and 1.3 B on the
 ///   default CPU model, against 12.7 and 17 B for softmax).
-///   The sp scaling is assumed, not measured (the profile runs sp 1), and so is e = 6 h b: the stacked q, k, v
-///   and their contiguous send copy that SequenceParallelAttention allocates and sp 1 does not (a 2-rank run of
-///   the default model measured up to 2.5 KB per local token above the sp-1 fit; 6 h b = 3 KB there).
+///   The sp scaling is assumed by the sp-1 grid; e, the stacked q, k, v and their contiguous send copy that
+///   SequenceParallelAttention allocates and sp 1 does not, is 6 h b for a one-process profile (a 2-rank run of
+///   the fp32 default model measured up to 2.5 KB per local token above the sp-1 fit; 6 h b = 3 KB there) and,
+///   under `dcp launch`, the largest excess per local token of the measured SP micro-batches over the sp-1 fit
+///   (0.6-0.8 KB for the main job's bf16 model, where 6 h b = 1.5 KB over-predicted sp-2 peaks by up to 14%).
 ///
 /// The planners know a micro-batch's tokens only, not its lengths: bytes(tokens, ...) bounds Q by
 /// tokens * min(tokens, longest_sample_tokens) / sp (sum s_j^2 <= max s_j * sum s_j), so it never predicts less

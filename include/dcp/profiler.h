@@ -160,8 +160,9 @@ std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<
 ///   bytes = base + t * (a (L - r) + b r) + Q * (q (L - r) + q0),  t = tokens, Q = sum of squared lengths
 /// (MemoryCoefficients; the Q terms are per-sample [heads, s, s] tensors, fitted only for operators that keep
 /// them: `attention.impl: reference` softmax and the quadratic flexformer form; 0 for the tiled softmax and the
-/// chunked forms) with fit_nonnegative_least_squares on relative residuals. sp_token_bytes is set to
-/// 6 * hidden * bytes_per_element (MemoryCoefficients), not fitted.
+/// chunked forms) with fit_nonnegative_least_squares on relative residuals. sp_token_bytes is
+/// 6 * hidden * bytes_per_element (MemoryCoefficients) in one process; with `groups` it is fitted to the SP
+/// micro-batches' peaks (fit_sp_token_bytes, train/profile_validation.h: the largest excess per local token).
 ///
 /// With `groups` (every rank of groups->world() calls this at once, e.g. under `dcp launch`): every rank runs
 /// the grid concurrently (a barrier of the world before every run), and each point's time is the mean and its

@@ -37,4 +37,13 @@ std::vector<ValidationPoint> validate_sequence_parallel(Transformer& model, cons
 void fit_sp_overhead(SpProfile& sp, std::vector<ValidationPoint>& points, const ModelShape& shape,
                      DeviceSpec& device, const MemoryModel& memory);
 
+/// The per-local-token bytes an SP micro-batch holds beyond its share of the sp-1 fit (MemoryCoefficients::
+/// sp_token_bytes, Ulysses' stacked q, k, v and send buffers): the largest over `points` of
+///   (measured_peak_bytes - bytes of `coefficients` with sp_token_bytes 0) / (tokens / sp), and 0 at least,
+/// so that the fitted model does not under-predict any measured SP peak (the planners keep peaks under the
+/// budget with it). Then sets every point's predicted_peak_bytes with it. Returns the bytes per local token.
+/// Throws std::invalid_argument when `points` is empty or holds an sp 1 point.
+double fit_sp_token_bytes(std::vector<ValidationPoint>& points, const ModelShape& shape,
+                          MemoryCoefficients coefficients);
+
 }  // namespace dcp

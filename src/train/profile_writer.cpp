@@ -133,9 +133,9 @@ void write_profile(const ProfileResult& r, const std::string& path) {
       {"notes",
        {"memory: peak bytes of tensor storage per run (memory.method; the fallback is the process high-water "
         "mark), with weights, gradients and AdamW moments resident as in the trainer; token_bytes is 0 because it "
-        "is not separable from token_layer_bytes and token_recompute_bytes; the division by sp and sp_token_bytes "
-        "= 6 hidden bytes_per_element are assumed (the grid runs sp 1; sequence_parallel.validation gives measured "
-        "SP peaks); max_rss_bytes is the process high-water mark after the run, max over ranks",
+        "is not separable from token_layer_bytes and token_recompute_bytes; the division by sp is assumed (the grid "
+        "runs sp 1); sp_token_bytes is 6 hidden bytes_per_element in one process, else the largest excess per "
+        "local token of the measured SP peaks (sequence_parallel.validation) over the sp-1 fit; max_rss_bytes is the process high-water mark after the run, max over ranks",
         "time: with world_size > 1 every rank ran the grid at once and each point is the mean over the ranks",
         r.sequence_parallel.empty()
             ? "sequence parallelism is not profiled (one process): intra_node_bw, inter_node_bw and "

@@ -336,6 +336,9 @@ ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, cons
       fit_sp_overhead(sp, v, result.shape, result.device, memory);
       result.validation.insert(result.validation.end(), v.begin(), v.end());
     }
+    if (!result.validation.empty()) {
+      result.memory.sp_token_bytes = fit_sp_token_bytes(result.validation, result.shape, result.memory);
+    }
   }
   result.max_rss_bytes = over_ranks(world, {max_rss_bytes()}).max[0];
   result.wall_s = seconds_since(wall_start);
