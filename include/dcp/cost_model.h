@@ -256,7 +256,7 @@ struct MemoryCoefficients {
 ///   SequenceParallelAttention allocates and sp 1 does not, is 6 h b for a one-process profile (a 2-rank run of
 ///   the fp32 default model measured up to 2.5 KB per local token above the sp-1 fit; 6 h b = 3 KB there) and,
 ///   under `dcp launch`, the largest excess per local token of the measured SP micro-batches over the sp-1 fit
-///   (0.6-0.8 KB for the main job's bf16 model, where 6 h b = 1.5 KB over-predicted sp-2 peaks by up to 14%).
+///   (1.76 KB on the main job's bf16 model, set by its smallest SP micro-batches; 6 h b = 1.5 KB there).
 ///
 /// The planners know a micro-batch's tokens only, not its lengths: bytes(tokens, ...) bounds Q by
 /// tokens * min(tokens, longest_sample_tokens) / sp (sum s_j^2 <= max s_j * sum s_j), so it never predicts less

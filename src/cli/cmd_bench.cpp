@@ -204,10 +204,10 @@ void run_bench(const BenchOptions& opt, const std::vector<std::string>& override
       const auto start = std::chrono::steady_clock::now();
       const int code = run_child(args, log);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (code != 0) {
-        throw std::runtime_error(fmt::format("planner {}, slice {}: `dcp {}` failed with exit code {}; see {}",
-                                             planner, r + 1, fmt::join(args.begin() + 1, args.end(), " "), code,
-                                             log.string()));
+      if (code != 0) {  // the slice's own exit code, so that a usage error (2) stays one
+        report_error(fmt::format("planner {}, slice {}: `dcp {}` failed with exit code {}; see {}", planner, r + 1,
+                                 fmt::join(args.begin() + 1, args.end(), " "), code, log.string()));
+        throw CLI::RuntimeError(code);
       }
       fmt::print("slice {}/{}: {:<14} steps {}-{} in {:.1f} s\n", r + 1, slices, planner, r * slice_steps + 1,
                  std::min(max_steps, (r + 1) * slice_steps), seconds);

@@ -507,7 +507,8 @@ int64_t MemoryModel::max_tokens(int64_t sp_size, int64_t recompute_layers) const
     const double base = bytes(1, sp_size, recompute_layers);
     const double per_token = bytes(2, sp_size, recompute_layers) - base;
     if (!(per_token > 0)) return int64_t{1} << 50;
-    auto n = static_cast<int64_t>(std::floor((budget_ - base) / per_token)) + 1;
+    // Capped like the bisection below: a huge budget (1e30) would overflow the cast.
+    auto n = static_cast<int64_t>(std::min(std::floor((budget_ - base) / per_token), 1125899906842624.0)) + 1;
     while (n > 1 && bytes(n, sp_size, recompute_layers) > budget_) --n;
     while (bytes(n + 1, sp_size, recompute_layers) <= budget_) ++n;
     return n;

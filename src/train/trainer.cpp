@@ -172,38 +172,25 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   }
   check_same_weights(model, world);
 
-  // Plans and the cost model (a profile of another model or precision is refused) before the run_dir's files
-  // are touched: a refused run leaves an earlier run's metrics and config as they were.
+  // The cost model (a profile of another model or precision is refused), the memory checks and the first
+  // epoch's plans before the run_dir's files are touched: a refused run leaves an earlier run's files as they were.
   for (const auto& p : file_plans) p.validate(env.world_size, corpus.samples(), cfg.model.n_layers);
   const DeviceSpec device = DeviceSpec::named(cost_model);
   const CostModel cost(shape, device);
   const MemoryModel memory = memory_model_for(cost_model, shape, device, cfg.memory, lengths.max);
   check_resident_bytes(memory);
-
-  const fs::path metrics_path = run_dir / "metrics.jsonl";
-  if (lead) {
-    write_file(run_dir / "config.yaml", cfg.to_yaml());
-    truncate_metrics(metrics_path, resume ? state.step : 0);
-  }
-  if (corpus.heldout_ids().empty()) {
-    spdlog::warn("no held-out samples (data.heldout_fraction={}): held-out evaluation skipped, reported as null",
-                 cfg.data.heldout_fraction);
-  }
-  if (!resume) {
-    state.heldout_bits_per_byte_initial = heldout_bits_per_byte(model, corpus, cfg, groups);
-    spdlog::info("held-out bits per byte before training: {:.4f}", state.heldout_bits_per_byte_initial);
-  }
-
   spdlog::info("memory: per-rank budget {:.1f} MB ({}), {} memory model, peaks measured by the {}",
                memory.budget_bytes() / 1e6,
                cfg.memory.budget_bytes > 0 ? "memory.budget_bytes"
                                            : fmt::format("memory.fraction {} x {:.1f} GB", cfg.memory.fraction,
                                                          device.memory_bytes / 1e9),
                memory.source(), MemoryMeter::install());
-  const std::vector<LengthNeed> needs =
-      memory_needs(memory, resolve_sp_sizes(cfg.parallel.sp_sizes, env.world_size), lengths.max);
+  std::vector<int64_t> sp_sizes;  // Ulysses shards heads: sizes that do not divide them cannot run
+  for (int64_t sp : resolve_sp_sizes(cfg.parallel.sp_sizes, env.world_size)) {
+    if (cfg.model.n_heads % sp == 0) sp_sizes.push_back(sp);
+  }
+  const std::vector<LengthNeed> needs = memory_needs(memory, sp_sizes, lengths.max);
   spdlog::info("memory: one sample of {}", describe_memory_needs(needs));
-  std::map<std::string, int64_t> planner_skips;
   DataParallelOptions dp{env.world_size, cfg.train.global_batch_tokens, cfg.train.micro_batch_tokens,
                          cfg.model.recompute_layers, cfg.parallel.sp_size};
   if (cfg.train.planner == "static" && cfg.parallel.sp_size == 0) {
@@ -223,6 +210,8 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                  "of up to {} tokens per rank",
                  longest.length, dp.sp_size, dp.recompute_layers, dp.micro_batch_tokens);
   }
+
+  std::map<std::string, int64_t> planner_skips;
   auto plans_for = [&](int64_t epoch) {
     if (!file_plans.empty()) return file_plans;
     if (cfg.train.planner == "static") {
@@ -244,6 +233,20 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     return set.steps;
   };
   std::vector<StepPlan> plans = plans_for(state.epoch);
+
+  const fs::path metrics_path = run_dir / "metrics.jsonl";
+  if (lead) {
+    write_file(run_dir / "config.yaml", cfg.to_yaml());
+    truncate_metrics(metrics_path, resume ? state.step : 0);
+  }
+  if (corpus.heldout_ids().empty()) {
+    spdlog::warn("no held-out samples (data.heldout_fraction={}): held-out evaluation skipped, reported as null",
+                 cfg.data.heldout_fraction);
+  }
+  if (!resume) {
+    state.heldout_bits_per_byte_initial = heldout_bits_per_byte(model, corpus, cfg, groups);
+    spdlog::info("held-out bits per byte before training: {:.4f}", state.heldout_bits_per_byte_initial);
+  }
 
   const auto train_start = std::chrono::steady_clock::now();
   const int64_t first_step = state.step;

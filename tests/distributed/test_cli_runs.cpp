@@ -315,10 +315,12 @@ TEST(CliRuns, FittedMemoryModelKeepsMeasuredPeaksUnderTheBudget) {
   auto [small_status, small_log] = train(base / 2, "too_small");
   EXPECT_TRUE(WIFEXITED(small_status) && WEXITSTATUS(small_status) == 2) << small_log;
   EXPECT_NE(small_log.find("is below the model's resident bytes"), std::string::npos) << small_log;
-  // Above the resident bytes but below any sample: exit 2 from the planner.
-  auto [none_status, none_log] = train(base + 64.0, "none_fits");
+  // Above the resident bytes but below any sample: exit 2 from the planner, and the earlier run in that run_dir
+  // keeps its metrics.
+  auto [none_status, none_log] = train(base + 64.0, "fits");
   EXPECT_TRUE(WIFEXITED(none_status) && WEXITSTATUS(none_status) == 2) << none_log;
   EXPECT_NE(none_log.find("no training sample fits the per-rank memory budget"), std::string::npos) << none_log;
+  EXPECT_EQ(count_lines(dir / "fits" / "metrics.jsonl"), 4);
   // A budget between the short and the long samples: the long ones are skipped and counted, the run goes on.
   // A 100-token sample on sp 2 with both layers recomputed (MemoryCoefficients' formula, t = 50, Q = 100^2 / 2):
   // the corpus' 128-token chunks fit no layout, its shorter samples do.
