@@ -196,6 +196,14 @@ std::vector<BenchRepetition> summarize_repetitions(const std::vector<BenchRun>& 
       }
       rep.tokens_per_s.emplace_back(run.planner, static_cast<double>(tokens) / seconds);
     }
+    double best = 0, best_static = 0;
+    std::optional<double> dcp_opt;
+    for (const auto& [planner, v] : rep.tokens_per_s) {
+      if (v > best) best = v, rep.fastest = planner;
+      if (is_static_planner(planner)) best_static = std::max(best_static, v);
+      if (planner == "dcp-opt") dcp_opt = v;
+    }
+    if (dcp_opt && best_static > 0) rep.dcp_opt_over_best_static = *dcp_opt / best_static;
     reps.push_back(std::move(rep));
   }
   return reps;
@@ -211,17 +219,8 @@ std::string bench_repetition_table(const std::vector<BenchRepetition>& reps) {
   std::string out = head + " fastest | dcp-opt / best static |\n" + rule + "---|---|\n";
   for (const auto& rep : reps) {
     out += fmt::format("| {} |", rep.index);
-    std::string fastest;
-    double best = 0, best_static = 0;
-    std::optional<double> dcp_opt;
-    for (const auto& [planner, v] : rep.tokens_per_s) {
-      out += fmt::format(" {:.0f} |", v);
-      if (v > best) best = v, fastest = planner;
-      if (is_static_planner(planner)) best_static = std::max(best_static, v);
-      if (planner == "dcp-opt") dcp_opt = v;
-    }
-    out += fmt::format(" {} | {} |\n", fastest,
-                       dcp_opt && best_static > 0 ? fmt::format("{:.3f}", *dcp_opt / best_static) : "n/a");
+    for (const auto& entry : rep.tokens_per_s) out += fmt::format(" {:.0f} |", entry.second);
+    out += fmt::format(" {} | {} |\n", rep.fastest, fixed_or_na(rep.dcp_opt_over_best_static, 3));
   }
   return out;
 }

@@ -71,6 +71,8 @@ std::vector<BenchRow> summarize_bench(const std::vector<BenchRun>& runs, const s
 struct BenchRepetition {
   int64_t index = 0;  ///< 1-based
   std::vector<std::pair<std::string, double>> tokens_per_s;
+  std::string fastest;                          ///< the planner with the most tokens/s
+  std::optional<double> dcp_opt_over_best_static;  ///< dcp-opt's tokens/s over the fastest static planner's
 };
 
 /// One BenchRepetition per slice. Throws std::invalid_argument when slice_steps < 1, std::runtime_error naming

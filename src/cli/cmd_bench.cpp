@@ -109,15 +109,8 @@ std::string bench_markdown(const BenchOptions& opt, const Config& cfg, const std
   int64_t opt_fastest = 0;
   std::vector<double> opt_vs_static;
   for (const auto& rep : reps) {
-    double best = 0, best_static = 0, opt = 0;
-    std::string fastest;
-    for (const auto& [planner, v] : rep.tokens_per_s) {
-      if (v > best) best = v, fastest = planner;
-      if (is_static_planner(planner)) best_static = std::max(best_static, v);
-      if (planner == "dcp-opt") opt = v;
-    }
-    opt_fastest += fastest == "dcp-opt";
-    if (opt > 0 && best_static > 0) opt_vs_static.push_back(opt / best_static);
+    opt_fastest += rep.fastest == "dcp-opt";
+    if (rep.dcp_opt_over_best_static) opt_vs_static.push_back(*rep.dcp_opt_over_best_static);
   }
   if (!opt_vs_static.empty()) {
     const auto [lo, hi] = std::minmax_element(opt_vs_static.begin(), opt_vs_static.end());

@@ -69,17 +69,6 @@ std::string share_text(const std::string& text, const Communicator& world) {
   return out;
 }
 
-void write_atomically(const fs::path& path, const std::string& text, int64_t rank) {
-  const fs::path tmp = fmt::format("{}.rank{}.{}.tmp", path.string(), rank, getpid());
-  write_file_checked(tmp, text);
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    fs::remove(tmp);
-    throw std::runtime_error(fmt::format("cannot write '{}': {}", path.string(), ec.message()));
-  }
-}
-
 }  // namespace
 
 std::string profile_cache_dir(const TrainConfig& train) {
@@ -146,13 +135,13 @@ CachedProfile resolve_cached_profile(const Config& cfg, const ModelShape& shape,
       fs::remove(tmp);
       doc["cache_key"] = key;
       text = doc.dump(1) + "\n";
-      write_atomically(out.path, text, 0);
+      write_file_atomically(out.path, text, "rank0.");
     }
   } else if (lead) {
     text = read_text(out.path);
   }
   text = share_text(text, world);
-  if (!lead && (!fs::exists(out.path) || read_text(out.path) != text)) write_atomically(out.path, text, world.rank());
+  if (!lead && (!fs::exists(out.path) || read_text(out.path) != text)) write_file_atomically(out.path, text, fmt::format("rank{}.", world.rank()));
   return out;
 }
 

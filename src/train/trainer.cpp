@@ -54,12 +54,6 @@ void truncate_metrics(const fs::path& path, int64_t keep_through_step) {
   write_file_checked(path, text);
 }
 
-void write_file(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  write_file_checked(tmp, text);
-  fs::rename(tmp, path);
-}
-
 // train.cost_model as a file or device name: auto resolves to this machine's cached (or fresh) profile.
 std::string resolve_cost_model(const Config& cfg, const ModelShape& shape, int64_t threads,
                                const ProcessGroups& groups) {
@@ -236,7 +230,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
 
   const fs::path metrics_path = run_dir / "metrics.jsonl";
   if (lead) {
-    write_file(run_dir / "config.yaml", cfg.to_yaml());
+    write_file_atomically(run_dir / "config.yaml", cfg.to_yaml());
     truncate_metrics(metrics_path, resume ? state.step : 0);
   }
   if (corpus.heldout_ids().empty()) {
@@ -339,7 +333,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                     {"threads_per_rank", threads},
                     {"parameters", n_params}};
     summary.update(record.summary());
-    write_file(run_dir / "summary.json", summary.dump(2) + "\n");
+    write_file_atomically(run_dir / "summary.json", summary.dump(2) + "\n");
     spdlog::info("wrote {}/summary.json, metrics.jsonl, config.yaml and checkpoint/", run_dir.string());
   }
 }

@@ -54,4 +54,15 @@ void append_line_checked(const fs::path& path, std::string_view line) {
   }
 }
 
+void write_file_atomically(const std::filesystem::path& path, std::string_view data, std::string_view tag) {
+  const std::filesystem::path tmp = fmt::format("{}.{}{}.tmp", path.string(), tag, getpid());
+  write_file_checked(tmp, data);
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp, ec);
+    throw std::runtime_error(fmt::format("cannot write '{}': {}", path.string(), ec.message()));
+  }
+}
+
 }  // namespace dcp
