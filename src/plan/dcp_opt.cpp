@@ -47,6 +47,11 @@ void update(LoadSet& s, LoadSet::iterator& pos, double v) {
   pos = s.insert(std::move(node)).position;
 }
 
+// dcp-opt packs the static layout of a size as a fallback only when its bound is this much below the plan
+// found (Planner.DcpOptNotSlowerThanStaticLayoutsInItsOwnModel): on steps of thousands of samples the plan is
+// within 1 % of the bound and the fallbacks cost more than half of dcp-opt's time at world 1024.
+constexpr double kStaticGap = 0.01;
+
 // One step of dcp-opt: the samples' times at every power-of-two size and the search over group layouts.
 class OptStep {
  public:
@@ -144,7 +149,21 @@ class OptStep {
         if (cand.makespan() < best.makespan()) best = std::move(cand);
       }
     }
-    return pack(best);
+    // The fill compares layouts in the times t, which share a micro-batch's fixed cost among its tokens; a
+    // packed group pays it per micro-batch. Where that cost is large (CPU profiles: milliseconds per
+    // micro-batch and per all-to-all), the layout the fill prefers can pack slower than a static one, so the
+    // static layouts of every size are packed too (those whose bound leaves them a chance to be kStaticGap
+    // faster) and the fastest packed plan is kept: dcp-opt is never more than that slower than them in its
+    // own model.
+    auto chosen = pack(best);
+    for (size_t k = 0; k < K; ++k) {
+      if (uniform_bound(k) >= chosen.second * (1 - kStaticGap)) continue;
+      if (auto l = uniform(k)) {
+        auto cand = pack(*l);
+        if (cand.second < chosen.second) chosen = std::move(cand);
+      }
+    }
+    return std::move(chosen.first);
   }
 
  private:
@@ -479,13 +498,93 @@ class OptStep {
   }
 
   // Groups placed largest first (aligned: every offset is a sum of larger powers of two), each packing its
-  // samples longest first into micro-batches, merging only when that is not slower than running apart.
-  // A micro-batch's seconds are summed sample by sample in the order CostModel::seconds sums them, so adding a
-  // sample costs one work_seconds (often from the table), not a re-evaluation of the micro-batch.
-  std::vector<GroupPlan> pack(const Layout& l) const {
+  // samples longest first into micro-batches (pack_group).
+  std::pair<std::vector<GroupPlan>, double> pack(const Layout& l) const {
     const size_t K = sizes_.size();
     std::vector<GroupPlan> out;
+    double makespan = 0;
     int64_t first = 0;
+    std::vector<size_t> members;
+    for (size_t g = 0; g < l.groups.size(); ++g) {
+      const size_t k = l.groups[g];
+      members = l.members[g];
+      std::stable_sort(members.begin(), members.end(), [&](size_t a, size_t b) {
+        return length_of(samples_, ids_[a]) > length_of(samples_, ids_[b]);
+      });
+      // Merging saves a micro-batch's fixed cost but may raise the recompute of every sample in it: greedy
+      // merging can pile the group onto one heavily recomputed micro-batch where two lighter ones are faster
+      // (a CPU profile's ~10 ms per micro-batch makes that common). So the group is also packed without
+      // raising any micro-batch above the recompute its longest sample needs alone, and the faster is kept.
+      auto [bins, seconds] = pack_group(members, k, layers_);
+      if (!members.empty()) {
+        const int64_t r_longest = recompute_[members.front() * K + k];
+        const bool raised = std::any_of(bins.begin(), bins.end(),
+                                        [&](const MicroBatch& mb) { return mb.recompute_layers > r_longest; });
+        if (raised) {
+          auto capped = pack_group(members, k, r_longest);
+          if (capped.second < seconds) bins = std::move(capped.first), seconds = capped.second;
+        }
+      }
+      makespan = std::max(makespan, seconds);
+      out.push_back(GroupPlan{first, sizes_[k], std::move(bins)});
+      first += sizes_[k];
+    }
+    return {std::move(out), makespan};
+  }
+
+  // The least seconds any packing of a static layout at size index k can take: its groups share the samples'
+  // work_seconds alone (merging never lowers a sample's recompute below what it needs alone), each runs at
+  // least one micro-batch's fixed seconds, and the longest sample runs whole on one group; inf when a sample
+  // does not fit there. O(samples), so most sizes are ruled out before their layout is built.
+  double uniform_bound(size_t k) const {
+    const size_t K = sizes_.size(), n = ids_.size();
+    if (n == 0) return 0;
+    double work = 0;
+    int64_t r_min = layers_;
+    for (size_t i = 0; i < n; ++i) {
+      if (!(t(i, k) < kInf)) return kInf;
+      work += work_[i * K + k], r_min = std::min(r_min, recompute_[i * K + k]);
+    }
+    const double groups = static_cast<double>(world_ / sizes_[k]);
+    const double longest = work_[k] + cost_.fixed_seconds(sizes_[k], recompute_[k]);  // ids_ are longest first
+    return std::max(longest, work / groups + cost_.fixed_seconds(sizes_[k], r_min));
+  }
+
+  // Every sample at size index k on world / size groups, longest first onto the least loaded (LPT in t): the
+  // layout of a static planner at that size. nullopt when a sample does not fit there or the size does not
+  // divide the world.
+  std::optional<Layout> uniform(size_t k) const {
+    const int64_t size = sizes_[k];
+    if (world_ % size != 0) return std::nullopt;
+    const size_t n = ids_.size(), G = static_cast<size_t>(world_ / size);
+    Layout l;
+    l.groups.assign(G, k);
+    l.members.resize(G);
+    l.loads.assign(G, 0.0);
+    LoadSet open;
+    for (size_t g = 0; g < G; ++g) open.insert({0.0, g});
+    for (size_t i = 0; i < n; ++i) {  // ids_ are longest first
+      if (!(t(i, k) < kInf)) return std::nullopt;
+      auto least = open.begin();
+      const size_t g = least->second;
+      open.erase(least);
+      l.members[g].push_back(i);
+      l.loads[g] += t(i, k);
+      open.insert({l.loads[g], g});
+    }
+    return l;
+  }
+
+  // The micro-batches of one group at size index k from its members (longest first) and their summed seconds:
+  // each sample goes into the micro-batch where merging saves the most (best fit, not first fit: a merge that
+  // raises a long micro-batch's recompute can cost more than joining a shorter one), if any saves, with at
+  // most r_cap recomputed layers there; else into a new micro-batch. A micro-batch's seconds are summed sample
+  // by sample in the order CostModel::seconds sums them, so adding a sample costs one work_seconds (often from
+  // the table), not a re-evaluation of the micro-batch.
+  std::pair<std::vector<MicroBatch>, double> pack_group(const std::vector<size_t>& members, size_t k,
+                                                        int64_t r_cap) const {
+    const size_t K = sizes_.size();
+    const int64_t sp = sizes_[k];
     struct Bin {
       MicroBatch mb;
       std::vector<int64_t> lengths;
@@ -496,47 +595,44 @@ class OptStep {
       double other_seconds = 0;
     };
     std::vector<Bin> bins;
-    std::vector<size_t> members;
-    for (size_t g = 0; g < l.groups.size(); ++g) {
-      const size_t k = l.groups[g];
-      const int64_t sp = sizes_[k];
-      members = l.members[g];
-      std::stable_sort(members.begin(), members.end(), [&](size_t a, size_t b) {
-        return length_of(samples_, ids_[a]) > length_of(samples_, ids_[b]);
-      });
-      bins.clear();
-      for (size_t i : members) {
-        const int64_t id = ids_[i], len = length_of(samples_, id);
-        const int64_t r_alone = recompute_[i * K + k];
-        const double alone = cost_.fixed_seconds(sp, r_alone) + work_[i * K + k];
-        bool placed = false;
-        for (auto& b : bins) {
-          auto r = recompute_for(b.mb.num_tokens + len, k);
-          if (!r) continue;
-          double base = b.seconds;
-          if (*r != b.mb.recompute_layers) {
-            if (b.other_r != *r) b.other_r = *r, b.other_seconds = cost_.seconds(b.lengths, sp, *r);
-            base = b.other_seconds;
-          }
-          const double merged = base + (*r == r_alone ? work_[i * K + k] : cost_.work_seconds(len, sp, *r));
-          if (merged > b.seconds + alone) continue;
-          b.lengths.push_back(len);
-          b.other_r = -1;
-          b.mb.sample_ids.push_back(id);
-          b.mb.num_tokens += len;
-          b.mb.recompute_layers = *r;
-          b.seconds = merged;
-          placed = true;
-          break;
+    for (size_t i : members) {
+      const int64_t id = ids_[i], len = length_of(samples_, id);
+      const int64_t r_alone = recompute_[i * K + k];
+      const double alone = cost_.fixed_seconds(sp, r_alone) + work_[i * K + k];
+      Bin* into = nullptr;
+      double into_seconds = 0, into_gain = -1;
+      int64_t into_r = 0;
+      for (auto& b : bins) {
+        auto r = recompute_for(b.mb.num_tokens + len, k);
+        if (!r || *r > r_cap) continue;
+        double base = b.seconds;
+        if (*r != b.mb.recompute_layers) {
+          if (b.other_r != *r) b.other_r = *r, b.other_seconds = cost_.seconds(b.lengths, sp, *r);
+          base = b.other_seconds;
         }
-        if (!placed) bins.push_back(Bin{MicroBatch{{id}, len, r_alone}, {len}, alone, -1, 0.0});
+        const double merged = base + (*r == r_alone ? work_[i * K + k] : cost_.work_seconds(len, sp, *r));
+        const double gain = b.seconds + alone - merged;
+        if (gain < 0 || gain <= into_gain) continue;
+        into = &b, into_seconds = merged, into_gain = gain, into_r = *r;
+        // Recompute never falls when tokens are added, so no bin saves more than the whole fixed cost, which
+        // a bin at the sample's own recompute count saves: take the first such (first fit, and no full scan).
+        if (*r == r_alone && *r == b.mb.recompute_layers) break;
       }
-      GroupPlan gp{first, sp, {}};
-      for (auto& b : bins) gp.micro_batches.push_back(std::move(b.mb));
-      out.push_back(std::move(gp));
-      first += sp;
+      if (into == nullptr) {
+        bins.push_back(Bin{MicroBatch{{id}, len, r_alone}, {len}, alone, -1, 0.0});
+        continue;
+      }
+      into->lengths.push_back(len);
+      into->other_r = -1;
+      into->mb.sample_ids.push_back(id);
+      into->mb.num_tokens += len;
+      into->mb.recompute_layers = into_r;
+      into->seconds = into_seconds;
     }
-    return out;
+    std::vector<MicroBatch> out;
+    double seconds = 0;
+    for (auto& b : bins) seconds += b.seconds, out.push_back(std::move(b.mb));
+    return {std::move(out), seconds};
   }
 
   const std::vector<Sample>& samples_;

@@ -100,18 +100,29 @@ void fit_sp_overhead(SpProfile& sp, std::vector<ValidationPoint>& points, const 
   sp.validation_fit_median_error = e.fit_median;
 }
 
+namespace {
+double local_tokens(const ValidationPoint& p) {
+  return static_cast<double>(std::accumulate(p.lengths.begin(), p.lengths.end(), int64_t{0})) /
+         static_cast<double>(p.sp_size);
+}
+}  // namespace
+
 double fit_sp_token_bytes(std::vector<ValidationPoint>& points, const ModelShape& shape,
                           MemoryCoefficients coefficients) {
   if (points.empty()) throw std::invalid_argument("SP memory fit: no validation points");
   coefficients.sp_token_bytes = 0;
   const MemoryModel without(shape, coefficients, 1.0);
-  double e = 0;
+  double largest = 0;
   for (const ValidationPoint& p : points) {
     if (p.sp_size < 2) {
       throw std::invalid_argument(fmt::format("SP memory fit: a validation point of sp_size {}", p.sp_size));
     }
-    const double tokens = static_cast<double>(std::accumulate(p.lengths.begin(), p.lengths.end(), int64_t{0}));
-    const double local = tokens / static_cast<double>(p.sp_size);
+    largest = std::max(largest, local_tokens(p));
+  }
+  double e = 0;
+  for (const ValidationPoint& p : points) {
+    const double local = local_tokens(p);
+    if (local < largest / 2) continue;
     e = std::max(e, (p.measured_peak_bytes - without.bytes(p.lengths, p.sp_size, p.recompute_layers)) / local);
   }
   coefficients.sp_token_bytes = e;

@@ -63,6 +63,18 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
     peak_bytes_ = std::max(peak_bytes_, r.rank_peak_bytes[i]);
     memory_errors_.push_back(std::abs(predicted_peaks[i] / static_cast<double>(r.rank_peak_bytes[i]) - 1.0));
   }
+  // The budget stands for a device's memory: a measured peak above it would have been an out-of-memory
+  // error there, whatever the model predicted. Warned once, counted in the summary.
+  const auto measured_peak = std::max_element(r.rank_peak_bytes.begin(), r.rank_peak_bytes.end());
+  if (measured_peak != r.rank_peak_bytes.end() && static_cast<double>(*measured_peak) > memory_.budget_bytes()) {
+    const size_t rank = static_cast<size_t>(measured_peak - r.rank_peak_bytes.begin());
+    if (steps_measured_over_budget_++ == 0) {
+      spdlog::warn("step {}: rank {} measured a peak of {} bytes, over the memory budget of {:.0f} bytes (the "
+                   "memory model predicted {:.0f}); such steps are counted as steps_measured_over_budget in "
+                   "summary.json: lower memory.budget_bytes or re-profile",
+                   state.step, rank, *measured_peak, memory_.budget_bytes(), predicted_peaks[rank]);
+    }
+  }
   const double predicted_peak = *std::max_element(predicted_peaks.begin(), predicted_peaks.end());
   if (predicted_peak > memory_.budget_bytes() && !warned_over_budget_) {
     spdlog::warn("step {}: predicted peak {:.0f} bytes exceeds the memory budget {:.0f} bytes ({} plans do not "
@@ -161,6 +173,7 @@ json RunRecord::summary() const {
           {"model_step_median_rel_err", median_or_null(model_errors_)},
           {"model_flops_per_s", seconds_ > 0 ? json(flops_ / seconds_) : json()},
           {"peak_bytes", peak_bytes_},
+          {"steps_measured_over_budget", steps_measured_over_budget_},
           {"predicted_peak_median_rel_err", median_or_null(memory_errors_)},
           {"plans", plans}};
 }

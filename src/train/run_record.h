@@ -41,7 +41,8 @@ class RunRecord {
   const MemoryModel& memory_;
   std::string plan_source_;
   std::vector<std::vector<int64_t>> step_sample_ids_;  // the static layouts plan them once, in summary()
-  bool warned_over_budget_ = false;  // static and file plans do not consult the memory model: say so once
+  bool warned_over_budget_ = false;
+  int64_t steps_measured_over_budget_ = 0;  // steps where some rank's measured peak exceeded the budget  // static and file plans do not consult the memory model: say so once
   int64_t peak_bytes_ = 0;
   std::vector<double> memory_errors_;      // |predicted / measured - 1| per rank and step
   std::vector<double> prediction_errors_;  // |calibrated prediction / measured - 1| per step

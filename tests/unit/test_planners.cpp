@@ -488,3 +488,65 @@ TEST(CostModel, AttentionMfuRatesOnlyTheAttentionFlops) {
   slow.attention_mfu = -0.1;
   EXPECT_THROW(CostModel(kShape, slow), std::invalid_argument);
 }
+
+// dcp-opt searches a superset of the static layouts (one group size for every sample), so in its own cost model
+// it should never plan a step slower than packed or bucket at any SP size where those place every sample. CPU
+// profiles have what the H200 model lacks: all-to-all latencies of milliseconds and a large fixed cost per
+// micro-batch, under which SP or an extra micro-batch is dear even for the longest sample.
+TEST(Planner, DcpOptNotSlowerThanStaticLayoutsInItsOwnModel) {
+  ModelShape shape;
+  shape.hidden = 128, shape.layers = 4, shape.heads = 4, shape.ffn = 384, shape.mlp_matrices = 3, shape.vocab = 257;
+  double worst = 0;
+  int compared = 0;
+  for (uint32_t seed = 0; seed < 120; ++seed) {
+    DeviceSpec dev = DeviceSpec::named("h200");
+    dev.peak_flops = 1e11, dev.mfu = 1;
+    dev.micro_batch_overhead_s = (seed % 3) * 4e-3;
+    dev.all_to_all[2] = CommFit{seed % 2 == 0 ? 2.8e-3 : 1e-4, 2e9, 0};
+    dev.all_to_all[4] = CommFit{seed % 2 == 0 ? 4e-3 : 2e-4, 1.5e9, 0};
+    dev.memory_bytes = std::vector<double>{40e6, 80e6, 160e6, 1e9}[seed % 4];
+    const CostModel cost(shape, dev);
+    const MemoryModel memory(shape, dev, 1.0, 0);
+    const int64_t world = std::vector<int64_t>{2, 4, 8}[seed % 3];
+    const auto samples = random_samples(4 + static_cast<int>(seed % 13), 16384, seed + 7);
+    PlannerOptions opt;
+    opt.samples_per_step = static_cast<int64_t>(samples.size());
+    const PlanSet set = plan_dcp_opt(samples, world, cost, memory, opt);
+    if (!set.skipped_ids.empty() || set.steps.size() != 1) continue;
+    const double got = evaluate_step(set.steps[0], samples, world, cost, memory).step_s;
+    for (int64_t sp : sp_sizes_allowed(world, shape)) {
+      if (world % sp != 0) continue;
+      opt.static_sp_size = sp;
+      for (const auto& planner : {&plan_packed, &plan_bucket}) {
+        PlanSet s;
+        try {
+          s = (*planner)(samples, world, cost, memory, opt);
+        } catch (const std::invalid_argument&) {
+          continue;
+        }
+        if (!s.skipped_ids.empty() || s.steps.size() != 1) continue;
+        const double base = evaluate_step(s.steps[0], samples, world, cost, memory).step_s;
+        ++compared;
+        worst = std::max(worst, got / base);
+        EXPECT_LE(got, base * 1.02) << "seed " << seed << " world " << world << " static sp " << sp;
+        if (got > base * 1.02) {
+          auto show = [&](const StepPlan& p) {
+            for (const auto& g : p.groups) {
+              std::printf("  group sp %ld:", (long)g.sp_size);
+              for (const auto& mb : g.micro_batches) {
+                std::printf(" [r%ld", (long)mb.recompute_layers);
+                for (auto id : mb.sample_ids) std::printf(" %ld", (long)samples[id].length);
+                std::printf("]");
+              }
+              std::printf("\n");
+            }
+          };
+          std::printf("dcp-opt %.4f\n", got); show(set.steps[0]);
+          std::printf("static %.4f\n", base); show(s.steps[0]);
+        }
+      }
+    }
+  }
+  EXPECT_GE(compared, 100);
+  std::printf("dcp-opt / static layouts, worst: %.3f over %d comparisons\n", worst, compared);
+}

@@ -13,6 +13,7 @@
 #include "dcp/profiler.h"
 #include "error_of.h"
 #include "train/over_ranks.h"
+#include "train/profile_validation.h"
 #include "util/stats.h"
 
 namespace dcp {
@@ -234,6 +235,36 @@ TEST(ProfileStats, OverRanksOfOneProcessAndSplitErrors) {
   EXPECT_DOUBLE_EQ(e.heldout_median, 0.25);
   EXPECT_DOUBLE_EQ(e.heldout_max, 0.3);
   EXPECT_DOUBLE_EQ(e.fit_median, 0.075);
+}
+
+// The SP token bytes come from the large micro-batches, where the budget binds: a small point's fixed slack
+// (here 1 MB on 1024 local tokens) does not set them, and no point with at least half the largest's local
+// tokens is under-predicted.
+TEST(ProfileFit, SpTokenBytesFollowTheLargeMicroBatches) {
+  ModelShape shape;
+  shape.hidden = 64, shape.layers = 2, shape.heads = 2, shape.ffn = 128, shape.vocab = 257;
+  MemoryCoefficients c;
+  c.base_bytes = 1e6;
+  c.token_layer_bytes = 3000;
+  c.token_recompute_bytes = 800;
+  const MemoryModel sp1(shape, c, 1.0);
+  auto point = [&](int64_t length, int64_t r, double extra_per_local_token, double slack) {
+    ValidationPoint p;
+    p.sp_size = 2;
+    p.lengths = {length};
+    p.recompute_layers = r;
+    p.measured_peak_bytes = sp1.bytes(p.lengths, 2, r) + extra_per_local_token * length / 2 + slack;
+    return p;
+  };
+  std::vector<ValidationPoint> points{point(2048, 0, 500, 1e6), point(8192, 0, 700, 0), point(16384, 0, 600, 0),
+                                      point(16384, 2, 150, 0)};
+  EXPECT_DOUBLE_EQ(fit_sp_token_bytes(points, shape, c), 700);
+  for (const auto& p : points) {
+    if (p.lengths[0] >= 8192) EXPECT_GE(p.predicted_peak_bytes, p.measured_peak_bytes * (1 - 1e-12));
+  }
+  EXPECT_LT(points[0].predicted_peak_bytes, points[0].measured_peak_bytes);
+  std::vector<ValidationPoint> none;
+  EXPECT_THROW(fit_sp_token_bytes(none, shape, c), std::invalid_argument);
 }
 
 TEST(Profile, TinyModelGivesAFinitePositiveFitThatTheCostModelReproduces) {
