@@ -59,6 +59,11 @@ class Communicator {
 /// Throws std::invalid_argument naming the spec when it is malformed or a size does not divide world_size.
 std::vector<int64_t> resolve_sp_sizes(const std::string& spec, int64_t world_size);
 
+/// The SP sizes a model of `heads` attention heads can run with: resolve_sp_sizes(spec, world_size) without
+/// those that do not divide `heads` (Ulysses shards the heads over a group), ascending; 1 is always one. Throws
+/// like resolve_sp_sizes.
+std::vector<int64_t> usable_sp_sizes(const std::string& spec, int64_t world_size, int64_t heads);
+
 /// The run's process groups, created once at start-up: the world, and for each SP size s the aligned block
 /// of ranks [k*s, (k+1)*s) that holds this rank. group(s) is a map look-up, no communication.
 class ProcessGroups {

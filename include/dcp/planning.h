@@ -47,10 +47,34 @@ struct LengthNeed {
   double bytes = 0;              ///< predicted peak bytes per rank at that choice (at the largest SP size if none fits)
 };
 
-/// LengthNeed at powers of two from 256 up to, and at, `longest` tokens, over `sp_sizes` (ascending). Throws
+/// The LengthNeed of one sample of `length` tokens over `sp_sizes` (ascending): the first size, then the fewest
+/// recomputed layers there, at which MemoryModel::bytes of the one-sample micro-batch is within the budget.
+/// Throws std::invalid_argument when sp_sizes is empty or length < 1.
+LengthNeed length_need(const MemoryModel& memory, const std::vector<int64_t>& sp_sizes, int64_t length);
+
+/// length_need at powers of two from 256 up to, and at, `longest` tokens, over `sp_sizes` (ascending). Throws
 /// std::invalid_argument when sp_sizes is empty or longest < 1.
 std::vector<LengthNeed> memory_needs(const MemoryModel& memory, const std::vector<int64_t>& sp_sizes,
                                      int64_t longest);
+
+/// The static planner sized by `train.planner static` with parallel.sp_size 0.
+struct StaticSizing {
+  /// The caller's options with sp_size and recompute_layers of `longest`, and micro_batch_tokens at most what
+  /// the budget holds per rank there (MemoryModel::max_tokens / sp_size), as packed and bucket size themselves.
+  DataParallelOptions options;
+  LengthNeed longest;  ///< the longest of the lengths that fits some SP size, and what it needs
+  /// Samples longer than this (tokens) are skipped: they fit no SP size even with every layer recomputed, or
+  /// not one micro-batch of options (micro_batch_tokens x sp_size, rounded down from the memory bound).
+  int64_t max_sample_tokens = 0;
+};
+
+/// Sizes the static planner to the longest of `lengths` (tokens; the training samples) that fits the memory
+/// budget at some size of `sp_sizes` (ascending; length_need, a sample needing more the longer it is), so that
+/// only samples that nothing fits are left out, as the other planners leave them out. Throws ConfigError (exit 2)
+/// naming the budget, the SP sizes and the bytes of the shortest sample when no length fits, and
+/// std::invalid_argument when lengths or sp_sizes is empty.
+StaticSizing size_static_planner(const DataParallelOptions& options, const MemoryModel& memory,
+                                 const std::vector<int64_t>& sp_sizes, std::vector<int64_t> lengths);
 
 /// memory_needs as one line, runs of lengths with the same need merged: "<= 2048 tokens: sp 1; 4096: sp 1,
 /// recompute 2 layers; 16384: sp 2, recompute 4 layers".

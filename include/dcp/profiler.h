@@ -21,7 +21,8 @@ struct ProfileOptions {
   /// to run, and they are what makes the profile take long.
   int64_t repeats = 3;
   double long_point_s = 1.0;  ///< seconds; see repeats
-  /// The longest sample of the default lists below, tokens; 0 = data.max_seq_len (larger values are capped at it).
+  /// The longest sample of the default lists below, tokens; 0 = data.max_seq_len. Must lie in
+  /// [min_profile_max_length(largest SP size profiled), data.max_seq_len].
   int64_t max_length = 0;
   /// Sample lengths of the compute grid, tokens; those above data.max_seq_len are dropped. Empty: max_length,
   /// max_length / 4, / 16, ... down to 128, or max_length, / 2 and / 4 when that gives fewer than three.
@@ -69,8 +70,11 @@ struct CommPoint {
 struct SpProfile {
   int64_t sp_size = 0;
   /// latency_s and bytes_per_s: seconds per call = latency_s + bytes_leaving_rank / bytes_per_s fitted to
-  /// `points`; overhead_s_per_byte: fitted to the validation points not held out (profile_model).
+  /// `points` (fit_all_to_all); overhead_s_per_byte: fitted to the validation points not held out (profile_model).
   CommFit fit;
+  /// False when the two-term fit found no cost per byte and bytes_per_s is the fastest measured rate with only
+  /// latency_s fitted (fit_all_to_all, train/profile_comm.h).
+  bool bandwidth_fitted = true;
   std::vector<CommPoint> points;
   double heldout_median_error = 0;  ///< median |predicted - measured| / measured over held-out calls
   double heldout_max_error = 0;     ///< max of the same
@@ -132,6 +136,12 @@ struct ProfileResult {
   double wall_s = 0;                 ///< seconds profile_model took on this rank
 };
 
+/// The shortest ProfileOptions::max_length (tokens) the grids can be built from when the largest SP size
+/// profiled is `largest_sp_size` (1 in one process): 4, so that the default sample lengths max_length, / 2 and
+/// / 4 are three distinct lengths (the time fit needs them to tell attention FLOPs from linear ones), and at
+/// least largest_sp_size (the SP validation's sample lengths are multiples of the SP size, at most max_length).
+int64_t min_profile_max_length(int64_t largest_sp_size);
+
 /// Least squares with non-negative coefficients: the x >= 0 minimising sum_i (rows[i] . x - targets[i])^2.
 /// Exact for the few columns of a profile fit: every subset of columns is solved by its normal equations
 /// (columns scaled to unit norm, Gaussian elimination with partial pivoting) and the feasible solution with the
@@ -167,17 +177,21 @@ std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<
 /// With `groups` (every rank of groups->world() calls this at once, e.g. under `dcp launch`): every rank runs
 /// the grid concurrently (a barrier of the world before every run), and each point's time is the mean and its
 /// peak the max over the ranks (one allreduce) before the fits, so every rank returns the identical fit. Then
-/// for each SP size s > 1 of groups->sp_sizes() that divides n_heads: the all-to-alls of SequenceParallelAttention
-/// timed on groups->group(s) and fitted (SpProfile, train/profile_comm.h) into device.all_to_all[s]; then
+/// for each SP size s > 1 of usable_sp_sizes(parallel.sp_sizes, world size, n_heads) (groups must have them;
+/// sizes of parallel.sp_sizes that do not divide n_heads are skipped with a warning naming them): the
+/// all-to-alls of SequenceParallelAttention timed on groups->group(s) and fitted (SpProfile,
+/// train/profile_comm.h; a fit that finds no cost per byte falls back to a latency-only fit, with a warning)
+/// into device.all_to_all[s]; then
 /// real SP micro-batches of the model on that group (ValidationPoint; train/profile_validation.h), to which
 ///   measured - CostModel::seconds without overhead = overhead_s_per_byte * CostModel::all_to_all_bytes
 /// is fitted (relative residuals, >= 0) on alternate points, the others held out, and compared with the
 /// MemoryModel. Without `groups` (nullptr): one process, no SP profile.
 /// Throws std::invalid_argument for bad options (repeats or comm_repeats < 1, long_point_s <= 0, max_length
-/// < 0, no grid length fitting data.max_seq_len, validation lengths that are not multiples of an SP size),
+/// (or data.max_seq_len for 0) outside [min_profile_max_length, data.max_seq_len], no grid length fitting
+/// data.max_seq_len, validation lengths that are not multiples of an SP size),
 /// and std::runtime_error when even the one-rate fit gives FLOPs no cost (times that do not grow with FLOPs:
-/// too much noise), the memory fit gives tokens no cost (peaks that do not grow with the micro-batch), an
-/// all-to-all fit gives bytes no cost, or a peer fails (the collectives' timeouts).
+/// too much noise), the memory fit gives tokens no cost (peaks that do not grow with the micro-batch), or a peer
+/// fails (the collectives' timeouts).
 ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, const ProfileOptions& options = {});
 
 /// Writes `result` as JSON to `path`: "device" (the DeviceSpec fields, read back by DeviceSpec::from_profile),
@@ -188,8 +202,8 @@ ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, cons
 /// relative errors), "grid" (per point: sample_length, samples, tokens, recompute_layers, linear_flops,
 /// attention_flops, measured_s, predicted_s, measured_peak_bytes, predicted_peak_bytes, held_out), when the
 /// result has an SP profile "sequence_parallel" ("formula"; "fits": per SP size sp_size, latency_s,
-/// bytes_per_s, overhead_s_per_byte (read back into DeviceSpec::all_to_all), heldout_median_rel_error,
-/// heldout_max_rel_error, fit_median_rel_error, validation_heldout_median_rel_error,
+/// bytes_per_s, overhead_s_per_byte (read back into DeviceSpec::all_to_all), bandwidth_fitted,
+/// heldout_median_rel_error, heldout_max_rel_error, fit_median_rel_error, validation_heldout_median_rel_error,
 /// validation_heldout_max_rel_error, validation_fit_median_rel_error and its "grid" of local_tokens, width,
 /// bytes_leaving_rank, measured_s, predicted_s, held_out; "validation": per point sp_size, sample_length,
 /// samples, recompute_layers, measured_s, predicted_s, rel_error, measured_peak_bytes, predicted_peak_bytes,

@@ -8,13 +8,13 @@
 #include <filesystem>
 #include <memory>
 #include <set>
-#include <sstream>
 #include <thread>
 
 #include "cli/bench_common.h"
 #include "cli/bench_report.h"
 #include "cli/commands.h"
 #include "dcp/planners.h"
+#include "util/file_write.h"
 
 namespace fs = std::filesystem;
 
@@ -50,8 +50,15 @@ std::vector<std::string> parse_planners(const std::string& list) {
     }
     out.push_back(name);
   };
-  std::stringstream ss(list);
-  for (std::string name; std::getline(ss, name, ',');) {
+  // Split by hand: getline would drop a trailing empty entry ("static,") and hide the typo.
+  for (size_t start = 0, comma = 0; comma != std::string::npos; start = comma + 1) {
+    comma = list.find(',', start);
+    const std::string name = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (name.empty()) {
+      throw CLI::ValidationError(fmt::format("--planners '{}': an empty entry (allowed: planner names separated "
+                                             "by single commas, e.g. static,dcp-opt, or all)",
+                                             list));
+    }
     if (name == "all") {
       for (const auto& n : planner_names()) add(n);
     } else if (std::find(known.begin(), known.end(), name) != known.end()) {
@@ -61,7 +68,6 @@ std::vector<std::string> parse_planners(const std::string& list) {
           fmt::format("--planners: unknown planner '{}' (known: {}, or all)", name, fmt::join(known, ", ")));
     }
   }
-  if (out.empty()) throw CLI::ValidationError(fmt::format("--planners: no planner in '{}'", list));
   return out;
 }
 
@@ -172,8 +178,15 @@ void run_bench(const BenchOptions& opt, const std::vector<std::string>& override
   const int64_t slices = (max_steps + slice_steps - 1) / slice_steps;
   const fs::path out_dir(opt.out_dir);
   const fs::path report = opt.report.empty() ? out_dir / "bench" : fs::path(opt.report);
-  fs::create_directories(out_dir);
-  if (report.has_parent_path()) fs::create_directories(report.parent_path());
+  if (const std::string problem = folder_write_problem(out_dir); !problem.empty()) {
+    throw CLI::ValidationError(fmt::format("--out '{}': {} (it must be a folder this user can write)",
+                                           opt.out_dir, problem));
+  }
+  if (report.has_parent_path()) {
+    if (const std::string problem = folder_write_problem(report.parent_path()); !problem.empty()) {
+      throw CLI::ValidationError(fmt::format("--report '{}': {}", report.string(), problem));
+    }
+  }
 
   fmt::print("dcp bench: {} on {} processes, {} steps each in {} slices of {} steps; runs in {}/\n",
              fmt::join(planners, ", "), opt.nproc, max_steps, slices, slice_steps, out_dir.string());

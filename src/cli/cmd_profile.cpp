@@ -66,6 +66,13 @@ void print_report(const Config& cfg, const ProfileOptions& options, const Profil
                  1e9 * c.fit.overhead_s_per_byte, 100.0 * c.validation_heldout_median_error,
                  100.0 * c.validation_heldout_max_error);
     }
+    for (const SpProfile& c : r.sequence_parallel) {
+      if (!c.bandwidth_fitted) {
+        fmt::print("(sp {}: the call times did not grow with the bytes; its GB/s is the fastest measured rate and "
+                   "only the latency was fitted)\n",
+                   c.sp_size);
+      }
+    }
     fmt::print("\nSP micro-batches against the fitted models:\n\n");
     fmt::print("| sp | sample_length | samples | recompute | measured_ms | predicted_ms | error | measured_MB | "
                "predicted_MB | error | held_out |\n");
@@ -83,6 +90,22 @@ void print_report(const Config& cfg, const ProfileOptions& options, const Profil
              r.wall_s, r.max_rss_bytes / 1e6, out_path);
 }
 
+// --max-length (or data.max_seq_len, its default) against the range the grids need, before anything runs:
+// profile_model would refuse it only after the process groups are made.
+void check_max_length(const ProfileOptions& options, const Config& cfg, const DistEnv& env) {
+  const int64_t largest_sp =
+      env.world_size > 1 ? usable_sp_sizes(cfg.parallel.sp_sizes, env.world_size, cfg.model.n_heads).back() : 1;
+  const int64_t shortest = min_profile_max_length(largest_sp);
+  const int64_t length = options.max_length > 0 ? options.max_length : cfg.data.max_seq_len;
+  if (length >= shortest && length <= cfg.data.max_seq_len) return;
+  throw CLI::ValidationError(fmt::format(
+      "{} {}: outside the allowed range [{}, {}] (the lower bound: three distinct grid lengths, max_length, / 2 "
+      "and / 4, and SP validation lengths that are multiples of the largest SP size profiled, {}; the upper: "
+      "data.max_seq_len, the longest sample the trainer makes, raise it to profile longer ones)",
+      options.max_length > 0 ? "--max-length" : "data.max_seq_len (the default --max-length)", length, shortest,
+      cfg.data.max_seq_len, largest_sp));
+}
+
 }  // namespace
 
 void add_profile_command(CLI::App& app) {
@@ -98,7 +121,8 @@ void add_profile_command(CLI::App& app) {
   sub->add_option("--repeats", options->repeats, "timed runs per grid point (median), after one warm-up")
       ->check(CLI::Range(1, 1000));
   sub->add_option("--max-length", options->max_length,
-                  "longest sample of the grids, tokens (default and cap: data.max_seq_len)")
+                  "longest sample of the grids, tokens (default: data.max_seq_len; at least 4 and the largest SP "
+                  "size profiled, at most data.max_seq_len)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   sub->allow_extras();
   sub->footer("Grid: sample lengths --max-length, / 4, / 16, ... down to 128 (or --max-length, / 2, / 4 when that "
@@ -109,16 +133,18 @@ void add_profile_command(CLI::App& app) {
               "fit and its relative error reported, for time and for peak memory (tensor storage counted by the CPU "
               "allocator, with the trainer's weights, gradients and AdamW moments resident). Under `dcp launch "
               "--nproc N` every rank runs the grid at once with cores / N threads (train.threads), times are "
-              "averaged over the ranks before the fit, and for every SP size of parallel.sp_sizes above 1 (that "
-              "divides n_heads) the Ulysses all-to-alls are timed on the real group and fitted as latency + bytes / "
-              "bandwidth (every 3rd call held out); then real SP micro-batches of samples of max_length / 16, "
-              "/ 8, / 4, / 2 and / 1 tokens (~T/8 tokens or one sample) x recompute 0 and n_layers are timed, a per-byte overhead of the "
+              "averaged over the ranks before the fit, and for every SP size of parallel.sp_sizes above 1 that "
+              "divides n_heads (the others are named in a warning) the Ulysses all-to-alls are timed on the real "
+              "group and fitted as latency + bytes / bandwidth (every 3rd call held out; times that do not grow "
+              "with the bytes get a latency-only fit and a warning); then real SP micro-batches of samples of "
+              "max_length / 16, / 8, / 4, / 2 and / 1 tokens (~T/8 tokens or one sample) x recompute 0 and n_layers are timed, a per-byte overhead of the "
               "exchanges inside a micro-batch is fitted to alternate ones and the others are held out. Without "
               "`dcp launch` SP is not profiled (the cost model keeps its default latency and bandwidths). Config "
               "keys can be overridden as --section.key=value.");
   sub->callback([sub, config_path, out_path, options] {
     const Config cfg = Config::load(*config_path, config_overrides(*sub));
     const DistEnv env = DistEnv::from_environment();
+    check_max_length(*options, cfg, env);
     if (env.rank == 0) {  // profiling takes a while: find an unwritable --out before (and leave no empty file)
       const bool existed = std::filesystem::exists(*out_path);
       const bool writable = !out_path->empty() && std::ofstream(*out_path, std::ios::app).good();

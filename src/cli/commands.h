@@ -23,10 +23,10 @@ void add_distill_command(CLI::App& app);
 /// Throws std::invalid_argument when one does not divide world_size.
 std::vector<int64_t> sp_sizes_for(const Config& cfg, int64_t world_size, const std::vector<StepPlan>& plans);
 
-/// A CLI11 check for a number option: the text must parse whole as a finite number > 0 (>= 0 with `zero_ok`;
-/// >= `min` when min > 0). Its error reads "must be a positive (non-negative) finite number[ of <unit>][ (at
-/// least <min>)], got '<text>'", where CLI11's own ranges print DBL_MAX and let NaN through. Used by
-/// bench-attention, distill and generate.
+/// A CLI11 check for a number option: the text must be a decimal number (parse_decimal: no hex, inf or nan),
+/// finite and > 0 (>= 0 with `zero_ok`; >= `min` when min > 0). Its error reads "must be a positive
+/// (non-negative) finite number[ of <unit>][ (at least <min>)], got '<text>'", where CLI11's own ranges print
+/// DBL_MAX and let NaN through. Used by bench-attention, distill, generate, plan and simulate.
 CLI::Validator finite_number_validator(const std::string& unit, double min = 0, bool zero_ok = false);
 
 /// Prints a fatal error: to the run's log (and, on rank 0, the terminal) once logging is set up, else to

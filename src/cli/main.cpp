@@ -6,27 +6,23 @@
 #include <cmath>
 #include <cstdlib>
 #include <exception>
+#include <optional>
 #include <string>
 
 #include "cli/blas_cores.h"
 #include "cli/commands.h"
 #include "dcp/config.h"
 #include "util/error_message.h"
+#include "util/number_text.h"
 
 namespace dcp {
 
 CLI::Validator finite_number_validator(const std::string& unit, double min, bool zero_ok) {
   return CLI::Validator(
       [unit, min, zero_ok](std::string& text) -> std::string {
-        size_t used = 0;
-        double v = 0;
-        try {
-          v = std::stod(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        const bool ok = used != 0 && used == text.size() && std::isfinite(v) &&
-                        (min > 0 ? v >= min : zero_ok ? v >= 0 : v > 0);
+        const std::optional<double> parsed = parse_decimal(text);
+        const double v = parsed.value_or(0);
+        const bool ok = parsed && std::isfinite(v) && (min > 0 ? v >= min : zero_ok ? v >= 0 : v > 0);
         if (ok) return "";
         return fmt::format("must be a {} finite number{}{}, got '{}'", zero_ok ? "non-negative" : "positive",
                            unit.empty() ? "" : " of " + unit,

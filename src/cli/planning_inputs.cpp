@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "cli/commands.h"
 #include "dcp/config.h"
 #include "dcp/planning.h"
 
@@ -20,7 +21,7 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a) {
                                                 "(its fitted time and memory models and its model shape)");
   sub->add_option("--memory-budget-bytes", a.memory_budget_bytes,
                   "per-rank memory budget, bytes (0: --config's memory section, default 0.9 x device memory)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(finite_number_validator("bytes", 0, true));  // decimal: CLI11 alone reads 0x10 as 16
   sub->add_option("--config", a.config_path, "dcp config whose model section gives the model shape "
                                              "(default: a 1.3B decoder, hidden 2048, 24 layers, 16 heads, bf16)")
       ->check(CLI::ExistingFile);

@@ -40,6 +40,14 @@ std::vector<int64_t> resolve_sp_sizes(const std::string& spec, int64_t world_siz
   return {sizes.begin(), sizes.end()};
 }
 
+std::vector<int64_t> usable_sp_sizes(const std::string& spec, int64_t world_size, int64_t heads) {
+  std::vector<int64_t> out;
+  for (int64_t s : resolve_sp_sizes(spec, world_size)) {
+    if (heads % s == 0) out.push_back(s);
+  }
+  return out;
+}
+
 ProcessGroups::ProcessGroups(const DistEnv& env, double timeout_s, const std::vector<int64_t>& sp_sizes) : env_(env) {
   auto start = std::chrono::steady_clock::now();
   for (int64_t s : sp_sizes) {

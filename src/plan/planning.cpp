@@ -1,6 +1,7 @@
 #include "dcp/planning.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <stdexcept>
@@ -108,21 +109,54 @@ std::vector<LengthNeed> memory_needs(const MemoryModel& memory, const std::vecto
   for (int64_t len = 256; len < longest; len *= 2) lengths.push_back(len);
   lengths.push_back(longest);
   std::vector<LengthNeed> out;
-  for (int64_t len : lengths) {
-    LengthNeed need{len, 0, memory.shape().layers, 0};
-    for (int64_t sp : sp_sizes) {
-      for (int64_t r = 0; r <= memory.shape().layers; ++r) {
-        const double bytes = memory.bytes(std::vector<int64_t>{len}, sp, r);
-        if (bytes <= memory.budget_bytes()) {
-          need = {len, sp, r, bytes};
-          break;
-        }
-      }
-      if (need.sp_size > 0) break;
-    }
-    if (need.sp_size == 0) need.bytes = memory.bytes(std::vector<int64_t>{len}, sp_sizes.back(), need.recompute_layers);
-    out.push_back(need);
+  for (int64_t len : lengths) out.push_back(length_need(memory, sp_sizes, len));
+  return out;
+}
+
+LengthNeed length_need(const MemoryModel& memory, const std::vector<int64_t>& sp_sizes, int64_t length) {
+  if (sp_sizes.empty() || length < 1) {
+    throw std::invalid_argument(fmt::format("length_need: {} SP sizes, length {} tokens (need both positive)",
+                                            sp_sizes.size(), length));
   }
+  for (int64_t sp : sp_sizes) {
+    for (int64_t r = 0; r <= memory.shape().layers; ++r) {
+      const double bytes = memory.bytes(std::vector<int64_t>{length}, sp, r);
+      if (bytes <= memory.budget_bytes()) return {length, sp, r, bytes};
+    }
+  }
+  const int64_t all = memory.shape().layers;
+  return {length, 0, all, memory.bytes(std::vector<int64_t>{length}, sp_sizes.back(), all)};
+}
+
+StaticSizing size_static_planner(const DataParallelOptions& options, const MemoryModel& memory,
+                                 const std::vector<int64_t>& sp_sizes, std::vector<int64_t> lengths) {
+  if (lengths.empty() || sp_sizes.empty()) {
+    throw std::invalid_argument(fmt::format("size_static_planner: {} lengths, {} SP sizes (need both)",
+                                            lengths.size(), sp_sizes.size()));
+  }
+  std::sort(lengths.begin(), lengths.end());
+  lengths.erase(std::unique(lengths.begin(), lengths.end()), lengths.end());
+  // A longer sample needs more bytes at every size: the lengths that fit are a prefix.
+  const auto unfit = std::partition_point(lengths.begin(), lengths.end(), [&](int64_t len) {
+    return length_need(memory, sp_sizes, len).sp_size > 0;
+  });
+  if (unfit == lengths.begin()) {
+    const LengthNeed shortest = length_need(memory, sp_sizes, lengths.front());
+    throw ConfigError(fmt::format(
+        "parallel.sp_size 0: no training sample fits SP sizes {} (parallel.sp_sizes dividing model.n_heads) within "
+        "the per-rank memory budget of {:.0f} bytes (memory.budget_bytes / memory.fraction): the shortest ({} "
+        "tokens) needs {:.0f} bytes at sp {} with every layer recomputed",
+        fmt::join(sp_sizes, ", "), memory.budget_bytes(), shortest.length, shortest.bytes, sp_sizes.back()));
+  }
+  StaticSizing out;
+  out.longest = length_need(memory, sp_sizes, *(unfit - 1));
+  out.options = options;
+  out.options.sp_size = out.longest.sp_size;
+  out.options.recompute_layers = out.longest.recompute_layers;
+  const int64_t sp = out.options.sp_size;
+  out.options.micro_batch_tokens =
+      std::min(options.micro_batch_tokens, memory.max_tokens(sp, out.options.recompute_layers) / sp);
+  out.max_sample_tokens = std::min(out.longest.length, out.options.micro_batch_tokens * out.options.sp_size);
   return out;
 }
 

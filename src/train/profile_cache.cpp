@@ -1,17 +1,25 @@
 #include "train/profile_cache.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
+#include <thread>
+#include <vector>
 
 #include "dcp/planning.h"
 #include "dcp/precision.h"
+#include "util/file_lock.h"
 #include "util/file_write.h"
+#include "util/logging.h"
 
 namespace dcp {
 namespace fs = std::filesystem;
@@ -31,9 +39,48 @@ std::string read_text(const fs::path& path) {
   return s.str();
 }
 
+// The fields in which two cache keys differ, each "name A there, B now" ("none" for a missing field).
+std::vector<std::string> key_differences(const json& there, const json& now) {
+  json fields = there.is_object() ? there : json::object();
+  if (now.is_object()) fields.update(now);
+  auto value = [](const json& key, const std::string& field) {
+    return key.is_object() && key.contains(field) ? key[field].dump() : std::string("none");
+  };
+  std::vector<std::string> out;
+  for (const auto& [field, unused] : fields.items()) {
+    const std::string a = value(there, field), b = value(now, field);
+    if (a != b) out.push_back(fmt::format("{} {} there, {} now", field, a, b));
+  }
+  return out;
+}
+
+// The cache file in `dir` whose key differs from `key` in the fewest fields, as "'<file>': <differences>", or ""
+// when the folder holds no readable cache file.
+std::string closest_cached_key(const fs::path& dir, const json& key) {
+  std::string best;
+  size_t best_count = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("profile-", 0) != 0 || entry.path().extension() != ".json") continue;
+    const json doc = json::parse(read_text(entry.path()), nullptr, /*allow_exceptions=*/false);
+    if (!doc.is_object() || !doc.contains("cache_key")) continue;
+    const std::vector<std::string> differences = key_differences(doc["cache_key"], key);
+    if (best.empty() || differences.size() < best_count) {
+      best = fmt::format("'{}': {}", entry.path().string(), fmt::join(differences, "; "));
+      best_count = differences.size();
+    }
+  }
+  return best;
+}
+
 // Why the cache file cannot be used for `key`, or "" when it can.
 std::string cache_problem(const fs::path& path, const json& key, const Config& cfg, const ModelShape& shape) {
-  if (!fs::exists(path)) return "no cached profile for this key";
+  if (!fs::exists(path)) {
+    const std::string closest = closest_cached_key(path.parent_path(), key);
+    return closest.empty() ? fmt::format("no cached profile for this key in '{}'", path.parent_path().string())
+                           : fmt::format("no cached profile for this key; the closest cached one, {}", closest);
+  }
   json doc;
   try {
     doc = json::parse(read_text(path));
@@ -41,8 +88,9 @@ std::string cache_problem(const fs::path& path, const json& key, const Config& c
     return fmt::format("cache file '{}' is corrupt (not valid JSON: {})", path.string(), e.what());
   }
   if (!doc.is_object() || !doc.contains("cache_key") || doc["cache_key"] != key) {
-    return fmt::format("cache file '{}' was written for another key ({})", path.string(),
-                       doc.is_object() && doc.contains("cache_key") ? doc["cache_key"].dump() : "none");
+    const json there = doc.is_object() && doc.contains("cache_key") ? doc["cache_key"] : json();
+    return fmt::format("cache file '{}' was written for another key: {}", path.string(),
+                       fmt::join(key_differences(there, key), "; "));
   }
   try {
     const DeviceSpec device = DeviceSpec::from_profile(path.string());
@@ -51,6 +99,38 @@ std::string cache_problem(const fs::path& path, const json& key, const Config& c
     return fmt::format("cache file '{}' is corrupt: {}", path.string(), e.what());
   }
   return "";
+}
+
+// Every rank's folder must take the profile (rank 0 writes it, the others a copy): checked before anything is
+// measured. Throws ConfigError naming this rank's folder, or the rank that cannot write its own.
+void check_cache_folder(const std::string& dir, const Communicator& world) {
+  const std::string problem = folder_write_problem(dir);
+  auto failing = torch::tensor({problem.empty() ? int64_t{-1} : world.rank()}, torch::kInt64);
+  world.allreduce_max(failing);
+  if (failing.item<int64_t>() < 0) return;
+  throw ConfigError(
+      problem.empty()
+          ? fmt::format("train.profile_dir: rank {} cannot write its profile cache folder (its log names it)",
+                        failing.item<int64_t>())
+          : fmt::format("train.profile_dir: {}; train.cost_model auto caches the profile there (set "
+                        "train.profile_dir to a writable folder, or train.cost_model to a profile file)",
+                        problem));
+}
+
+// Rank 0 takes `lock`; the others wait with it, in collectives of a second each (a rank blocked in one long
+// collective would hit dist.timeout_s while another run profiles).
+void wait_for_lock(std::optional<FileLock>& lock, const Communicator& world) {
+  for (bool announced = false;; announced = true) {
+    auto waiting = torch::tensor({static_cast<int64_t>(lock && !lock->try_lock())}, torch::kInt64);
+    world.allreduce_max(waiting);
+    if (waiting.item<int64_t>() == 0) return;
+    if (lock && !announced) {
+      spdlog::info("train.cost_model auto: another run holds '{}' (it is profiling for this key); waiting for "
+                   "it, then using its profile",
+                   lock->path());
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
 }
 
 // Rank 0's text on every rank (rank 0 passes it, the others get it).
@@ -96,6 +176,7 @@ json profile_cache_key(const Config& cfg, const ModelShape& shape, int64_t threa
           {"world_size", env.world_size},
           {"local_world_size", env.local_world_size},
           {"max_seq_len", cfg.data.max_seq_len},
+          {"micro_batch_tokens", cfg.train.micro_batch_tokens},
           {"sp_sizes", cfg.parallel.sp_sizes}};
 }
 
@@ -111,20 +192,21 @@ std::string profile_cache_path(const std::string& dir, const json& key) {
 CachedProfile resolve_cached_profile(const Config& cfg, const ModelShape& shape, const json& key,
                                      const Communicator& world, const std::function<ProfileResult()>& profile) {
   const std::string dir = profile_cache_dir(cfg.train);
+  check_cache_folder(dir, world);
   CachedProfile out;
   out.path = profile_cache_path(dir, key);
   const bool lead = world.rank() == 0;
-  if (lead) out.reason = cache_problem(out.path, key, cfg, shape);
-  auto need = torch::tensor({static_cast<int64_t>(!out.reason.empty())}, torch::kInt64);
+  std::optional<FileLock> lock;  // rank 0's, held from the check through the write
+  if (lead) lock.emplace(out.path + ".lock");
+  wait_for_lock(lock, world);
+  const std::string reason = lead ? cache_problem(out.path, key, cfg, shape) : "";
+  auto need = torch::tensor({static_cast<int64_t>(!reason.empty())}, torch::kInt64);
   world.allreduce_max(need);
   out.profiled = need.item<int64_t>() != 0;
 
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) throw std::runtime_error(fmt::format("cannot create the profile cache folder '{}' (train.profile_dir): {}",
-                                               dir, ec.message()));
   std::string text;
   if (out.profiled) {
+    if (lead) spdlog::info("train.cost_model auto: profiling this model on every rank: {}", reason);
     const auto start = std::chrono::steady_clock::now();
     const ProfileResult result = profile();
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -140,6 +222,7 @@ CachedProfile resolve_cached_profile(const Config& cfg, const ModelShape& shape,
   } else if (lead) {
     text = read_text(out.path);
   }
+  lock.reset();
   text = share_text(text, world);
   if (!lead && (!fs::exists(out.path) || read_text(out.path) != text)) write_file_atomically(out.path, text, fmt::format("rank{}.", world.rank()));
   return out;

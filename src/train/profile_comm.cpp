@@ -10,6 +10,7 @@
 
 #include "train/over_ranks.h"
 #include "util/clock.h"
+#include "util/logging.h"
 #include "util/stats.h"
 
 namespace dcp {
@@ -51,36 +52,66 @@ SpProfile profile_all_to_all(const Communicator& world, const Communicator& grou
     }
   }
   const std::vector<double> mean = over_ranks(world, medians).mean;
+  for (size_t i = 0; i < result.points.size(); ++i) result.points[i].measured_s = mean[i];
+  fit_all_to_all(result);
+  return result;
+}
+
+void fit_all_to_all(SpProfile& sp) {
   std::vector<std::vector<double>> rows;
   std::vector<double> targets;
-  for (size_t i = 0; i < result.points.size(); ++i) {
-    CommPoint& p = result.points[i];
-    p.measured_s = mean[i];
+  double fastest_rate = 0;  // bytes per second
+  for (const CommPoint& p : sp.points) {
     if (p.held_out) continue;
+    if (!(p.measured_s > 0) || !(p.bytes_leaving_rank > 0) || !std::isfinite(p.measured_s) ||
+        !std::isfinite(p.bytes_leaving_rank)) {
+      throw std::invalid_argument(fmt::format("all-to-all fit of sp_size {}: a point of {} bytes measured {} s "
+                                              "(both must be positive and finite)",
+                                              sp.sp_size, p.bytes_leaving_rank, p.measured_s));
+    }
     rows.push_back({1.0 / p.measured_s, p.bytes_leaving_rank / p.measured_s});
     targets.push_back(1.0);
+    fastest_rate = std::max(fastest_rate, p.bytes_leaving_rank / p.measured_s);
+  }
+  if (rows.empty()) {
+    throw std::invalid_argument(fmt::format("all-to-all fit of sp_size {}: no point to fit ({} held out)",
+                                            sp.sp_size, sp.points.size()));
   }
   const std::vector<double> coef = fit_nonnegative_least_squares(rows, targets);
-  if (!(coef[1] > 0)) {
-    throw std::runtime_error(fmt::format(
-        "SP profile: the all-to-all fit of sp_size {} found no cost per byte (times do not grow with the bytes "
-        "sent); rerun on an idle machine",
-        sp));
+  sp.bandwidth_fitted = coef[1] > 0;
+  if (sp.bandwidth_fitted) {
+    sp.fit.latency_s = coef[0];
+    sp.fit.bytes_per_s = 1.0 / coef[1];
+  } else {
+    sp.fit.bytes_per_s = fastest_rate;
+    std::vector<std::vector<double>> latency_rows;
+    std::vector<double> latency_targets;
+    std::string measured;
+    for (const CommPoint& p : sp.points) {
+      measured += fmt::format("{}{:.0f} B {:.3f} ms", measured.empty() ? "" : ", ", p.bytes_leaving_rank,
+                              1e3 * p.measured_s);
+      if (p.held_out) continue;
+      latency_rows.push_back({1.0 / p.measured_s});
+      latency_targets.push_back(1.0 - p.bytes_leaving_rank / fastest_rate / p.measured_s);
+    }
+    sp.fit.latency_s = fit_nonnegative_least_squares(latency_rows, latency_targets)[0];
+    spdlog::warn("SP profile: the all-to-all times of sp_size {} do not grow with the bytes sent (too noisy for "
+                 "a bandwidth fit); fitted the latency alone, {:.1f} us, with the fastest measured rate, {:.3f} "
+                 "GB/s, as the bandwidth. Measured (bytes leaving a rank, median time per call): {}. Rerun `dcp "
+                 "profile` on an idle machine for a better fit",
+                 sp.sp_size, 1e6 * sp.fit.latency_s, sp.fit.bytes_per_s / 1e9, measured);
   }
-  result.fit.latency_s = coef[0];
-  result.fit.bytes_per_s = 1.0 / coef[1];
   std::vector<double> errors;
   std::vector<bool> held_out;
-  for (CommPoint& p : result.points) {
-    p.predicted_s = result.fit.latency_s + p.bytes_leaving_rank / result.fit.bytes_per_s;
+  for (CommPoint& p : sp.points) {
+    p.predicted_s = sp.fit.latency_s + p.bytes_leaving_rank / sp.fit.bytes_per_s;
     errors.push_back(std::abs(p.predicted_s - p.measured_s) / p.measured_s);
     held_out.push_back(p.held_out);
   }
   const SplitErrors e = split_errors(errors, held_out);
-  result.heldout_median_error = e.heldout_median;
-  result.heldout_max_error = e.heldout_max;
-  result.fit_median_error = e.fit_median;
-  return result;
+  sp.heldout_median_error = e.heldout_median;
+  sp.heldout_max_error = e.heldout_max;
+  sp.fit_median_error = e.fit_median;
 }
 
 }  // namespace dcp

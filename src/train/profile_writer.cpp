@@ -24,6 +24,7 @@ nlohmann::json sequence_parallel_json(const ProfileResult& r) {
     fits.push_back({{"sp_size", c.sp_size},
                     {"latency_s", c.fit.latency_s},
                     {"bytes_per_s", c.fit.bytes_per_s},
+                    {"bandwidth_fitted", c.bandwidth_fitted},
                     {"overhead_s_per_byte", c.fit.overhead_s_per_byte},
                     {"heldout_median_rel_error", c.heldout_median_error},
                     {"heldout_max_rel_error", c.heldout_max_error},
@@ -50,7 +51,9 @@ nlohmann::json sequence_parallel_json(const ProfileResult& r) {
                       "bytes_leaving_rank = local_tokens * width * hidden * bytes_per_element * (sp - 1) / sp; in "
                       "a micro-batch each byte exchanged costs overhead_s_per_byte more (CostModel::all_to_all_bytes)"},
           {"weighting", "relative residuals, coefficients >= 0; every 3rd call point held out; overhead_s_per_byte "
-                        "fitted to the validation points with held_out false"},
+                        "fitted to the validation points with held_out false; bandwidth_fitted false: the times did "
+                        "not grow with the bytes, bytes_per_s is the fastest measured rate and latency_s was fitted "
+                        "alone"},
           {"fits", fits},
           {"validation", validation}};
 }

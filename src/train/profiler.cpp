@@ -3,6 +3,7 @@
 #include "dcp/profiler.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -23,6 +24,7 @@
 #include "train/profile_runs.h"
 #include "train/profile_validation.h"
 #include "util/clock.h"
+#include "util/logging.h"
 #include "util/stats.h"
 
 namespace dcp {
@@ -74,7 +76,7 @@ struct Grid {
   std::vector<int64_t> lengths, micro_batch_tokens;
 };
 
-Grid resolve_grid(const Config& cfg, const ProfileOptions& options) {
+Grid resolve_grid(const Config& cfg, const ProfileOptions& options, int64_t largest_sp_size) {
   if (options.repeats < 1 || options.comm_repeats < 1 || !(options.long_point_s > 0) || options.max_length < 0) {
     throw std::invalid_argument(fmt::format("profile: repeats {} and comm_repeats {} must be >= 1, long_point_s {} "
                                             "> 0 and max_length {} >= 0",
@@ -82,7 +84,13 @@ Grid resolve_grid(const Config& cfg, const ProfileOptions& options) {
                                             options.max_length));
   }
   Grid g;
-  g.max_length = options.max_length > 0 ? std::min(options.max_length, cfg.data.max_seq_len) : cfg.data.max_seq_len;
+  g.max_length = options.max_length > 0 ? options.max_length : cfg.data.max_seq_len;
+  const int64_t shortest = min_profile_max_length(largest_sp_size);
+  if (g.max_length < shortest || g.max_length > cfg.data.max_seq_len) {
+    throw std::invalid_argument(fmt::format("profile: max_length {} is outside [{}, data.max_seq_len {}] (the "
+                                            "shortest the grids can be built from with SP sizes up to {})",
+                                            g.max_length, shortest, cfg.data.max_seq_len, largest_sp_size));
+  }
   const std::vector<int64_t> lengths =
       options.sample_lengths.empty() ? default_sample_lengths(g.max_length) : options.sample_lengths;
   for (int64_t len : lengths) {
@@ -259,13 +267,37 @@ std::vector<int64_t> validation_lengths(const Grid& g, const ProfileOptions& opt
   return out;
 }
 
+// The SP sizes above 1 that profile_model profiles: those of parallel.sp_sizes (what the cache key names), not
+// every group the caller made (the trainer's also serve parallel.sp_size and plan files). Ulysses shards heads,
+// so a size that does not divide them cannot run this model and no planner chooses it: skipped, with a warning.
+std::vector<int64_t> profiled_sp_sizes(const Config& cfg, const Communicator& world) {
+  const std::vector<int64_t> usable = usable_sp_sizes(cfg.parallel.sp_sizes, world.size(), cfg.model.n_heads);
+  std::vector<int64_t> skipped, out;
+  for (int64_t sp : resolve_sp_sizes(cfg.parallel.sp_sizes, world.size())) {
+    if (std::find(usable.begin(), usable.end(), sp) == usable.end()) {
+      skipped.push_back(sp);
+    } else if (sp > 1) {
+      out.push_back(sp);
+    }
+  }
+  if (!skipped.empty() && world.rank() == 0) {
+    spdlog::warn("profile: {} SP size(s) of parallel.sp_sizes '{}' not profiled: {} do(es) not divide "
+                 "model.n_heads {} (Ulysses shards the heads over a group; no planner uses such a size)",
+                 skipped.size(), cfg.parallel.sp_sizes, fmt::join(skipped, ", "), cfg.model.n_heads);
+  }
+  return out;
+}
+
 }  // namespace
+
+int64_t min_profile_max_length(int64_t largest_sp_size) { return std::max<int64_t>(4, largest_sp_size); }
 
 ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, const ProfileOptions& options) {
   const auto wall_start = std::chrono::steady_clock::now();
-  const Grid grid = resolve_grid(cfg, options);
   const Communicator self("self", 0, 1, nullptr);
   const Communicator& world = groups ? groups->world() : self;
+  const std::vector<int64_t> sp_sizes = groups ? profiled_sp_sizes(cfg, world) : std::vector<int64_t>{};
+  const Grid grid = resolve_grid(cfg, options, sp_sizes.empty() ? 1 : sp_sizes.back());
 
   ProfileResult result;
   const Precision precision = resolve_precision(cfg.train.precision).precision;
@@ -316,11 +348,6 @@ ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, cons
 
   if (groups) {
     const at::ScalarType dtype = compute_dtype(precision);
-    std::vector<int64_t> sp_sizes;
-    for (int64_t sp : groups->sp_sizes()) {
-      // Ulysses shards heads: a size that does not divide them cannot run this model (the planners refuse it).
-      if (sp > 1 && cfg.model.n_heads % sp == 0) sp_sizes.push_back(sp);
-    }
     for (int64_t sp : sp_sizes) {
       result.sequence_parallel.push_back(profile_all_to_all(world, groups->group(sp), result.shape, dtype,
                                                             comm_tokens(grid, options, result.shape, sp), options.comm_repeats));

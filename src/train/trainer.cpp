@@ -4,6 +4,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -70,8 +71,7 @@ std::string resolve_cost_model(const Config& cfg, const ModelShape& shape, int64
     return profile_model(profiled, &groups);
   });
   if (c.profiled) {
-    spdlog::info("train.cost_model auto: profiled this model in {:.1f} s ({}); cached at {}", c.seconds, c.reason,
-                 c.path);
+    spdlog::info("train.cost_model auto: profiled this model in {:.1f} s; cached at {}", c.seconds, c.path);
   } else {
     spdlog::info("train.cost_model auto: cached profile {} (train.profile_dir; delete it to re-profile)", c.path);
   }
@@ -179,44 +179,39 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                                            : fmt::format("memory.fraction {} x {:.1f} GB", cfg.memory.fraction,
                                                          device.memory_bytes / 1e9),
                memory.source(), MemoryMeter::install());
-  std::vector<int64_t> sp_sizes;  // Ulysses shards heads: sizes that do not divide them cannot run
-  for (int64_t sp : resolve_sp_sizes(cfg.parallel.sp_sizes, env.world_size)) {
-    if (cfg.model.n_heads % sp == 0) sp_sizes.push_back(sp);
-  }
+  const std::vector<int64_t> sp_sizes = usable_sp_sizes(cfg.parallel.sp_sizes, env.world_size, cfg.model.n_heads);
   const std::vector<LengthNeed> needs = memory_needs(memory, sp_sizes, lengths.max);
   spdlog::info("memory: one sample of {}", describe_memory_needs(needs));
   DataParallelOptions dp{env.world_size, cfg.train.global_batch_tokens, cfg.train.micro_batch_tokens,
                          cfg.model.recompute_layers, cfg.parallel.sp_size};
+  int64_t static_max_sample_tokens = std::numeric_limits<int64_t>::max();  // static: longer samples skipped
   if (cfg.train.planner == "static" && cfg.parallel.sp_size == 0) {
-    const LengthNeed& longest = needs.back();
-    if (longest.sp_size == 0) {
-      throw ConfigError(fmt::format("parallel.sp_size 0: the longest training sample ({} tokens) fits no SP size of "
-                                    "parallel.sp_sizes '{}' within memory.budget_bytes {:.0f}, even with every layer "
-                                    "recomputed ({:.0f} bytes)",
-                                    longest.length, cfg.parallel.sp_sizes, memory.budget_bytes(), longest.bytes));
-    }
-    dp.sp_size = longest.sp_size;
-    dp.recompute_layers = longest.recompute_layers;
-    // Micro-batches packed to what the budget holds at that setting, as packed and bucket pack.
-    dp.micro_batch_tokens =
-        std::min(dp.micro_batch_tokens, memory.max_tokens(dp.sp_size, dp.recompute_layers) / dp.sp_size);
-    spdlog::info("static planner sized to the longest sample ({} tokens): sp {}, {} recomputed layers, micro-batches "
-                 "of up to {} tokens per rank",
-                 longest.length, dp.sp_size, dp.recompute_layers, dp.micro_batch_tokens);
+    const StaticSizing sizing = size_static_planner(dp, memory, sp_sizes, train_lengths);
+    dp = sizing.options;
+    static_max_sample_tokens = sizing.max_sample_tokens;
+    spdlog::info("static planner sized to the longest sample that fits ({} tokens of the longest {}): sp {}, {} "
+                 "recomputed layers, micro-batches of up to {} tokens per rank",
+                 sizing.longest.length, lengths.max, dp.sp_size, dp.recompute_layers, dp.micro_batch_tokens);
   }
 
   std::map<std::string, int64_t> planner_skips;
   auto plans_for = [&](int64_t epoch) {
     if (!file_plans.empty()) return file_plans;
+    PlanSet set;
     if (cfg.train.planner == "static") {
-      auto order = epoch_order(corpus.train_ids(), static_cast<uint64_t>(cfg.run.seed), epoch);
-      return plan_data_parallel(corpus.samples(), order, epoch, dp);
+      std::vector<int64_t> kept;
+      for (int64_t id : epoch_order(corpus.train_ids(), static_cast<uint64_t>(cfg.run.seed), epoch)) {
+        const bool fits = corpus.samples()[static_cast<size_t>(id)].length <= static_max_sample_tokens;
+        (fits ? kept : set.skipped_ids).push_back(id);
+      }
+      set.steps = plan_data_parallel(corpus.samples(), kept, epoch, dp);
+    } else {
+      PlannerOptions opt;
+      opt.seed = static_cast<uint64_t>(cfg.run.seed);
+      opt.tokens_per_step = cfg.train.global_batch_tokens;
+      set = plan_training_epoch(cfg.train.planner, corpus.samples(), corpus.train_ids(), epoch, env.world_size,
+                                cost, memory, opt);
     }
-    PlannerOptions opt;
-    opt.seed = static_cast<uint64_t>(cfg.run.seed);
-    opt.tokens_per_step = cfg.train.global_batch_tokens;
-    PlanSet set = plan_training_epoch(cfg.train.planner, corpus.samples(), corpus.train_ids(), epoch,
-                                      env.world_size, cost, memory, opt);
     if (!set.skipped_ids.empty()) {
       const Sample& example = corpus.samples()[static_cast<size_t>(set.skipped_ids[0])];
       spdlog::warn("planner {} skips {} sample(s) of epoch {}: longer than the memory budget admits at any SP size "

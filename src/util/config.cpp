@@ -7,6 +7,8 @@
 #include <fstream>
 #include <limits>
 
+#include "util/number_text.h"
+
 namespace dcp {
 namespace {
 
@@ -84,9 +86,10 @@ std::string describe(const IntRule& r) {
   if (r.max == std::numeric_limits<int64_t>::max()) return fmt::format("an integer >= {}", r.min);
   return fmt::format("an integer in [{}, {}]", r.min, r.max);
 }
+// "decimal": hex, inf and nan are refused (parse_decimal), as the message says.
 std::string describe(const RealRule& r) {
-  if (std::isinf(r.max)) return fmt::format("a number >= {}", r.min);
-  return fmt::format("a number in [{}, {}]", r.min, r.max);
+  if (std::isinf(r.max)) return fmt::format("a finite decimal number >= {}", r.min);
+  return fmt::format("a decimal number in [{}, {}]", r.min, r.max);
 }
 
 [[noreturn]] void fail(const std::string& key, const std::string& value, const std::string& allowed) {
@@ -106,15 +109,9 @@ void parse_into(const std::string& key, const std::string& text, int64_t& out, c
 }
 
 void parse_into(const std::string& key, const std::string& text, double& out, const RealRule& r) {
-  std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    fail(key, text, describe(r));
-  }
-  if (used != text.size() || !std::isfinite(v) || v < r.min || v > r.max) fail(key, text, describe(r));
-  out = v;
+  const std::optional<double> v = parse_decimal(text);
+  if (!v || !std::isfinite(*v) || *v < r.min || *v > r.max) fail(key, text, describe(r));
+  out = *v;
 }
 
 void parse_into(const std::string& key, const std::string& text, std::string& out, const Choices& c) {

@@ -1,5 +1,6 @@
 #include "util/file_write.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -37,6 +38,19 @@ void write_file_checked(const fs::path& path, std::string_view data) {
     if (fs::is_regular_file(path, ignored)) fs::remove(path, ignored);  // never a device such as /dev/full
     fail(path, err);
   }
+}
+
+std::string folder_write_problem(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) return fmt::format("'{}' is not a folder", dir.string());
+  fs::create_directories(dir, ec);
+  if (ec) return fmt::format("cannot create the folder '{}': {}", dir.string(), ec.message());
+  const fs::path probe = dir / fmt::format(".dcp-write-probe.{}", getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  if (fd < 0) return fmt::format("cannot create a file in the folder '{}': {}", dir.string(), std::strerror(errno));
+  ::close(fd);
+  fs::remove(probe, ec);
+  return "";
 }
 
 void append_line_checked(const fs::path& path, std::string_view line) {

@@ -192,6 +192,7 @@ TEST(CliBenchAttention, BadOptionsExitWithUsageErrorsNamingThem) {
       {{"--max-seconds", "nan"}, "--max-seconds: must be a positive finite number of seconds, got 'nan'"},
       {{"--max-bytes", "nan"}, "--max-bytes: must be a positive finite number of bytes (at least 1), got 'nan'"},
       {{"--max-bytes", "0.5"}, "got '0.5'"},
+      {{"--max-bytes", "0x10"}, "--max-bytes: must be a positive finite number of bytes (at least 1), got '0x10'"},
       {{"--out", ""}, "--out: must be a path prefix ending in a file name stem"},
       {{"--out", (dir / "sub/").string()}, "--out: must be a path prefix ending in a file name stem"},
       {{"--out", "/proc/x/y"}, "--out '/proc/x/y': cannot create the folder '/proc/x'"},

@@ -228,22 +228,34 @@ TEST(CliRuns, AutoCostModelProfilesOnceAndReprofilesACorruptOrOtherKeyCache) {
     const int status = c.wait(180);
     return std::make_pair(status, c.log());
   };
-  auto cache_files = [&] {
+  auto cache_files = [&] {  // the profiles (their .lock files stay beside them)
     std::vector<fs::path> out;
-    for (const auto& e : fs::directory_iterator(cache)) out.push_back(e.path());
+    for (const auto& e : fs::directory_iterator(cache)) {
+      if (e.path().extension() == ".json") out.push_back(e.path());
+    }
     return out;
+  };
+  // The reason for profiling is logged before the profile starts, not only after it.
+  auto reason_before_profile = [](const std::string& log, const std::string& reason) {
+    const size_t at = log.find("train.cost_model auto: profiling this model on every rank: " + reason);
+    return at != std::string::npos && at < log.find("train.cost_model auto: profiled this model in");
   };
   auto [s1, log1] = run("first", {});
   ASSERT_TRUE(exited_ok(s1)) << log1;
-  EXPECT_NE(log1.find("train.cost_model auto: profiled this model"), std::string::npos) << log1;
+  EXPECT_TRUE(reason_before_profile(log1, "no cached profile for this key in '" + cache.string() + "'")) << log1;
   ASSERT_EQ(cache_files().size(), 1u);
   const fs::path file = cache_files()[0];
+  EXPECT_TRUE(fs::exists(file.string() + ".lock"));
   const auto summary = nlohmann::json::parse(std::ifstream(dir / "first" / "summary.json"));
   EXPECT_EQ(summary.at("cost_model_file"), file.string());
   EXPECT_EQ(summary.at("memory_model"), "profile");
   const auto doc = nlohmann::json::parse(std::ifstream(file));
   EXPECT_EQ(doc.at("cache_key").at("world_size"), 2);
   EXPECT_EQ(doc.at("cache_key").at("threads_per_rank"), 1);
+  EXPECT_EQ(doc.at("cache_key").at("micro_batch_tokens"), 512);
+  // Only the SP sizes of parallel.sp_sizes that divide the heads: sp 2 on 2 ranks with 2 heads.
+  ASSERT_EQ(doc.at("sequence_parallel").at("fits").size(), 1u);
+  EXPECT_EQ(doc.at("sequence_parallel").at("fits")[0].at("sp_size"), 2);
 
   auto [s2, log2] = run("second", {});
   ASSERT_TRUE(exited_ok(s2)) << log2;
@@ -253,13 +265,81 @@ TEST(CliRuns, AutoCostModelProfilesOnceAndReprofilesACorruptOrOtherKeyCache) {
   fs::resize_file(file, fs::file_size(file) / 2);  // a crash of an older writer, a full disk
   auto [s3, log3] = run("corrupt", {});
   ASSERT_TRUE(exited_ok(s3)) << log3;
-  EXPECT_NE(log3.find("cache file '" + file.string() + "' is corrupt"), std::string::npos) << log3;
+  EXPECT_TRUE(reason_before_profile(log3, "cache file '" + file.string() + "' is corrupt")) << log3;
   EXPECT_NO_THROW(nlohmann::json::parse(std::ifstream(file)));  // re-profiled and rewritten whole
 
-  auto [s4, log4] = run("other_model", {"--model.d_ff=48"});
+  // train.micro_batch_tokens sets the grid's micro-batch sizes, so it is part of the key; the log names the
+  // field in which the closest cached profile differs.
+  auto [s4, log4] = run("other_grid", {"--train.micro_batch_tokens=1024"});
   ASSERT_TRUE(exited_ok(s4)) << log4;
-  EXPECT_NE(log4.find("no cached profile for this key"), std::string::npos) << log4;
+  EXPECT_TRUE(reason_before_profile(log4, "no cached profile for this key; the closest cached one, '" +
+                                              file.string() + "': micro_batch_tokens 512 there, 1024 now"))
+      << log4;
   EXPECT_EQ(cache_files().size(), 2u);
+  fs::remove_all(dir);
+}
+
+TEST(CliRuns, AutoCostModelProfilesOnlyTheSpSizesOfParallelSpSizes) {
+  // The static planner's parallel.sp_size 2 gets a process group, but the cache key names parallel.sp_sizes
+  // (1 and the world size 4 always among them): the profile times sp 4 only.
+  fs::path dir = make_workdir("auto_cost_sp");
+  Child c = Child::spawn(launch(4, train_args(dir, {"--train.max_steps=1", "--model.n_heads=4",
+                                                    "--parallel.sp_sizes=1,4", "--parallel.sp_size=2",
+                                                    "--train.cost_model=auto",
+                                                    "--train.profile_dir=" + (dir / "cache").string(),
+                                                    "--dist.timeout_s=30"})),
+                         {}, (dir / "run.log").string());
+  ASSERT_TRUE(exited_ok(c.wait(240))) << c.log();
+  const auto summary = nlohmann::json::parse(std::ifstream(dir / "run" / "summary.json"));
+  const auto doc = nlohmann::json::parse(std::ifstream(summary.at("cost_model_file").get<std::string>()));
+  const auto& fits = doc.at("sequence_parallel").at("fits");
+  ASSERT_EQ(fits.size(), 1u) << fits.dump();
+  EXPECT_EQ(fits[0].at("sp_size"), 4);
+  fs::remove_all(dir);
+}
+
+TEST(CliRuns, AutoCostModelRefusesAnUnwritableProfileDirBeforeProfiling) {
+  fs::path dir = make_workdir("auto_cost_dir");
+  std::ofstream(dir / "a_file") << "x";
+  // /proc exists and is a folder in which not even root can create a file; a_file is not a folder.
+  for (const auto& [profile_dir, expected] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"/proc", "train.profile_dir: cannot create a file in the folder '/proc'"},
+           {(dir / "a_file").string(), "train.profile_dir: '" + (dir / "a_file").string() + "' is not a folder"}}) {
+    Child c = Child::spawn(launch(2, train_args(dir, {"--train.max_steps=2", "--train.planner=dcp-opt",
+                                                      "--train.cost_model=auto", "--train.profile_dir=" + profile_dir})),
+                           {}, (dir / "run.log").string());
+    const int status = c.wait(60);
+    EXPECT_TRUE(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 2) << c.log();
+    EXPECT_NE(c.log().find(expected), std::string::npos) << c.log();
+    EXPECT_EQ(c.log().find("profiling this model"), std::string::npos) << c.log();
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CliRuns, TwoRunsSharingAProfileCacheProfileOnce) {
+  // Both runs start at once: the first to take the cache's lock profiles, the other waits and uses its file.
+  fs::path dir = make_workdir("auto_cost_shared");
+  const fs::path cache = dir / "cache";
+  auto start = [&](const std::string& name) {
+    return Child::spawn(launch(2, train_args(dir, {"--train.max_steps=1", "--train.planner=dcp-opt",
+                                                   "--train.cost_model=auto", "--train.profile_dir=" + cache.string(),
+                                                   "--run.dir=" + (dir / name).string()})),
+                        {}, (dir / (name + ".log")).string());
+  };
+  Child a = start("a"), b = start("b");
+  const int status_a = a.wait(240), status_b = b.wait(240);
+  ASSERT_TRUE(exited_ok(status_a)) << a.log();
+  ASSERT_TRUE(exited_ok(status_b)) << b.log();
+  const bool a_profiled = a.log().find("profiled this model in") != std::string::npos;
+  const std::string& reused = a_profiled ? b.log() : a.log();
+  EXPECT_NE((a_profiled ? a.log() : b.log()).find("profiled this model in"), std::string::npos);
+  EXPECT_EQ(reused.find("profiled this model in"), std::string::npos) << reused;
+  EXPECT_NE(reused.find("another run holds"), std::string::npos) << reused;
+  EXPECT_NE(reused.find("train.cost_model auto: cached profile"), std::string::npos) << reused;
+  int profiles = 0;
+  for (const auto& e : fs::directory_iterator(cache)) profiles += e.path().extension() == ".json";
+  EXPECT_EQ(profiles, 1);
   fs::remove_all(dir);
 }
 
@@ -281,8 +361,9 @@ TEST(CliRuns, FittedMemoryModelKeepsMeasuredPeaksUnderTheBudget) {
       base + 512.0 * (2 * m.at("token_layer_bytes").get<double>()) +
       512.0 * 128.0 * (2 * m.at("square_layer_bytes").get<double>() + m.at("square_bytes").get<double>());
 
-  auto train = [&](double budget_bytes, const std::string& name) {
-    Child c = Child::spawn(launch(2, train_args(dir, {"--train.max_steps=4", "--train.planner=dcp-opt",
+  auto train = [&](double budget_bytes, const std::string& name, const std::string& planner = "dcp-opt") {
+    Child c = Child::spawn(launch(2, train_args(dir, {"--train.max_steps=4", "--train.planner=" + planner,
+                                                      "--parallel.sp_size=0",  // static only: sized to the budget
                                                       "--train.cost_model=" + (dir / "profile.json").string(),
                                                       "--memory.budget_bytes=" + std::to_string(budget_bytes),
                                                       "--run.dir=" + (dir / name).string()})),
@@ -339,6 +420,17 @@ TEST(CliRuns, FittedMemoryModelKeepsMeasuredPeaksUnderTheBudget) {
   const auto mid_summary = nlohmann::json::parse(std::ifstream(dir / "some_fit" / "summary.json"));
   EXPECT_GT(mid_summary.at("samples_skipped").value("exceeds_memory_budget", 0), 0) << mid_summary.dump();
   EXPECT_NE(mid_log.find("longer than the memory budget admits"), std::string::npos) << mid_log;
+  // The static planner sized to the budget (parallel.sp_size 0) skips and counts the same samples instead of
+  // refusing the run, and exits 2 only when no sample fits.
+  auto [static_status, static_log] = train(mid, "static_some_fit", "static");
+  ASSERT_TRUE(exited_ok(static_status)) << static_log;
+  const auto static_summary = nlohmann::json::parse(std::ifstream(dir / "static_some_fit" / "summary.json"));
+  EXPECT_GT(static_summary.at("samples_skipped").value("exceeds_memory_budget", 0), 0) << static_summary.dump();
+  EXPECT_NE(static_log.find("planner static skips"), std::string::npos) << static_log;
+  EXPECT_NE(static_log.find("static planner sized to the longest sample that fits"), std::string::npos) << static_log;
+  auto [static_none, static_none_log] = train(base + 64.0, "static_none", "static");
+  EXPECT_TRUE(WIFEXITED(static_none) && WEXITSTATUS(static_none) == 2) << static_none_log;
+  EXPECT_NE(static_none_log.find("parallel.sp_size 0: no training sample fits"), std::string::npos) << static_none_log;
   fs::remove_all(dir);
 }
 
@@ -379,6 +471,42 @@ TEST(CliRuns, TwoRankProfileFitsTheAllToAllAndChecksSpMicroBatches) {
   EXPECT_EQ(validation[9].at("sample_length"), 2048);
   EXPECT_EQ(validation[9].at("recompute_layers"), 2);
   EXPECT_NE(p.log().find("all-to-all fits"), std::string::npos) << p.log();
+  fs::remove_all(dir);
+}
+
+TEST(CliRuns, ProfileChecksMaxLengthUpFrontAndNamesSkippedSpSizes) {
+  fs::path dir = make_workdir("profile_checks");
+  const std::vector<std::string> model = {"--model.d_model=32", "--model.n_layers=2", "--model.d_ff=64",
+                                          "--data.max_seq_len=128", "--train.threads=1", "--dist.timeout_s=20"};
+  auto profile = [&](const std::vector<std::string>& extra, int nproc) {
+    std::vector<std::string> args = {"profile", "--out", (dir / "profile.json").string(), "--repeats", "1"};
+    args.insert(args.end(), model.begin(), model.end());
+    args.insert(args.end(), extra.begin(), extra.end());
+    if (nproc == 1) {
+      args.insert(args.begin(), DCP_BINARY);
+    } else {
+      args = launch(nproc, args);
+    }
+    Child c = Child::spawn(args, {}, (dir / "profile.log").string());
+    const int status = c.wait(120);
+    return std::make_pair(status, c.log());
+  };
+  // Too short for the grid, or longer than any sample: usage errors with the range, before anything runs.
+  for (const char* length : {"1", "1000"}) {
+    auto [status, log] = profile({"--max-length", length}, 1);
+    EXPECT_TRUE(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 2) << log;
+    EXPECT_NE(log.find("--max-length " + std::string(length) + ": outside the allowed range [4, 128]"),
+              std::string::npos)
+        << log;
+    EXPECT_FALSE(fs::exists(dir / "profile.json"));
+  }
+  // One head cannot be split over the sp-2 group: that size is named, not silently left out.
+  auto [status, log] = profile({"--model.n_heads=1"}, 2);
+  ASSERT_TRUE(exited_ok(status)) << log;
+  EXPECT_NE(log.find("1 SP size(s) of parallel.sp_sizes 'pow2' not profiled: 2 do(es) not divide model.n_heads 1"),
+            std::string::npos)
+      << log;
+  EXPECT_FALSE(nlohmann::json::parse(std::ifstream(dir / "profile.json")).contains("sequence_parallel"));
   fs::remove_all(dir);
 }
 
@@ -496,13 +624,20 @@ TEST(CliRuns, BenchRejectsBadInputsBeforeTraining) {
     std::vector<std::string> args;
     std::string expected;
   };
+  std::ofstream(dir / "a_file") << "x";
   std::vector<Case> cases = {
       {{"--planners", "bucket,no-such-planner"}, "unknown planner 'no-such-planner'"},
+      {{"--planners", "static,"}, "--planners 'static,': an empty entry"},
+      {{"--planners", "static,,bucket"}, "--planners 'static,,bucket': an empty entry"},
       {{"--train.planner=packed"}, "train.planner"},
       {{"--model.n_layers=-2"}, "model.n_layers"},
+      {{"--memory.budget_bytes=0x10"}, "'memory.budget_bytes': bad value '0x10'"},
+      {{"--out", (dir / "a_file").string()}, "--out '" + (dir / "a_file").string() + "': '" +
+                                                 (dir / "a_file").string() + "' is not a folder"},
   };
   for (const auto& c : cases) {
-    std::vector<std::string> args = {DCP_BINARY, "bench", "--out", (dir / "bench").string()};
+    std::vector<std::string> args = {DCP_BINARY, "bench", "--no-plot"};
+    if (c.args[0] != "--out") args.insert(args.end(), {"--out", (dir / "bench").string()});
     args.insert(args.end(), c.args.begin(), c.args.end());
     Child ch = Child::spawn(args, {}, (dir / "bad.log").string());
     int status = ch.wait(60);

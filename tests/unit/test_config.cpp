@@ -57,6 +57,22 @@ TEST(Config, BadValuesNameKeyValueAndAllowed) {
   EXPECT_THROW(Config::load("", {"--data.heldout_fraction=nan"}), ConfigError);
 }
 
+TEST(Config, NumbersAreDecimalAndFinite) {
+  // std::stod would read 0x10 as 16 and inf as infinity; a byte count or a rate is written in decimal.
+  for (const char* text : {"0x10", "inf", "-inf", "nan", "infinity", " 5", "5 ", "1e", ".", "1e999", "+"}) {
+    const std::string msg = error_of([&] { Config::load("", {std::string("--memory.budget_bytes=") + text}); });
+    EXPECT_NE(msg.find("bad value '" + std::string(text) + "' (allowed: a finite decimal number >= 0)"),
+              std::string::npos)
+        << msg;
+  }
+  EXPECT_NE(error_of([] { Config::load("", {"--train.lr=0x1"}); }).find("(allowed: a decimal number in [0, 10])"),
+            std::string::npos);
+  EXPECT_DOUBLE_EQ(Config::load("", {"--memory.budget_bytes=128e6"}).memory.budget_bytes, 128e6);
+  EXPECT_DOUBLE_EQ(Config::load("", {"--memory.budget_bytes=+1.5E3"}).memory.budget_bytes, 1500.0);
+  EXPECT_DOUBLE_EQ(Config::load("", {"--train.lr=.5"}).train.lr, 0.5);
+  EXPECT_DOUBLE_EQ(Config::load("", {"--train.lr=1."}).train.lr, 1.0);
+}
+
 TEST(Config, FileErrorsNameThePath) {
   std::string msg = error_of([] { Config::load("/nonexistent/dcp.yaml", {}); });
   EXPECT_NE(msg.find("/nonexistent/dcp.yaml"), std::string::npos) << msg;

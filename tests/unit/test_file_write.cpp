@@ -44,3 +44,17 @@ TEST(FileWrite, FullDiskAndMissingFolderAreNamedErrors) {
                 .find("cannot write '/nonexistent_dcp_dir/x': No such file or directory"),
             std::string::npos);
 }
+
+TEST(FileWrite, FolderWriteProblemCreatesTheFolderAndNamesAnUnusableOne) {
+  const fs::path dir = fs::temp_directory_path() / "dcp_folder_probe_test";
+  fs::remove_all(dir);
+  EXPECT_EQ(folder_write_problem(dir / "a" / "b"), "");
+  EXPECT_TRUE(fs::is_directory(dir / "a" / "b"));
+  EXPECT_TRUE(fs::is_empty(dir / "a" / "b"));  // the probe file is gone
+  write_file_checked(dir / "file", "x");
+  EXPECT_EQ(folder_write_problem(dir / "file"), "'" + (dir / "file").string() + "' is not a folder");
+  EXPECT_NE(folder_write_problem(dir / "file" / "sub").find("cannot create the folder"), std::string::npos);
+  // /proc exists and is a folder, but no file can be created in it, not even by root (permissions would not do).
+  EXPECT_NE(folder_write_problem("/proc").find("cannot create a file in the folder '/proc'"), std::string::npos);
+  fs::remove_all(dir);
+}

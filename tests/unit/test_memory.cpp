@@ -151,6 +151,29 @@ TEST(MemoryNeeds, SmallestSpSizeThenFewestRecomputedLayersPerLength) {
   EXPECT_THROW(memory_needs(m, {}, 10), std::invalid_argument);
 }
 
+TEST(StaticSizing, SizesToTheLongestSampleThatFitsAndSkipsOnlyThoseNothingFits) {
+  MemoryCoefficients c;  // as in MemoryNeeds: 1000 B kept, 500 B recomputed per token and layer
+  c.base_bytes = 1e6;
+  c.token_layer_bytes = 1000;
+  c.token_recompute_bytes = 500;
+  const MemoryModel m(small_shape(), c, 1e6 + 4 * 1000 * 1024.0, 0);  // 4096 tokens fit sp 2, recompute 4
+  DataParallelOptions dp{2, 16384, 8192, 0, 0};
+  const StaticSizing s = size_static_planner(dp, m, {1, 2}, {300, 8192, 1024, 4096, 5000, 300});
+  EXPECT_EQ(s.longest.length, 4096);  // 5000 and 8192 fit neither size even with every layer recomputed
+  EXPECT_EQ(s.options.sp_size, 2);
+  EXPECT_EQ(s.options.recompute_layers, 4);
+  EXPECT_EQ(s.options.micro_batch_tokens, m.max_tokens(2, 4) / 2);
+  EXPECT_EQ(s.options.world_size, 2);
+  EXPECT_EQ(s.options.global_batch_tokens, 16384);
+  EXPECT_EQ(s.max_sample_tokens, 4096);
+  // Nothing fits: a usage error naming the budget and the shortest sample.
+  const std::string msg = test::error_of([&] { size_static_planner(dp, m, {1, 2}, {5000, 8192}); });
+  EXPECT_NE(msg.find("no training sample fits SP sizes 1, 2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("the shortest (5000 tokens)"), std::string::npos) << msg;
+  EXPECT_THROW(size_static_planner(dp, m, {1, 2}, {5000}), ConfigError);
+  EXPECT_THROW(size_static_planner(dp, m, {1, 2}, {}), std::invalid_argument);
+}
+
 TEST(MemoryModelFitted, TokenOnlyBytesBoundEveryPackingOfThatManyTokens) {
   const MemoryModel m(small_shape(), fitted_like(), 1e9, 512);
   // Up to the longest sample a single sample is the worst case; beyond it, samples of the longest length.

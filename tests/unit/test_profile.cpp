@@ -13,6 +13,7 @@
 #include "dcp/profiler.h"
 #include "error_of.h"
 #include "train/over_ranks.h"
+#include "train/profile_comm.h"
 #include "train/profile_validation.h"
 #include "util/stats.h"
 
@@ -223,6 +224,51 @@ TEST(ProfileFile, MalformedSequenceParallelIsNamedWithTheFileAndField) {
                  "sequence_parallel.fits[0].sp_size");
   expect_refused([](nlohmann::json& j) { j["sequence_parallel"]["fits"][1]["sp_size"] = 2; },
                  "sequence_parallel.fits[1].sp_size");
+}
+
+// Call points of an all-to-all profile: `seconds` per call for calls of 1, 2, 4, ... MB, every 3rd held out.
+SpProfile comm_points(const std::vector<double>& seconds) {
+  SpProfile sp;
+  sp.sp_size = 2;
+  for (size_t i = 0; i < seconds.size(); ++i) {
+    CommPoint p;
+    p.bytes_leaving_rank = 1e6 * static_cast<double>(1 << i);
+    p.measured_s = seconds[i];
+    p.held_out = i % 3 == 2;
+    sp.points.push_back(p);
+  }
+  return sp;
+}
+
+TEST(ProfileComm, AllToAllFitRecoversLatencyAndBandwidth) {
+  std::vector<double> seconds;
+  for (int i = 0; i < 6; ++i) seconds.push_back(50e-6 + 1e6 * (1 << i) / 2e9);
+  SpProfile sp = comm_points(seconds);
+  fit_all_to_all(sp);
+  EXPECT_TRUE(sp.bandwidth_fitted);
+  EXPECT_NEAR(sp.fit.latency_s, 50e-6, 1e-9);
+  EXPECT_NEAR(sp.fit.bytes_per_s, 2e9, 1e3);
+  EXPECT_LT(sp.heldout_max_error, 1e-9);
+}
+
+TEST(ProfileComm, TimesThatDoNotGrowWithTheBytesFallBackToALatencyOnlyFit) {
+  // Noise: the larger calls measured faster than the small ones. The two-term fit finds no cost per byte; the
+  // fallback keeps the fastest rate measured (16 MB in 2 ms among the fitted points) and fits the latency alone.
+  SpProfile sp = comm_points({4e-3, 3e-3, 99.0, 3e-3, 2e-3, 99.0});
+  fit_all_to_all(sp);
+  EXPECT_FALSE(sp.bandwidth_fitted);
+  EXPECT_DOUBLE_EQ(sp.fit.bytes_per_s, 16e6 / 2e-3);
+  EXPECT_GE(sp.fit.latency_s, 0.0);
+  for (const CommPoint& p : sp.points) {
+    // the bytes term alone never exceeds a fitted measurement
+    if (!p.held_out) EXPECT_GE(p.measured_s * (1 + 1e-12), p.bytes_leaving_rank / sp.fit.bytes_per_s);
+    EXPECT_DOUBLE_EQ(p.predicted_s, sp.fit.latency_s + p.bytes_leaving_rank / sp.fit.bytes_per_s);
+  }
+  // What the cost model reads back accepts it (finite, positive bandwidth).
+  EXPECT_TRUE(std::isfinite(sp.fit.bytes_per_s) && sp.fit.bytes_per_s > 0);
+  SpProfile empty = comm_points({1e-3});
+  empty.points[0].held_out = true;
+  EXPECT_THROW(fit_all_to_all(empty), std::invalid_argument);
 }
 
 TEST(ProfileStats, OverRanksOfOneProcessAndSplitErrors) {
