@@ -100,6 +100,11 @@ struct EvalConfig {
   int64_t max_tokens = 131072;  ///< held-out tokens evaluated (0 = all)
 };
 
+/// kv.*: the KV cache of softmax models in `dcp generate` (docs/kv_cache.md).
+struct KvConfig {
+  int64_t chunk_tokens = 512;  ///< prefill chunk: tokens run per forward when the cache is (re)built
+};
+
 struct DistConfig {
   double timeout_s = 60.0;  ///< a collective or rendezvous that waits longer fails with an error
 };
@@ -114,6 +119,7 @@ struct Config {
   ParallelConfig parallel;
   EvalConfig eval;
   DistConfig dist;
+  KvConfig kv;
 
   /// Loads defaults, then the YAML file (if `path` is non-empty), then `overrides` ("section.key=value").
   /// Throws ConfigError (unknown key, bad value) or std::runtime_error (unreadable file).

@@ -89,6 +89,8 @@ class SoftmaxAttention : public AttentionBackend {
   torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& cu_seqlens) const override;
   Impl impl() const { return impl_; }
+  /// The operator's options (score scale, tiles); a KV-cache decoder attends with the same ones.
+  const AttentionOptions& options() const { return options_; }
 
  private:
   Impl impl_;

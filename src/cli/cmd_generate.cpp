@@ -18,14 +18,19 @@ void add_generate_command(CLI::App& app) {
       ->check(finite_number_validator("", 0, true))
       ->check(CLI::Range(0.0, 100.0));
   sub->add_option("--top-k", opt->top_k, "sample among the k most likely bytes; 0 = all")->check(CLI::Range(0, 256));
+  auto chunk_tokens = std::make_shared<int64_t>(0);
+  sub->add_option("--chunk-tokens", *chunk_tokens,
+                  "softmax models: prefill chunk of the KV cache, tokens (default: the checkpoint's kv.chunk_tokens)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   sub->add_option("--seed", opt->seed, "sampling seed")->check(CLI::Validator(
       [](std::string& text) { return text.rfind('-', 0) == 0 ? std::string("must be >= 0") : std::string(); }, "SEED"));
-  sub->callback([checkpoint, prompt, opt] {
+  sub->callback([checkpoint, prompt, opt, chunk_tokens] {
     Config cfg = load_checkpoint_config(*checkpoint);
     // The run's train.precision, resolved on this CPU (auto may differ from the machine that trained).
     Transformer model(cfg.model, cfg.attention, resolve_precision(cfg.train.precision).precision);
     load_checkpoint(*checkpoint, model, nullptr);
     opt->context = cfg.data.max_seq_len;
+    opt->chunk_tokens = *chunk_tokens > 0 ? *chunk_tokens : cfg.kv.chunk_tokens;
     std::string text = generate(model, *prompt, *opt);
     fmt::print("{}{}\n", *prompt, text);
   });

@@ -7,46 +7,58 @@
 namespace dcp {
 
 std::string generate(Transformer& model, const std::string& prompt, const GenerateOptions& opt) {
-  if (opt.max_new_tokens < 0 || opt.temperature < 0 || opt.top_k < 0 || opt.context < 1) {
+  if (opt.max_new_tokens < 0 || opt.temperature < 0 || opt.top_k < 0 || opt.context < 1 || opt.chunk_tokens < 1) {
     throw std::invalid_argument(fmt::format(
-        "generate: max_new_tokens {}, temperature {}, top_k {} must be >= 0 and context {} >= 1",
-        opt.max_new_tokens, opt.temperature, opt.top_k, opt.context));
+        "generate: max_new_tokens {}, temperature {}, top_k {} must be >= 0, context {} and chunk_tokens {} >= 1",
+        opt.max_new_tokens, opt.temperature, opt.top_k, opt.context, opt.chunk_tokens));
   }
   torch::NoGradGuard no_grad;
   model->eval();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
   std::vector<int64_t> tokens{kBosToken};
   for (unsigned char c : prompt) tokens.push_back(c);
-  // A flexformer model decodes recurrently: only the tokens not yet seen run, from each layer's carried state.
-  // When the window slides, positions restart at 0, so the state is rebuilt from the new window's tokens:
-  // the same logits as recomputing the window, at O(1) per token until then.
-  std::shared_ptr<FlexformerDecoding> decoding;
+  // Both decoders run only the tokens not yet seen: a softmax model from its KV cache, a flexformer model from
+  // each layer's carried state. When the window slides, positions restart at 0, so cache or states are rebuilt
+  // from the new window's tokens: the same logits as recomputing the window, cheap per token until then.
+  std::shared_ptr<FlexformerDecoding> recurrent;
+  std::unique_ptr<DecodeSession> session;
   if (model->cfg.n_layers > 0 &&
       dynamic_cast<const FlexformerAttention*>(model->blocks->ptr<BlockImpl>(0)->attention.get()) != nullptr) {
-    decoding = std::make_shared<FlexformerDecoding>(model->cfg.n_layers);
+    recurrent = std::make_shared<FlexformerDecoding>(model->cfg.n_layers);
+  } else {
+    session = std::make_unique<DecodeSession>(model, opt.chunk_tokens);
   }
   int64_t cached_start = -1, cached = 0;  // window start the states were built for, and tokens they cover
-  std::string out;
-  for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
-    int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - opt.context);
-    int64_t first = 0;  // position (inside the window) of the first token to run
-    if (decoding) {
-      if (start != cached_start) {
-        decoding->reset();
-        cached_start = start;
-        cached = 0;
+  // Logits [kVocabSize] after tokens[start..end): from the cache or states where they cover tokens[start..end-1).
+  auto next_logits = [&](int64_t start) -> torch::Tensor {
+    const bool rebuild = start != cached_start;
+    cached_start = start;
+    if (session) {
+      if (rebuild) {
+        session->reset();
+        return session->prefill(std::vector<int64_t>(tokens.begin() + start, tokens.end())).select(0, -1);
       }
-      first = cached;
+      return session->decode(tokens.back());
     }
-    int64_t n = static_cast<int64_t>(tokens.size()) - start - first;
+    if (rebuild) {
+      recurrent->reset();
+      cached = 0;
+    }
+    const int64_t first = cached;  // position (inside the window) of the first token to run
+    const int64_t n = static_cast<int64_t>(tokens.size()) - start - first;
     PackedBatch batch;
     batch.tokens = torch::tensor(std::vector<int64_t>(tokens.begin() + start + first, tokens.end()), torch::kInt64);
     batch.targets = torch::zeros({n}, torch::kInt64);
     batch.positions = torch::arange(first, first + n, torch::kInt64);
     batch.cu_seqlens = torch::tensor({int64_t{0}, n}, torch::kInt64);
-    batch.attention = decoding;
-    if (decoding) cached = first + n;
-    torch::Tensor logits = model->forward(batch)[n - 1].slice(0, 0, 256).to(torch::kFloat64);  // bytes only
+    batch.attention = recurrent;
+    cached = first + n;
+    return model->forward(batch)[n - 1];
+  };
+  std::string out;
+  for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
+    int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - opt.context);
+    torch::Tensor logits = next_logits(start).slice(0, 0, 256).to(torch::kFloat64);  // bytes only
     int64_t next;
     if (opt.temperature == 0) {
       next = logits.argmax().item<int64_t>();

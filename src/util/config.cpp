@@ -74,6 +74,7 @@ void visit(C& c, F&& f) {
   f("parallel.sp_sizes", c.parallel.sp_sizes, Choices{});
   f("eval.max_tokens", c.eval.max_tokens, IntRule{0});
   f("dist.timeout_s", c.dist.timeout_s, RealRule{0.1, 86400.0});
+  f("kv.chunk_tokens", c.kv.chunk_tokens, IntRule{1, 1 << 24});
 }
 
 std::string join(const Choices& v) {

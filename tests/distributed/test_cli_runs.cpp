@@ -577,6 +577,37 @@ TEST(CliRuns, BadInputsGiveClearErrors) {
   fs::remove_all(dir);
 }
 
+// dcp generate on a softmax checkpoint decodes through the KV cache; the prefill chunk changes nothing (fp32, greedy,
+// 150 bytes: the 128-token window slides, so the cache is also rebuilt from slid windows).
+TEST(CliRuns, GenerateDecodesThroughTheKvCacheWithAnyChunkSize) {
+  fs::path dir = make_workdir("generate");
+  std::vector<std::string> train = train_args(dir, {"--train.max_steps=2", "--train.precision=fp32"});
+  train.insert(train.begin(), DCP_BINARY);
+  Child trainer = Child::spawn(train, {}, (dir / "train.log").string());
+  ASSERT_TRUE(exited_ok(trainer.wait(240))) << trainer.log();
+  auto generate = [&](const std::string& chunk) {
+    std::vector<std::string> args = {DCP_BINARY, "generate", "--checkpoint", (dir / "run" / "checkpoint").string(),
+                                     "--prompt", "Document 7: the", "--max-new-tokens", "150", "--temperature", "0"};
+    if (!chunk.empty()) args.insert(args.end(), {"--chunk-tokens", chunk});
+    Child g = Child::spawn(args, {}, (dir / ("generate" + chunk + ".log")).string());
+    const int status = g.wait(120);
+    return std::pair{exited_ok(status), g.log()};
+  };
+  const auto by_config = generate("");  // kv.chunk_tokens of the checkpoint's config: 512
+  ASSERT_TRUE(by_config.first) << by_config.second;
+  EXPECT_EQ(by_config.second.rfind("Document 7: the", 0), 0u) << by_config.second;
+  EXPECT_GT(by_config.second.size(), 150u);
+  for (const char* chunk : {"1", "7"}) {
+    const auto other = generate(chunk);
+    ASSERT_TRUE(other.first) << other.second;
+    EXPECT_EQ(other.second, by_config.second) << "chunk " << chunk;
+  }
+  const auto bad = generate("0");
+  EXPECT_FALSE(bad.first);
+  EXPECT_NE(bad.second.find("--chunk-tokens"), std::string::npos) << bad.second;
+  fs::remove_all(dir);
+}
+
 TEST(CliRuns, BenchComparesPlannersOnTheSameSamples) {
   fs::path dir = make_workdir("bench");
   std::vector<std::string> args = train_args(dir, {"--train.max_steps=4"});

@@ -1,0 +1,151 @@
+// Attention of a chunk over a KV cache plus itself: the cache part per head (heads differ in length and carry
+// log-weight biases), the chunk part by the causal tiled operator, combined exactly in the (out, lse) form.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include "dcp/infer.h"
+
+namespace dcp {
+namespace {
+
+// Keys per block of the cache part: bounds its [T, block] score temporaries (8 MiB for a 512-token chunk in
+// fp32) whatever the cache length.
+constexpr int64_t kKeyBlock = 4096;
+
+void check_chunk(const char* who, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                 const KvCache& cache, int64_t layer) {
+  const KvCacheSpec& s = cache.spec();
+  if (layer < 0 || layer >= s.layers) {
+    throw std::invalid_argument(fmt::format("{}: layer {} outside [0, {})", who, layer, s.layers));
+  }
+  auto shape = [](const torch::Tensor& t) { return t.defined() ? c10::str(t.sizes()) : std::string("undefined"); };
+  if (!q.defined() || q.dim() != 3 || q.size(0) < 1 || q.size(1) != s.kv_heads || q.size(2) != s.head_dim ||
+      !k.defined() || k.sizes() != q.sizes() || !v.defined() || v.dim() != 3 || v.size(0) != q.size(0) ||
+      v.size(1) != s.kv_heads || v.size(2) != s.value_dim) {
+    throw std::invalid_argument(fmt::format(
+        "{}: layer {}: q, k must be [T >= 1, {}, {}] and v [T, {}, {}] (the cache's heads and dims), got q {}, k {}, v {}",
+        who, layer, s.kv_heads, s.head_dim, s.kv_heads, s.value_dim, shape(q), shape(k), shape(v)));
+  }
+  if (s.value_dim != s.head_dim) {
+    throw std::invalid_argument(fmt::format("{}: value_dim {} != head_dim {} is not supported by the chunk operator",
+                                            who, s.value_dim, s.head_dim));
+  }
+  for (const auto* t : {&q, &k, &v}) {
+    if (t->scalar_type() != s.dtype) {
+      throw std::invalid_argument(fmt::format("{}: layer {}: q, k, v must be {} (the cache dtype), got {}", who, layer,
+                                              c10::toString(s.dtype), c10::toString(t->scalar_type())));
+    }
+  }
+}
+
+torch::ScalarType stat_dtype(torch::ScalarType t) { return t == torch::kDouble ? torch::kDouble : torch::kFloat; }
+
+torch::Tensor one_sequence(int64_t tokens) { return torch::tensor({int64_t{0}, tokens}, torch::kInt64); }
+
+}  // namespace
+
+KvCacheSpec kv_cache_spec(const Transformer& model) {
+  KvCacheSpec s;
+  s.layers = model->cfg.n_layers;
+  s.kv_heads = model->cfg.n_heads;
+  s.head_dim = model->cfg.n_heads > 0 ? model->cfg.d_model / model->cfg.n_heads : 0;
+  s.value_dim = s.head_dim;
+  s.dtype = compute_dtype(model->precision);
+  s.device = model->embed->weight.device();
+  return s;
+}
+
+AttentionResult kv_cache_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const KvCache& cache, int64_t layer, const AttentionOptions& options) {
+  check_chunk("kv_cache_attention", q, k, v, cache, layer);
+  torch::NoGradGuard no_grad;
+  const int64_t T = q.size(0), heads = q.size(1), dv = v.size(2);
+  const double scale = options.scale > 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  const torch::Tensor cu = one_sequence(T);
+  AttentionResult chunk = q.is_cpu() ? tiled_attention_forward(q, k, v, cu, cu, /*causal=*/true, options)
+                                     : reference_attention(q, k, v, cu, cu, /*causal=*/true, scale);
+  const auto st = stat_dtype(q.scalar_type());
+  const auto opt = q.options().dtype(st);
+  torch::Tensor out = torch::zeros({T, heads, dv}, opt);
+  torch::Tensor lse = torch::full({T, heads}, -std::numeric_limits<double>::infinity(), opt);
+  bool any = false;
+  for (int64_t h = 0; h < heads; ++h) {
+    const KvHeadView view = cache.view(layer, h);
+    const int64_t n = view.length();
+    if (n == 0) continue;
+    any = true;
+    const torch::Tensor qh = q.select(1, h).to(st) * scale;  // [T, d]
+    AttentionResult acc;
+    for (int64_t b0 = 0; b0 < n; b0 += kKeyBlock) {
+      const int64_t nb = std::min(kKeyBlock, n - b0);
+      // logits [T, nb] = scale q.k + log-weight: an entry of bias log w weighs like w copies of itself.
+      torch::Tensor logits = torch::matmul(qh, view.keys.narrow(0, b0, nb).to(st).t()) +
+                             view.bias.narrow(0, b0, nb).to(st).unsqueeze(0);
+      torch::Tensor block_lse = torch::logsumexp(logits, 1);  // [T]
+      torch::Tensor block_out = torch::matmul(torch::exp(logits - block_lse.unsqueeze(1)), view.values.narrow(0, b0, nb).to(st));
+      AttentionResult block{block_out.unsqueeze(1), block_lse.unsqueeze(1)};
+      acc = acc.out.defined() ? merge_attention(acc, block) : block;
+    }
+    out.select(1, h).copy_(acc.out.squeeze(1));
+    lse.select(1, h).copy_(acc.lse.squeeze(1));
+  }
+  if (!any) return chunk;
+  AttentionResult merged = merge_attention({out, lse}, chunk);
+  return {merged.out.to(q.scalar_type()), merged.lse};
+}
+
+AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                             const KvCache& cache, int64_t layer, double scale) {
+  check_chunk("reference_kv_cache_attention", q, k, v, cache, layer);
+  torch::NoGradGuard no_grad;
+  const int64_t T = q.size(0), heads = q.size(1);
+  if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  std::vector<torch::Tensor> outs, lses;
+  for (int64_t h = 0; h < heads; ++h) {
+    const KvHeadView view = cache.view(layer, h);
+    const int64_t n = view.length();
+    auto keys = torch::cat({view.keys.to(torch::kDouble), k.select(1, h).to(torch::kDouble)});
+    auto values = torch::cat({view.values.to(torch::kDouble), v.select(1, h).to(torch::kDouble)});
+    auto bias = torch::cat({view.bias.to(torch::kDouble), torch::zeros({T}, view.bias.options().dtype(torch::kDouble))});
+    auto logits = scale * torch::matmul(q.select(1, h).to(torch::kDouble), keys.t()) + bias.unsqueeze(0);  // [T, n+T]
+    // Cache columns are visible to every query; chunk column n + j to queries i >= j.
+    auto row = torch::arange(T, logits.options().dtype(torch::kInt64)).unsqueeze(1);
+    auto col = torch::arange(n + T, logits.options().dtype(torch::kInt64)).unsqueeze(0);
+    logits = logits.masked_fill(col - n > row, -std::numeric_limits<double>::infinity());
+    auto l = torch::logsumexp(logits, 1);
+    outs.push_back(torch::matmul(torch::exp(logits - l.unsqueeze(1)), values));
+    lses.push_back(l);
+  }
+  return {torch::stack(outs, 1).to(q.scalar_type()), torch::stack(lses, 1).to(stat_dtype(q.scalar_type()))};
+}
+
+KvCacheAttention::KvCacheAttention(std::shared_ptr<KvCache> cache, torch::Tensor positions)
+    : cache_(std::move(cache)), positions_(std::move(positions)) {
+  if (!cache_) throw std::invalid_argument("KvCacheAttention: cache is null");
+}
+
+torch::Tensor KvCacheAttention::forward(const AttentionBackend& inner, int64_t layer, const torch::Tensor& q,
+                                        const torch::Tensor& k, const torch::Tensor& v,
+                                        const torch::Tensor& cu_seqlens) const {
+  const auto* softmax = dynamic_cast<const SoftmaxAttention*>(&inner);
+  if (softmax == nullptr) {
+    throw std::invalid_argument(fmt::format(
+        "KvCacheAttention: the attention backend of layer {} is not softmax (a KV cache needs attention.backend: "
+        "softmax; flexformer decodes with FlexformerDecoding)", layer));
+  }
+  const int64_t T = q.size(0);
+  if (cu_seqlens.numel() != 2 || cu_seqlens[1].item<int64_t>() != T || positions_.numel() != T) {
+    throw std::invalid_argument(fmt::format(
+        "KvCacheAttention: layer {}: the batch must be one sequence of {} tokens with as many positions (cu_seqlens {}, "
+        "positions {})", layer, T, c10::str(cu_seqlens.sizes()), positions_.numel()));
+  }
+  // Attend over the cache as it was before this chunk, then append: the chunk part is causal on its own.
+  AttentionResult result = kv_cache_attention(q, k, v, *cache_, layer, softmax->options());
+  cache_->append(layer, k, v, positions_);
+  return result.out;
+}
+
+}  // namespace dcp
