@@ -168,6 +168,10 @@ json profile_cache_key(const Config& cfg, const ModelShape& shape, int64_t threa
           {"mlp_matrices", shape.mlp_matrices},
           {"vocab", shape.vocab},
           {"attention", attention_kind_name(shape.attention)},
+          // The softmax operator and its tiles change the measured times (reference vs tiled: up to 24x).
+          {"attention_impl", cfg.attention.impl},
+          {"tile_q", cfg.attention.tile_q},
+          {"tile_k", cfg.attention.tile_k},
           {"feature_dim", shape.feature_dim},
           {"feature_projections", shape.feature_projections},
           {"chunk_size", shape.chunk_size},

@@ -314,6 +314,14 @@ TEST(CliRuns, AutoCostModelRefusesAnUnwritableProfileDirBeforeProfiling) {
     EXPECT_NE(c.log().find(expected), std::string::npos) << c.log();
     EXPECT_EQ(c.log().find("profiling this model"), std::string::npos) << c.log();
   }
+  // Samples too short for the profile's grids: exit 2 before profiling, not a late exit 1 inside it.
+  Child c = Child::spawn(launch(2, train_args(dir, {"--train.max_steps=2", "--train.planner=dcp-opt",
+                                                    "--train.cost_model=auto", "--data.max_seq_len=3",
+                                                    "--train.profile_dir=" + (dir / "cache").string()})),
+                         {}, (dir / "short.log").string());
+  const int status = c.wait(60);
+  EXPECT_TRUE(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 2) << c.log();
+  EXPECT_NE(c.log().find("train.cost_model auto: data.max_seq_len 3 is below"), std::string::npos) << c.log();
   fs::remove_all(dir);
 }
 
