@@ -28,8 +28,9 @@ class KvScorer {
   virtual ~KvScorer() = default;
   /// What the scorer reads from KvObservations (the session records it).
   virtual KvObservationNeeds needs() const { return {}; }
-  /// [n] fp32 scores aligned to cache.view(layer, head). `budget` is the entries this head may keep (H2O sizes
-  /// its recent window by it). `observations` is null when needs() is empty.
+  /// [n] fp32 scores aligned to cache.view(layer, head) (n >= 1). `budget` is the entries this head may keep
+  /// (H2O sizes its recent window by it). `observations` is null when needs() is empty; a scorer that needs
+  /// them throws std::invalid_argument when they are null or hold no queries of `layer` yet.
   virtual torch::Tensor score(const KvCache& cache, const KvObservations* observations, int64_t layer, int64_t head,
                               int64_t budget) const = 0;
 };

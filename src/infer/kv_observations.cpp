@@ -74,7 +74,7 @@ void KvObservations::observe(int64_t layer, const torch::Tensor& q, const torch:
     const torch::Tensor p = torch::softmax(logits, 1);  // [T, n]
     t.accumulated = align(t.positions, t.accumulated, view.positions) + p.sum(0);
     t.last = p[p.size(0) - 1].contiguous();
-    t.positions = view.positions;
+    t.positions = view.positions.clone();  // a copy: a view would keep the storage a commit releases
   }
 }
 
