@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "dcp/kv_cache.h"
+#include "dcp/kv_observations.h"
 #include "dcp/model.h"
 
 namespace dcp {
@@ -39,17 +40,20 @@ AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch
 /// `positions` (so the chunk never sees itself twice). One object per forward: it carries that chunk's absolute
 /// positions. Only for softmax blocks: throws std::invalid_argument naming the layer when the block's backend is
 /// not SoftmaxAttention, and when the batch is not one sequence of positions.numel() tokens. Inference only: the
-/// cache keeps no autograd history.
+/// cache keeps no autograd history. With `observations` (a compressor asked for them) each layer's queries are
+/// recorded there after the append (KvObservations::observe); without, nothing extra runs.
 class KvCacheAttention : public AttentionWrapper {
  public:
   /// positions: [T] int64 absolute positions of the chunk (those the block rotated q and k with).
-  KvCacheAttention(std::shared_ptr<KvCache> cache, torch::Tensor positions);
+  KvCacheAttention(std::shared_ptr<KvCache> cache, torch::Tensor positions,
+                   std::shared_ptr<KvObservations> observations = nullptr);
   torch::Tensor forward(const AttentionBackend& inner, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
                         const torch::Tensor& v, const torch::Tensor& cu_seqlens) const override;
 
  private:
   std::shared_ptr<KvCache> cache_;
   torch::Tensor positions_;
+  std::shared_ptr<KvObservations> observations_;
 };
 
 /// What just ran when a KvCompressor is called.
@@ -57,16 +61,20 @@ struct KvStep {
   bool prefill = true;         ///< a prefill chunk (else one decoded token)
   int64_t first_position = 0;  ///< absolute position of the step's first token
   int64_t tokens = 0;          ///< tokens the step appended to every head of every layer
+  /// What the queries did, recorded as the compressor's needs() asked; null when it asked for nothing.
+  const KvObservations* observations = nullptr;
 };
 
-/// The seam for KV-cache compression policies (not built yet; spec sections 4 and 8): called after every prefill
-/// chunk and every decoded token, with the whole sequence's cache, and may change it only through
+/// The seam for KV-cache compression policies (dcp/kv_policies.h; spec sections 4 and 8): called after every
+/// prefill chunk and every decoded token, with the whole sequence's cache, and may change it only through
 /// KvCache::commit. The next chunk's hidden states are then computed from the compressed cache (true chunked
 /// prefill, spec 4.4).
 class KvCompressor {
  public:
   virtual ~KvCompressor() = default;
   virtual void after_step(KvCache& cache, const KvStep& step) = 0;
+  /// What the session must record for after_step (KvStep::observations); the default, nothing, costs nothing.
+  virtual KvObservationNeeds needs() const { return {}; }
 };
 
 /// The policy "full": keeps every entry.
@@ -92,7 +100,7 @@ class DecodeSession {
   /// Runs one token; returns its fp32 logits [kVocabSize].
   torch::Tensor decode(int64_t token);
   /// Empties the cache: the next token is at position 0 again.
-  void reset() { cache_->clear(); }
+  void reset();
 
   /// The cache (e.g. to save() or load() it between calls; positions continue from its next_position()).
   KvCache& cache() { return *cache_; }
@@ -106,6 +114,7 @@ class DecodeSession {
   int64_t chunk_tokens_;
   std::shared_ptr<KvCompressor> compressor_;
   std::shared_ptr<KvCache> cache_;
+  std::shared_ptr<KvObservations> observations_;  // null unless the compressor needs() something
 };
 
 struct GenerateOptions {

@@ -23,6 +23,13 @@ DecodeSession::DecodeSession(Transformer model, int64_t chunk_tokens, std::share
     }
   }
   cache_ = std::make_shared<KvCache>(kv_cache_spec(model_));
+  const KvObservationNeeds needs = compressor_->needs();
+  if (needs.any()) observations_ = std::make_shared<KvObservations>(cache_->spec().layers, cache_->spec().kv_heads, needs);
+}
+
+void DecodeSession::reset() {
+  cache_->clear();
+  if (observations_) observations_->clear();
 }
 
 torch::Tensor DecodeSession::prefill(const std::vector<int64_t>& tokens) { return run(tokens, /*prefill=*/true); }
@@ -51,9 +58,9 @@ torch::Tensor DecodeSession::run(const std::vector<int64_t>& tokens, bool prefil
     batch.targets = torch::zeros({t}, torch::kInt64);
     batch.positions = torch::arange(first, first + t, torch::kInt64);
     batch.cu_seqlens = torch::tensor({int64_t{0}, t}, torch::kInt64);
-    batch.attention = std::make_shared<KvCacheAttention>(cache_, batch.positions);
+    batch.attention = std::make_shared<KvCacheAttention>(cache_, batch.positions, observations_);
     logits.push_back(model_->forward(batch));
-    compressor_->after_step(*cache_, KvStep{prefill, first, t});
+    compressor_->after_step(*cache_, KvStep{prefill, first, t, observations_.get()});
   }
   return logits.size() == 1 ? logits[0] : torch::cat(logits);
 }

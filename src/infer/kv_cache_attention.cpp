@@ -122,8 +122,9 @@ AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch
   return {torch::stack(outs, 1).to(q.scalar_type()), torch::stack(lses, 1).to(stat_dtype(q.scalar_type()))};
 }
 
-KvCacheAttention::KvCacheAttention(std::shared_ptr<KvCache> cache, torch::Tensor positions)
-    : cache_(std::move(cache)), positions_(std::move(positions)) {
+KvCacheAttention::KvCacheAttention(std::shared_ptr<KvCache> cache, torch::Tensor positions,
+                                   std::shared_ptr<KvObservations> observations)
+    : cache_(std::move(cache)), positions_(std::move(positions)), observations_(std::move(observations)) {
   if (!cache_) throw std::invalid_argument("KvCacheAttention: cache is null");
 }
 
@@ -145,6 +146,11 @@ torch::Tensor KvCacheAttention::forward(const AttentionBackend& inner, int64_t l
   // Attend over the cache as it was before this chunk, then append: the chunk part is causal on its own.
   AttentionResult result = kv_cache_attention(q, k, v, *cache_, layer, softmax->options());
   cache_->append(layer, k, v, positions_);
+  if (observations_) {
+    const double scale = softmax->options().scale > 0 ? softmax->options().scale
+                                                      : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+    observations_->observe(layer, q, positions_, *cache_, scale);
+  }
   return result.out;
 }
 

@@ -1,0 +1,166 @@
+// KV-cache compression policies (baselines) for a DecodeSession: a scorer ranks the entries of each (layer, KV
+// head), a policy turns scores into kept entries under a budget and commits them. Modelled on NVIDIA kvpress's
+// "presses" (a ScorerPress gives per-head scores, wrappers such as AdaKVPress allocate the budget), but with real
+// per-head eviction: KvCache::commit reallocates every head to what it keeps. docs/kv_cache.md "Policies" says
+// what each one keeps, from which paper, its options and what it records.
+//
+// Budget: a ratio of the tokens seen. After a compression of layer l every head holds at most
+// ceil(budget * next_position(l)) entries (adakv: the layer's heads together hold at most kv_heads times that),
+// unless the scorer protects more (sinks, a recent or observation window): protected entries are never evicted.
+// Compression runs after every prefill chunk and, while decoding, after every `interval`-th token (when the next
+// position is a multiple of interval).
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "dcp/infer.h"
+
+namespace dcp {
+
+/// Ranks the entries of one (layer, head). Higher = keep; +infinity = protected (never evicted).
+class KvScorer {
+ public:
+  virtual ~KvScorer() = default;
+  /// What the scorer reads from KvObservations (the session records it).
+  virtual KvObservationNeeds needs() const { return {}; }
+  /// [n] fp32 scores aligned to cache.view(layer, head) (n >= 1). `budget` is the entries this head may keep
+  /// (H2O sizes its recent window by it). `observations` is null when needs() is empty; a scorer that needs
+  /// them throws std::invalid_argument when they are null or hold no queries of `layer` yet.
+  virtual torch::Tensor score(const KvCache& cache, const KvObservations* observations, int64_t layer, int64_t head,
+                              int64_t budget) const = 0;
+};
+
+/// StreamingLLM (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"): the first
+/// n_sink positions are protected, the rest ranked by recency (score = position), so the cache keeps the sinks
+/// and the most recent entries. Positions stay as they were (no re-rotation), as kvpress keeps them.
+class WindowScorer : public KvScorer {
+ public:
+  explicit WindowScorer(int64_t n_sink) : n_sink_(n_sink) {}
+  torch::Tensor score(const KvCache& cache, const KvObservations*, int64_t layer, int64_t head,
+                      int64_t budget) const override;
+
+ private:
+  int64_t n_sink_;
+};
+
+/// H2O (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle"): score = attention received, summed over every query
+/// since the entry was appended; the newest ceil(recent_fraction * budget) entries are protected (the paper's
+/// recent window, half the budget by default).
+class H2oScorer : public KvScorer {
+ public:
+  explicit H2oScorer(double recent_fraction) : recent_fraction_(recent_fraction) {}
+  KvObservationNeeds needs() const override { return {0, true}; }
+  torch::Tensor score(const KvCache& cache, const KvObservations* observations, int64_t layer, int64_t head,
+                      int64_t budget) const override;
+
+ private:
+  double recent_fraction_;
+};
+
+/// SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"): the last `window`
+/// queries attend over the cache as it is now (softmax with biases, causal by position); score = their mean
+/// attention, max-pooled over `kernel` neighbouring entries (odd, stride 1) so that clusters survive together;
+/// the entries at the window's own positions are protected.
+class SnapKvScorer : public KvScorer {
+ public:
+  SnapKvScorer(int64_t window, int64_t kernel) : window_(window), kernel_(kernel) {}
+  KvObservationNeeds needs() const override { return {window_, false}; }
+  torch::Tensor score(const KvCache& cache, const KvObservations* observations, int64_t layer, int64_t head,
+                      int64_t budget) const override;
+
+ private:
+  int64_t window_, kernel_;
+};
+
+/// TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs"): score = attention from the latest query of the
+/// head alone (per head, not averaged over heads as in the paper); with interval 1 the argmin is dropped each
+/// time the head is over budget.
+class TovaScorer : public KvScorer {
+ public:
+  KvObservationNeeds needs() const override { return {0, true}; }
+  torch::Tensor score(const KvCache& cache, const KvObservations* observations, int64_t layer, int64_t head,
+                      int64_t budget) const override;
+};
+
+/// Expected Attention (Devoto et al. 2025, kvpress ExpectedAttentionPress): future queries are modelled as a
+/// Gaussian N(mu, Sigma) fitted to the last `window` queries of the head (after rotary: the keys are stored after
+/// rotary, and a recent window sits at positions close to the next ones; kvpress instead fits pre-rotary queries
+/// and averages the rotation over the next positions). E[exp(s q.k)] = exp(s mu.k + s^2/2 k^T Sigma k) for scale
+/// s; score = the softmax over the head's entries of that log-expectation plus the entry's bias (the expected
+/// attention share, comparable across heads for adakv). Positions below n_sink are protected.
+class ExpectedAttentionScorer : public KvScorer {
+ public:
+  ExpectedAttentionScorer(int64_t window, int64_t n_sink) : window_(window), n_sink_(n_sink) {}
+  KvObservationNeeds needs() const override { return {window_, false}; }
+  torch::Tensor score(const KvCache& cache, const KvObservations* observations, int64_t layer, int64_t head,
+                      int64_t budget) const override;
+
+ private:
+  int64_t window_, n_sink_;
+};
+
+/// When a policy compresses and how much: keep a budget ratio in (0, 1], compress after every prefill chunk and
+/// in decoding when the next position is a multiple of interval (>= 1).
+struct KvBudget {
+  double ratio = 1.0;
+  int64_t interval = 1;
+  /// Entries one head of `layer` may keep: ceil(ratio * cache.next_position(layer)).
+  int64_t per_head(const KvCache& cache, int64_t layer) const;
+  bool due(const KvStep& step) const;
+};
+
+/// Every head keeps its top per_head entries by the scorer's scores (and every protected one), in their order.
+class ScoredKvPolicy : public KvCompressor {
+ public:
+  /// Throws std::invalid_argument for a null scorer, ratio outside (0, 1] or interval < 1.
+  ScoredKvPolicy(std::shared_ptr<const KvScorer> scorer, KvBudget budget);
+  void after_step(KvCache& cache, const KvStep& step) override;
+  KvObservationNeeds needs() const override { return scorer_->needs(); }
+
+ private:
+  std::shared_ptr<const KvScorer> scorer_;
+  KvBudget budget_;
+};
+
+/// Ada-KV (Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation"), as kvpress's
+/// AdaKVPress: the heads of a layer share kv_heads x per_head entries; each head first gets its top
+/// floor(alpha_safeguard x per_head) entries, then the rest goes to the highest scores across all heads of the
+/// layer, so heads whose attention is concentrated keep fewer entries and flat heads more. Scores must be
+/// comparable across heads (attention probabilities: h2o, snapkv, tova, expected-attention).
+class AdaKvPolicy : public KvCompressor {
+ public:
+  /// Throws std::invalid_argument for a null scorer, ratio outside (0, 1], interval < 1 or alpha_safeguard
+  /// outside [0, 1].
+  AdaKvPolicy(std::shared_ptr<const KvScorer> scorer, KvBudget budget, double alpha_safeguard);
+  void after_step(KvCache& cache, const KvStep& step) override;
+  KvObservationNeeds needs() const override { return scorer_->needs(); }
+
+ private:
+  std::shared_ptr<const KvScorer> scorer_;
+  KvBudget budget_;
+  double alpha_;
+};
+
+/// Options of make_kv_policy: name -> number (integers where the option counts something).
+using KvPolicyOptions = std::map<std::string, double>;
+
+/// The policy `name` with `options` (unset ones take their defaults):
+///   full                                   keeps everything (FullKvCache); no options
+///   window              budget, interval (1), n_sink (4)
+///   h2o                 budget, interval (64), recent_fraction (0.5, in [0, 1])
+///   snapkv              budget, interval (64), window (64), kernel (7, odd)
+///   tova                budget, interval (1)
+///   expected-attention  budget, interval (64), window (64), n_sink (4)
+///   adakv-<scorer>      the scorer's options plus alpha_safeguard (0.2, in [0, 1]); <scorer> one of h2o,
+///                       snapkv, tova, expected-attention, window
+/// budget (default 1 = keep all) in (0, 1]; interval, window, kernel >= 1; n_sink >= 0. Throws
+/// std::invalid_argument naming the policy and the option: an unknown name (listing the valid ones), an option
+/// the policy does not take (listing the ones it takes), a value out of range or not an integer.
+std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPolicyOptions& options = {});
+
+}  // namespace dcp

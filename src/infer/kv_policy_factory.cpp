@@ -1,0 +1,120 @@
+// make_kv_policy: policies by name, with their options checked.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dcp/kv_policies.h"
+
+namespace dcp {
+namespace {
+
+const char* kPolicies = "full, window, h2o, snapkv, tova, expected-attention, adakv-<h2o|snapkv|tova|expected-attention|window>";
+
+// The options of one policy: each read once with its default and range; anything left over is not an option
+// of this policy.
+class Options {
+ public:
+  Options(std::string policy, const KvPolicyOptions& given) : policy_(std::move(policy)), given_(given) {}
+
+  double number(const std::string& key, double fallback, double lo, double hi, bool lo_open = false) {
+    taken_.push_back(key);
+    const auto it = given_.find(key);
+    if (it == given_.end()) return fallback;
+    const double v = it->second;
+    if (!(lo_open ? v > lo : v >= lo) || !(v <= hi)) {
+      throw std::invalid_argument(fmt::format("make_kv_policy: {}: {} = {} outside {}{}, {}]", policy_, key, v,
+                                              lo_open ? "(" : "[", lo, hi));
+    }
+    return v;
+  }
+  int64_t integer(const std::string& key, int64_t fallback, int64_t lo) {
+    const double v = number(key, static_cast<double>(fallback), static_cast<double>(lo), 1e15);
+    if (v != std::floor(v)) {
+      throw std::invalid_argument(fmt::format("make_kv_policy: {}: {} = {} is not an integer", policy_, key, v));
+    }
+    return static_cast<int64_t>(v);
+  }
+  KvBudget budget(int64_t default_interval) {
+    KvBudget b;
+    b.ratio = number("budget", 1.0, 0.0, 1.0, /*lo_open=*/true);
+    b.interval = integer("interval", default_interval, 1);
+    return b;
+  }
+  // Throws for an option that no read took.
+  void finish() const {
+    for (const auto& [key, value] : given_) {
+      if (std::find(taken_.begin(), taken_.end(), key) == taken_.end()) {
+        throw std::invalid_argument(fmt::format("make_kv_policy: {} has no option '{}' (value {}); its options: {}",
+                                                policy_, key, value,
+                                                taken_.empty() ? std::string("none") : fmt::format("{}", fmt::join(taken_, ", "))));
+      }
+    }
+  }
+
+ private:
+  std::string policy_;
+  const KvPolicyOptions& given_;
+  std::vector<std::string> taken_;
+};
+
+// The scorer `name` and its default interval (1 for the policies that evict per token, as the papers do; 64 for
+// those whose scoring costs a pass over the cache, as kvpress's decoding press compresses periodically).
+std::shared_ptr<const KvScorer> make_scorer(const std::string& name, Options& o, int64_t& default_interval) {
+  if (name == "window") {
+    default_interval = 1;
+    return std::make_shared<WindowScorer>(o.integer("n_sink", 4, 0));
+  }
+  if (name == "h2o") {
+    default_interval = 64;
+    return std::make_shared<H2oScorer>(o.number("recent_fraction", 0.5, 0.0, 1.0));
+  }
+  if (name == "snapkv") {
+    default_interval = 64;
+    const int64_t window = o.integer("window", 64, 1);
+    const int64_t kernel = o.integer("kernel", 7, 1);
+    if (kernel % 2 == 0) throw std::invalid_argument(fmt::format("make_kv_policy: snapkv: kernel = {} must be odd", kernel));
+    return std::make_shared<SnapKvScorer>(window, kernel);
+  }
+  if (name == "tova") {
+    default_interval = 1;
+    return std::make_shared<TovaScorer>();
+  }
+  if (name == "expected-attention") {
+    default_interval = 64;
+    const int64_t window = o.integer("window", 64, 1);
+    return std::make_shared<ExpectedAttentionScorer>(window, o.integer("n_sink", 4, 0));
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPolicyOptions& options) {
+  Options o(name, options);
+  if (name == "full") {
+    o.finish();
+    return std::make_shared<FullKvCache>();
+  }
+  const std::string ada = "adakv-";
+  const bool adakv = name.compare(0, ada.size(), ada) == 0;
+  int64_t default_interval = 1;
+  auto scorer = make_scorer(adakv ? name.substr(ada.size()) : name, o, default_interval);
+  if (!scorer) {
+    throw std::invalid_argument(fmt::format("make_kv_policy: unknown policy '{}'; valid: {}", name, kPolicies));
+  }
+  const KvBudget budget = o.budget(default_interval);
+  if (adakv) {
+    const double alpha = o.number("alpha_safeguard", 0.2, 0.0, 1.0);
+    o.finish();
+    return std::make_shared<AdaKvPolicy>(std::move(scorer), budget, alpha);
+  }
+  o.finish();
+  return std::make_shared<ScoredKvPolicy>(std::move(scorer), budget);
+}
+
+}  // namespace dcp
