@@ -157,7 +157,7 @@ using KvPolicyOptions = std::map<std::string, double>;
 ///   tova                budget, interval (1)
 ///   expected-attention  budget, interval (64), window (64), n_sink (4)
 ///   adakv-<scorer>      the scorer's options plus alpha_safeguard (0.2, in [0, 1]); <scorer> one of h2o,
-///                       snapkv, tova, expected-attention, window
+///                       snapkv, tova, expected-attention (not window: its scores do not compare across heads)
 /// budget (default 1 = keep all) in (0, 1]; interval, window, kernel >= 1; n_sink >= 0. Throws
 /// std::invalid_argument naming the policy and the option: an unknown name (listing the valid ones), an option
 /// the policy does not take (listing the ones it takes), a value out of range or not an integer.

@@ -13,7 +13,7 @@
 namespace dcp {
 namespace {
 
-const char* kPolicies = "full, window, h2o, snapkv, tova, expected-attention, adakv-<h2o|snapkv|tova|expected-attention|window>";
+const char* kPolicies = "full, window, h2o, snapkv, tova, expected-attention, adakv-<h2o|snapkv|tova|expected-attention>";
 
 // The options of one policy: each read once with its default and range; anything left over is not an option
 // of this policy.
@@ -102,6 +102,12 @@ std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPo
   }
   const std::string ada = "adakv-";
   const bool adakv = name.compare(0, ada.size(), ada) == 0;
+  // Ada-KV ranks entries of all heads of a layer against each other; window's scores are positions, which
+  // say nothing across heads (every head would keep the same newest entries, as plain window does).
+  if (name == ada + "window") {
+    throw std::invalid_argument(fmt::format("make_kv_policy: '{}' is not a policy (window scores do not compare "
+                                            "across heads); valid: {}", name, kPolicies));
+  }
   int64_t default_interval = 1;
   auto scorer = make_scorer(adakv ? name.substr(ada.size()) : name, o, default_interval);
   if (!scorer) {

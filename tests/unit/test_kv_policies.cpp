@@ -361,6 +361,7 @@ TEST(KvPolicies, AdaKvGivesConcentratedHeadsFewerEntriesButNeverBelowTheFloor) {
 TEST(KvPolicies, MakeKvPolicyChecksNamesAndOptions) {
   EXPECT_NE(error_of([] { make_kv_policy("lru"); }).find("unknown policy 'lru'; valid: full, window, h2o"), std::string::npos);
   EXPECT_NE(error_of([] { make_kv_policy("adakv-lru"); }).find("unknown policy 'adakv-lru'"), std::string::npos);
+  EXPECT_NE(error_of([] { make_kv_policy("adakv-window"); }).find("window scores do not compare"), std::string::npos);
   EXPECT_NE(error_of([] { make_kv_policy("full", {{"budget", 0.5}}); }).find("full has no option 'budget'"), std::string::npos);
   EXPECT_NE(error_of([] { make_kv_policy("tova", {{"window", 8}}); }).find("tova has no option 'window' (value 8); its options: budget, interval"),
             std::string::npos);
