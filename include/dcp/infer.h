@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -124,6 +125,8 @@ struct GenerateOptions {
   uint64_t seed = 0;
   int64_t context = 1024;     ///< tokens the model sees (the training max_seq_len)
   int64_t chunk_tokens = 512; ///< softmax models: prefill chunk of the KV cache (kv.chunk_tokens)
+  /// Called with each byte as soon as it is sampled (e.g. to print it), before the next one runs; may be empty.
+  std::function<void(char)> on_byte;
 };
 
 /// Samples `max_new_tokens` bytes after BOS + `prompt` and returns them (raw bytes; may be invalid UTF-8 where
@@ -134,7 +137,9 @@ struct GenerateOptions {
 /// so the cache or the states are rebuilt from the new window: the same computation as recomputing the window
 /// for every token (equal logits up to rounding; tests compare greedy outputs token for token), cheap per token
 /// until the window is full and a full window's prefill per token after that. Throws std::invalid_argument for a
-/// negative max_new_tokens or temperature, a negative top_k, context < 1 or chunk_tokens < 1.
+/// negative max_new_tokens or temperature, a negative top_k, context < 1 or chunk_tokens < 1, and for a
+/// temperature so small that logits / temperature overflow; std::runtime_error when the model's logits are not
+/// finite (NaN or inf weights).
 std::string generate(Transformer& model, const std::string& prompt, const GenerateOptions& opt);
 
 }  // namespace dcp

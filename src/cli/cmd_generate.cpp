@@ -1,5 +1,7 @@
 #include <fmt/format.h>
 
+#include <cstdio>
+
 #include "cli/commands.h"
 #include "dcp/infer.h"
 #include "train/checkpoint.h"
@@ -31,8 +33,15 @@ void add_generate_command(CLI::App& app) {
     load_checkpoint(*checkpoint, model, nullptr);
     opt->context = cfg.data.max_seq_len;
     opt->chunk_tokens = *chunk_tokens > 0 ? *chunk_tokens : cfg.kv.chunk_tokens;
-    std::string text = generate(model, *prompt, *opt);
-    fmt::print("{}{}\n", *prompt, text);
+    // Bytes are printed as they come: a long or interrupted generation shows what it made so far.
+    fmt::print("{}", *prompt);
+    std::fflush(stdout);
+    opt->on_byte = [](char c) {
+      std::fputc(c, stdout);
+      std::fflush(stdout);
+    };
+    generate(model, *prompt, *opt);
+    fmt::print("\n");
   });
 }
 

@@ -59,11 +59,21 @@ std::string generate(Transformer& model, const std::string& prompt, const Genera
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
     int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - opt.context);
     torch::Tensor logits = next_logits(start).slice(0, 0, 256).to(torch::kFloat64);  // bytes only
+    if (!torch::isfinite(logits).all().item<bool>()) {  // argmax would silently pick byte 0
+      throw std::runtime_error(fmt::format("generate: the model's logits for new byte {} are not finite (NaN or "
+                                           "inf weights in the checkpoint?)",
+                                           i));
+    }
     int64_t next;
     if (opt.temperature == 0) {
       next = logits.argmax().item<int64_t>();
     } else {
       logits = logits / opt.temperature;
+      if (!torch::isfinite(logits).all().item<bool>()) {
+        throw std::invalid_argument(fmt::format("generate: temperature {} is too small: logits / temperature "
+                                                "overflow (use 0 for greedy decoding)",
+                                                opt.temperature));
+      }
       if (opt.top_k > 0 && opt.top_k < logits.numel()) {
         auto kth = std::get<0>(logits.topk(opt.top_k))[opt.top_k - 1];
         logits = logits.masked_fill(logits < kth, -std::numeric_limits<double>::infinity());
@@ -72,6 +82,7 @@ std::string generate(Transformer& model, const std::string& prompt, const Genera
     }
     tokens.push_back(next);
     out.push_back(static_cast<char>(next));
+    if (opt.on_byte) opt.on_byte(static_cast<char>(next));
   }
   return out;
 }

@@ -154,28 +154,43 @@ DeviceSpec DeviceSpec::from_profile(const std::string& path) {
   spec.collective_latency_s = field("collective_latency_s").get<double>();
   spec.micro_batch_overhead_s = field("micro_batch_overhead_s").get<double>();
   spec.all_to_all = read_all_to_all_fits(doc, path);
+  try {
+    spec.validate();
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("device profile '{}': {}", path, e.what()));
+  }
   return spec;
+}
+
+void DeviceSpec::validate() const {
+  auto check = [&](const std::string& field, double value, double lo, double hi, bool lo_open = false) {
+    if (!(lo_open ? value > lo : value >= lo) || !(value <= hi)) {
+      throw std::invalid_argument(fmt::format("device '{}': {} = {} is outside {}{}, {}]", name, field, value,
+                                              lo_open ? "(" : "[", lo, hi));
+    }
+  };
+  check("memory_bytes", memory_bytes, 0, 1e18, true);
+  check("mfu", mfu, 0, 10, true);
+  check("attention_mfu", attention_mfu, 0, 10);
+  check("peak_flops x mfu", peak_flops * mfu, 1e3, 1e21);
+  if (attention_mfu > 0) check("peak_flops x attention_mfu", peak_flops * attention_mfu, 1e3, 1e21);
+  check("intra_node_bw", intra_node_bw, 1e3, 1e15);
+  check("inter_node_bw", inter_node_bw, 1e3, 1e15);
+  check("gpus_per_node", static_cast<double>(gpus_per_node), 1, 1e6);
+  check("collective_latency_s", collective_latency_s, 0, 3600);
+  check("micro_batch_overhead_s", micro_batch_overhead_s, 0, 3600);
+  for (const auto& [sp, fit] : all_to_all) {
+    const std::string f = fmt::format("all_to_all[sp {}].", sp);
+    check(f + "sp_size", static_cast<double>(sp), 2, 1e9);
+    check(f + "latency_s", fit.latency_s, 0, 3600);
+    check(f + "bytes_per_s", fit.bytes_per_s, 1e3, 1e15);
+    check(f + "overhead_s_per_byte", fit.overhead_s_per_byte, 0, 1);
+  }
 }
 
 CostModel::CostModel(ModelShape shape, DeviceSpec device) : shape_(shape), device_(std::move(device)) {
   shape_.validate();
-  if (!(device_.peak_flops > 0) || !(device_.mfu > 0) || !(device_.attention_mfu >= 0) ||
-      !(device_.intra_node_bw > 0) ||
-      !(device_.inter_node_bw > 0) || device_.gpus_per_node < 1 || device_.collective_latency_s < 0 ||
-      device_.micro_batch_overhead_s < 0) {
-    throw std::invalid_argument(fmt::format("device '{}': rates, bandwidths and gpus_per_node must be positive and "
-                                            "attention_mfu and latencies non-negative",
-                                            device_.name));
-  }
-  for (const auto& [sp, fit] : device_.all_to_all) {
-    if (sp < 2 || !(fit.latency_s >= 0) || !(fit.bytes_per_s > 0) || !(fit.overhead_s_per_byte >= 0)) {
-      throw std::invalid_argument(fmt::format("device '{}': the all-to-all fit of sp_size {} needs sp_size >= 2, "
-                                              "latency_s >= 0, bytes_per_s > 0 and overhead_s_per_byte >= 0 (got "
-                                              "{} s, {} B/s, {} s/B)",
-                                              device_.name, sp, fit.latency_s, fit.bytes_per_s,
-                                              fit.overhead_s_per_byte));
-    }
-  }
+  device_.validate();
 }
 
 void CostModel::check(int64_t sp_size, int64_t recompute_layers) const {

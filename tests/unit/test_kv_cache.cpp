@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -567,6 +568,26 @@ TEST(Generate, CachedGreedyDecodingEqualsRecomputingTheWindow) {
   GenerateOptions bad;
   bad.chunk_tokens = 0;
   EXPECT_NE(error_of([&] { generate(model, prompt, bad); }).find("chunk_tokens 0"), std::string::npos);
+}
+
+TEST(Generate, StreamsBytesAndRefusesNonFiniteLogits) {
+  Transformer model = sharp_model(21);
+  GenerateOptions opt;
+  opt.max_new_tokens = 12;
+  opt.seed = 3;
+  std::string streamed;
+  opt.on_byte = [&](char c) { streamed.push_back(c); };
+  EXPECT_EQ(generate(model, "abc", opt), streamed);
+  // A temperature this small overflows logits / temperature: a named error, not torch's "probability tensor".
+  opt.temperature = 5e-324;
+  EXPECT_NE(error_of([&] { generate(model, "abc", opt); }).find("temperature"), std::string::npos);
+  // NaN weights would make greedy decoding print byte 0 forever.
+  {
+    torch::NoGradGuard no_grad;
+    model->embed->weight.fill_(std::numeric_limits<float>::quiet_NaN());
+  }
+  opt.temperature = 0;
+  EXPECT_THROW(generate(model, "abc", opt), std::runtime_error);
 }
 
 TEST(KvConfig, ChunkTokensIsAConfigKey) {

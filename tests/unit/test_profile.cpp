@@ -142,6 +142,20 @@ TEST(ProfileFile, MissingOrMistypedFieldIsNamedWithTheFile) {
   std::ofstream(garbage) << "{not json";
   EXPECT_NE(test::error_of([&] { DeviceSpec::from_profile(garbage); }).find(garbage), std::string::npos);
   EXPECT_THROW(DeviceSpec::from_profile(temp_file("absent.json").string()), std::runtime_error);
+
+  // Values no device has would make the planners' times 0 or inf (the review found dcp-opt's bisection looping
+  // forever on them): refused, naming the file, the field and the value.
+  for (const auto& [field, value] : std::vector<std::pair<std::string, double>>{
+           {"peak_flops", 1e-300}, {"micro_batch_overhead_s", 1e300}, {"intra_node_bw", -1}}) {
+    nlohmann::json odd = doc;
+    odd["device"][field] = value;
+    const std::string path = temp_file("odd_" + field + ".json").string();
+    std::ofstream(path) << odd.dump();
+    const std::string e = test::error_of([&] { DeviceSpec::from_profile(path); });
+    EXPECT_NE(e.find(path), std::string::npos) << e;
+    EXPECT_NE(e.find(field), std::string::npos) << e;
+    EXPECT_THROW(DeviceSpec::from_profile(path), std::invalid_argument);
+  }
 }
 
 ProfileResult with_sequence_parallel(ProfileResult r) {
