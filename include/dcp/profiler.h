@@ -141,6 +141,9 @@ struct ProfileResult {
 /// / 4 are three distinct lengths (the time fit needs them to tell attention FLOPs from linear ones), and at
 /// least largest_sp_size (the SP validation's sample lengths are multiples of the SP size, at most max_length).
 int64_t min_profile_max_length(int64_t largest_sp_size);
+/// The same for the SP sizes profile_model profiles under `world_size` ranks: the largest of
+/// usable_sp_sizes(parallel.sp_sizes, world_size, model.n_heads), 1 in one process.
+int64_t min_profile_max_length(const Config& cfg, int64_t world_size);
 
 /// Least squares with non-negative coefficients: the x >= 0 minimising sum_i (rows[i] . x - targets[i])^2.
 /// Exact for the few columns of a profile fit: every subset of columns is solved by its normal equations

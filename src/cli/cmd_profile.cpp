@@ -93,17 +93,15 @@ void print_report(const Config& cfg, const ProfileOptions& options, const Profil
 // --max-length (or data.max_seq_len, its default) against the range the grids need, before anything runs:
 // profile_model would refuse it only after the process groups are made.
 void check_max_length(const ProfileOptions& options, const Config& cfg, const DistEnv& env) {
-  const int64_t largest_sp =
-      env.world_size > 1 ? usable_sp_sizes(cfg.parallel.sp_sizes, env.world_size, cfg.model.n_heads).back() : 1;
-  const int64_t shortest = min_profile_max_length(largest_sp);
+  const int64_t shortest = min_profile_max_length(cfg, env.world_size);
   const int64_t length = options.max_length > 0 ? options.max_length : cfg.data.max_seq_len;
   if (length >= shortest && length <= cfg.data.max_seq_len) return;
   throw CLI::ValidationError(fmt::format(
       "{} {}: outside the allowed range [{}, {}] (the lower bound: three distinct grid lengths, max_length, / 2 "
-      "and / 4, and SP validation lengths that are multiples of the largest SP size profiled, {}; the upper: "
+      "and / 4, and SP validation lengths that are multiples of the largest SP size profiled; the upper: "
       "data.max_seq_len, the longest sample the trainer makes, raise it to profile longer ones)",
       options.max_length > 0 ? "--max-length" : "data.max_seq_len (the default --max-length)", length, shortest,
-      cfg.data.max_seq_len, largest_sp));
+      cfg.data.max_seq_len));
 }
 
 }  // namespace

@@ -292,6 +292,11 @@ std::vector<int64_t> profiled_sp_sizes(const Config& cfg, const Communicator& wo
 
 int64_t min_profile_max_length(int64_t largest_sp_size) { return std::max<int64_t>(4, largest_sp_size); }
 
+int64_t min_profile_max_length(const Config& cfg, int64_t world_size) {
+  return min_profile_max_length(
+      world_size > 1 ? usable_sp_sizes(cfg.parallel.sp_sizes, world_size, cfg.model.n_heads).back() : 1);
+}
+
 ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, const ProfileOptions& options) {
   const auto wall_start = std::chrono::steady_clock::now();
   const Communicator self("self", 0, 1, nullptr);

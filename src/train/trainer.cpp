@@ -65,13 +65,11 @@ std::string resolve_cost_model(const Config& cfg, const ModelShape& shape, int64
   }
   if (cfg.train.cost_model != "auto") return cfg.train.cost_model;
   const DistEnv& env = groups.env();
-  const int64_t largest_sp =
-      env.world_size > 1 ? usable_sp_sizes(cfg.parallel.sp_sizes, env.world_size, cfg.model.n_heads).back() : 1;
-  if (cfg.data.max_seq_len < min_profile_max_length(largest_sp)) {
+  if (const int64_t shortest = min_profile_max_length(cfg, env.world_size); cfg.data.max_seq_len < shortest) {
     throw ConfigError(fmt::format("train.cost_model auto: data.max_seq_len {} is below {}, the shortest the "
-                                  "profile's grids can be built from (SP sizes up to {}); raise it or give "
+                                  "profile's grids can be built from with its SP sizes; raise it or give "
                                   "train.cost_model a profile file",
-                                  cfg.data.max_seq_len, min_profile_max_length(largest_sp), largest_sp));
+                                  cfg.data.max_seq_len, shortest));
   }
   const json key = profile_cache_key(cfg, shape, threads, env);
   Config profiled = cfg;
