@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dcp/kv_cache.h"
@@ -76,6 +77,11 @@ class KvCompressor {
   virtual void after_step(KvCache& cache, const KvStep& step) = 0;
   /// What the session must record for after_step (KvStep::observations); the default, nothing, costs nothing.
   virtual KvObservationNeeds needs() const { return {}; }
+  /// Forgets what the policy kept about the sequence (DecodeSession::reset calls it for a new sequence).
+  virtual void reset() {}
+  /// The (layer, head) pairs the policy keeps exact because it judged their context incompressible (minimax's
+  /// abstention, dcp/kv_policies.h), in layer-major order; empty for a policy that never abstains.
+  virtual std::vector<std::pair<int64_t, int64_t>> abstained_heads() const { return {}; }
 };
 
 /// The policy "full": keeps every entry.

@@ -104,12 +104,14 @@ class ExpectedAttentionScorer : public KvScorer {
   int64_t window_, n_sink_;
 };
 
-/// When a policy compresses and how much: keep a budget ratio in (0, 1], compress after every prefill chunk and
-/// in decoding when the next position is a multiple of interval (>= 1).
+/// When a policy compresses and how much: keep a budget ratio in (0, 1] of the tokens seen, at most max_tokens
+/// entries per head (0 = no cap: a fixed total budget, as kvpress's DecodingPress target_size), compress after
+/// every prefill chunk and in decoding when the next position is a multiple of interval (>= 1).
 struct KvBudget {
   double ratio = 1.0;
   int64_t interval = 1;
-  /// Entries one head of `layer` may keep: ceil(ratio * cache.next_position(layer)).
+  int64_t max_tokens = 0;
+  /// Entries one head of `layer` may keep: ceil(ratio * cache.next_position(layer)), capped at max_tokens.
   int64_t per_head(const KvCache& cache, int64_t layer) const;
   bool due(const KvStep& step) const;
 };
@@ -158,7 +160,8 @@ using KvPolicyOptions = std::map<std::string, double>;
 ///   expected-attention  budget, interval (64), window (64), n_sink (4)
 ///   adakv-<scorer>      the scorer's options plus alpha_safeguard (0.2, in [0, 1]); <scorer> one of h2o,
 ///                       snapkv, tova, expected-attention (not window: its scores do not compare across heads)
-/// budget (default 1 = keep all) in (0, 1]; interval, window, kernel >= 1; n_sink >= 0. Throws
+/// Every policy but full also takes max_tokens (0 = no cap; KvBudget). budget (default 1 = keep all) in (0, 1];
+/// interval, window, kernel >= 1; n_sink, max_tokens >= 0. Throws
 /// std::invalid_argument naming the policy and the option: an unknown name (listing the valid ones), an option
 /// the policy does not take (listing the ones it takes), a value out of range or not an integer.
 std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPolicyOptions& options = {});

@@ -30,6 +30,7 @@ DecodeSession::DecodeSession(Transformer model, int64_t chunk_tokens, std::share
 void DecodeSession::reset() {
   cache_->clear();
   if (observations_) observations_->clear();
+  compressor_->reset();
 }
 
 torch::Tensor DecodeSession::prefill(const std::vector<int64_t>& tokens) { return run(tokens, /*prefill=*/true); }

@@ -14,10 +14,11 @@ namespace dcp {
 AdaKvPolicy::AdaKvPolicy(std::shared_ptr<const KvScorer> scorer, KvBudget budget, double alpha_safeguard)
     : scorer_(std::move(scorer)), budget_(budget), alpha_(alpha_safeguard) {
   if (!scorer_) throw std::invalid_argument("AdaKvPolicy: scorer is null");
-  if (!(budget.ratio > 0 && budget.ratio <= 1) || budget.interval < 1 || !(alpha_safeguard >= 0 && alpha_safeguard <= 1)) {
+  if (!(budget.ratio > 0 && budget.ratio <= 1) || budget.interval < 1 || budget.max_tokens < 0 ||
+      !(alpha_safeguard >= 0 && alpha_safeguard <= 1)) {
     throw std::invalid_argument(fmt::format(
-        "AdaKvPolicy: budget {} must be in (0, 1], interval {} >= 1 and alpha_safeguard {} in [0, 1]", budget.ratio,
-        budget.interval, alpha_safeguard));
+        "AdaKvPolicy: budget {} must be in (0, 1], interval {} >= 1, max_tokens {} >= 0 and alpha_safeguard {} in "
+        "[0, 1]", budget.ratio, budget.interval, budget.max_tokens, alpha_safeguard));
   }
 }
 

@@ -43,6 +43,7 @@ class Options {
     KvBudget b;
     b.ratio = number("budget", 1.0, 0.0, 1.0, /*lo_open=*/true);
     b.interval = integer("interval", default_interval, 1);
+    b.max_tokens = integer("max_tokens", 0, 0);
     return b;
   }
   // Throws for an option that no read took.

@@ -1,6 +1,7 @@
 // A budget ratio and a trigger, and the policy that keeps each head's top-scored entries under it.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
@@ -11,7 +12,8 @@
 namespace dcp {
 
 int64_t KvBudget::per_head(const KvCache& cache, int64_t layer) const {
-  return static_cast<int64_t>(std::ceil(ratio * static_cast<double>(cache.next_position(layer))));
+  const auto share = static_cast<int64_t>(std::ceil(ratio * static_cast<double>(cache.next_position(layer))));
+  return max_tokens > 0 ? std::min(share, max_tokens) : share;
 }
 
 bool KvBudget::due(const KvStep& step) const {
@@ -21,9 +23,10 @@ bool KvBudget::due(const KvStep& step) const {
 ScoredKvPolicy::ScoredKvPolicy(std::shared_ptr<const KvScorer> scorer, KvBudget budget)
     : scorer_(std::move(scorer)), budget_(budget) {
   if (!scorer_) throw std::invalid_argument("ScoredKvPolicy: scorer is null");
-  if (!(budget.ratio > 0 && budget.ratio <= 1) || budget.interval < 1) {
-    throw std::invalid_argument(fmt::format("ScoredKvPolicy: budget {} must be in (0, 1] and interval {} >= 1",
-                                            budget.ratio, budget.interval));
+  if (!(budget.ratio > 0 && budget.ratio <= 1) || budget.interval < 1 || budget.max_tokens < 0) {
+    throw std::invalid_argument(fmt::format(
+        "ScoredKvPolicy: budget {} must be in (0, 1], interval {} >= 1 and max_tokens {} >= 0", budget.ratio,
+        budget.interval, budget.max_tokens));
   }
 }
 
