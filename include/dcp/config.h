@@ -103,6 +103,9 @@ struct EvalConfig {
 /// kv.*: the KV cache of softmax models in `dcp generate` (docs/kv_cache.md).
 struct KvConfig {
   int64_t chunk_tokens = 512;  ///< prefill chunk: tokens run per forward when the cache is (re)built
+  std::string policy = "full";  ///< compression policy (make_kv_policy in dcp/kv_policies.h)
+  /// (0, 1]: fraction of the tokens seen each head keeps; a whole number >= 2: entries per head (a fixed cap)
+  double budget = 1.0;
 };
 
 struct DistConfig {

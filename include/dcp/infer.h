@@ -131,6 +131,8 @@ struct GenerateOptions {
   uint64_t seed = 0;
   int64_t context = 1024;     ///< tokens the model sees (the training max_seq_len)
   int64_t chunk_tokens = 512; ///< softmax models: prefill chunk of the KV cache (kv.chunk_tokens)
+  /// softmax models: the KV cache's compression policy (null = keep everything); flexformer models have none
+  std::shared_ptr<KvCompressor> kv_policy;
   /// Called with each byte as soon as it is sampled (e.g. to print it), before the next one runs; may be empty.
   std::function<void(char)> on_byte;
 };

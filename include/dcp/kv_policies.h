@@ -163,7 +163,7 @@ struct MinimaxOptions {
   KvBudget budget{1.0, 64, 0};
   int64_t window = 64;           ///< observed queries (the last ones of each head) in the reference set
   int64_t samples = 64;          ///< queries drawn from a Gaussian fitted to the observed ones
-  int64_t probes = 32;           ///< needle probes: block entries sampled for the compressibility estimate
+  int64_t probes = 64;           ///< needle probes: block entries sampled for the compressibility estimate
   int64_t n_sink = 4;            ///< the first positions stay exact
   double recent_fraction = 0.25; ///< share of the head's budget kept as the exact newest entries
   double alpha_safeguard = 0.2;  ///< per-head floor of the budget allocation (Ada-KV's)
@@ -224,7 +224,7 @@ using KvPolicyOptions = std::map<std::string, double>;
 ///   expected-attention  budget, interval (64), window (64), n_sink (4)
 ///   adakv-<scorer>      the scorer's options plus alpha_safeguard (0.2, in [0, 1]); <scorer> one of h2o,
 ///                       snapkv, tova, expected-attention (not window: its scores do not compare across heads)
-///   minimax             budget, interval (64), window (64), samples (64), probes (32), n_sink (4),
+///   minimax             budget, interval (64), window (64), samples (64), probes (64), n_sink (4),
 ///                       recent_fraction (0.25), alpha_safeguard (0.2), abstain_tail (0.5, >= 0),
 ///                       refit_values (0 or 1), seed (0) (MinimaxKvPolicy)
 /// Every policy but full also takes max_tokens (0 = no cap; KvBudget). budget (default 1 = keep all) in (0, 1];
@@ -232,5 +232,13 @@ using KvPolicyOptions = std::map<std::string, double>;
 /// std::invalid_argument naming the policy and the option: an unknown name (listing the valid ones), an option
 /// the policy does not take (listing the ones it takes), a value out of range or not an integer.
 std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPolicyOptions& options = {});
+
+/// The policy of kv.policy / --kv.policy with kv.budget / --kv.budget: a budget in (0, 1] is the fraction of the
+/// tokens seen (option budget), a whole number >= 2 a fixed number of entries per head (option max_tokens,
+/// fraction 1). `options` are the policy's other options. Throws std::invalid_argument naming the budget when it
+/// is neither (0, a fraction above 1, NaN), for policy full with a budget other than 1, and make_kv_policy's
+/// errors.
+std::shared_ptr<KvCompressor> make_kv_policy_with_budget(const std::string& name, double budget,
+                                                         KvPolicyOptions options = {});
 
 }  // namespace dcp

@@ -1,12 +1,44 @@
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include "cli/commands.h"
 #include "dcp/infer.h"
+#include "dcp/kv_policies.h"
+#include "util/number_text.h"
 #include "train/checkpoint.h"
 
 namespace dcp {
+namespace {
+
+struct KvChoice {
+  std::string policy;
+  double budget = 0;  // 0 = not given
+  std::vector<std::string> options;
+};
+
+// make_kv_policy_with_budget with KEY=VALUE options; a bad name, option or value is a usage error (exit 2).
+std::shared_ptr<KvCompressor> kv_policy_from_cli(const std::string& policy, double budget,
+                                                 const std::vector<std::string>& options) {
+  KvPolicyOptions parsed;
+  for (const std::string& item : options) {
+    const auto eq = item.find('=');
+    const std::optional<double> value = eq == std::string::npos ? std::nullopt : parse_decimal(item.substr(eq + 1));
+    if (eq == 0 || !value || !std::isfinite(*value)) {
+      throw ConfigError(fmt::format("--kv.option '{}': expected KEY=VALUE with a finite decimal VALUE", item));
+    }
+    parsed[item.substr(0, eq)] = *value;
+  }
+  try {
+    return make_kv_policy_with_budget(policy, budget, parsed);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
+}
+
+}  // namespace
 
 void add_generate_command(CLI::App& app) {
   auto* sub = app.add_subcommand("generate", "Print text sampled from a trained checkpoint");
@@ -21,13 +53,29 @@ void add_generate_command(CLI::App& app) {
       ->check(CLI::Range(0.0, 100.0));
   sub->add_option("--top-k", opt->top_k, "sample among the k most likely bytes; 0 = all")->check(CLI::Range(0, 256));
   auto chunk_tokens = std::make_shared<int64_t>(0);
-  sub->add_option("--chunk-tokens", *chunk_tokens,
+  sub->add_option("--kv.chunk_tokens,--chunk-tokens", *chunk_tokens,
                   "softmax models: prefill chunk of the KV cache, tokens (default: the checkpoint's kv.chunk_tokens)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  auto kv = std::make_shared<KvChoice>();
+  sub->add_option("--kv.policy", kv->policy,
+                  "softmax models: KV cache compression policy (default: the checkpoint's kv.policy; docs/kv_cache.md)");
+  sub->add_option("--kv.budget", kv->budget,
+                  "fraction in (0, 1] of the tokens seen, or entries per head (a whole number >= 2); default: the "
+                  "checkpoint's kv.budget")
+      ->check(finite_number_validator("", 0, false));
+  sub->add_option("--kv.option", kv->options, "KEY=VALUE: another option of the policy (repeatable)");
   sub->add_option("--seed", opt->seed, "sampling seed")->check(CLI::Validator(
       [](std::string& text) { return text.rfind('-', 0) == 0 ? std::string("must be >= 0") : std::string(); }, "SEED"));
-  sub->callback([checkpoint, prompt, opt, chunk_tokens] {
+  sub->callback([checkpoint, prompt, opt, chunk_tokens, kv] {
     Config cfg = load_checkpoint_config(*checkpoint);
+    if (!kv->policy.empty()) cfg.kv.policy = kv->policy;
+    if (kv->budget > 0) cfg.kv.budget = kv->budget;
+    if (cfg.attention.backend == "softmax") {
+      opt->kv_policy = kv_policy_from_cli(cfg.kv.policy, cfg.kv.budget, kv->options);
+    } else if (!kv->policy.empty() || kv->budget > 0 || !kv->options.empty()) {
+      throw ConfigError(fmt::format("--kv.policy, --kv.budget and --kv.option need a softmax checkpoint ({} is "
+                                    "attention.backend {})", *checkpoint, cfg.attention.backend));
+    }
     // The run's train.precision, resolved on this CPU (auto may differ from the machine that trained).
     Transformer model(cfg.model, cfg.attention, resolve_precision(cfg.train.precision).precision);
     load_checkpoint(*checkpoint, model, nullptr);

@@ -24,9 +24,12 @@ std::string generate(Transformer& model, const std::string& prompt, const Genera
   std::unique_ptr<DecodeSession> session;
   if (model->cfg.n_layers > 0 &&
       dynamic_cast<const FlexformerAttention*>(model->blocks->ptr<BlockImpl>(0)->attention.get()) != nullptr) {
+    if (opt.kv_policy) {
+      throw std::invalid_argument("generate: a KV cache policy needs softmax attention (this model is flexformer)");
+    }
     recurrent = std::make_shared<FlexformerDecoding>(model->cfg.n_layers);
   } else {
-    session = std::make_unique<DecodeSession>(model, opt.chunk_tokens);
+    session = std::make_unique<DecodeSession>(model, opt.chunk_tokens, opt.kv_policy);
   }
   int64_t cached_start = -1, cached = 0;  // window start the states were built for, and tokens they cover
   // Logits [kVocabSize] after tokens[start..end): from the cache or states where they cover tokens[start..end-1).

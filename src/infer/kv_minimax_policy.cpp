@@ -157,9 +157,15 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
       torch::Tensor sample;
       if (probes > 0) {
         sample = w.block.index_select(0, at::randperm(nb, gen, torch::TensorOptions().dtype(torch::kInt64)).narrow(0, 0, probes));
-        const torch::Tensor k = w.view.keys.index_select(0, sample).to(torch::kFloat);
-        const double norm = observed.norm(2, 1).mean().item<double>();
-        refs.push_back(k / k.norm(2, 1, true).clamp_min(1e-30) * norm);
+        // As sharp as the observed queries are: along the entry's key, at their mean norm times their mean best
+        // cosine with any entry of the head (~1 where queries name entries, a lookup head; small where they
+        // match nothing in particular, so that a random-key cache read by broad queries is not called lookup).
+        auto unit = [](const torch::Tensor& x) { return x / x.norm(2, 1, true).clamp_min(1e-30); };
+        const torch::Tensor keys = w.view.keys.to(torch::kFloat);
+        const double cosine =
+            torch::matmul(unit(observed), unit(keys).t()).amax(1).clamp_min(0).mean().item<double>();
+        const double norm = observed.norm(2, 1).mean().item<double>() * cosine;
+        refs.push_back(unit(keys.index_select(0, sample)) * norm);
       }
       const torch::Tensor queries = torch::cat(refs);
       if (probes > 0) {

@@ -142,4 +142,27 @@ std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPo
   return std::make_shared<ScoredKvPolicy>(std::move(scorer), budget);
 }
 
+std::shared_ptr<KvCompressor> make_kv_policy_with_budget(const std::string& name, double budget,
+                                                         KvPolicyOptions options) {
+  const bool fraction = budget > 0 && budget <= 1;
+  const bool tokens = budget >= 2 && budget <= 1e15 && budget == std::floor(budget);
+  if (!fraction && !tokens) {
+    throw std::invalid_argument(fmt::format(
+        "KV budget {} must be a fraction in (0, 1] of the tokens seen or a whole number >= 2 of entries per head", budget));
+  }
+  if (name == "full") {
+    if (budget != 1) {
+      throw std::invalid_argument(fmt::format("KV policy full keeps every entry; budget {} needs another policy ({})",
+                                              budget, kPolicies));
+    }
+    return make_kv_policy(name, options);
+  }
+  if (fraction) {
+    options["budget"] = budget;
+  } else {
+    options["max_tokens"] = budget;
+  }
+  return make_kv_policy(name, options);
+}
+
 }  // namespace dcp

@@ -593,12 +593,14 @@ TEST(CliRuns, GenerateDecodesThroughTheKvCacheWithAnyChunkSize) {
   train.insert(train.begin(), DCP_BINARY);
   Child trainer = Child::spawn(train, {}, (dir / "train.log").string());
   ASSERT_TRUE(exited_ok(trainer.wait(240))) << trainer.log();
-  auto generate = [&](const std::string& chunk) {
+  int status = 0;
+  auto generate = [&](const std::string& chunk, std::vector<std::string> extra = {}) {
     std::vector<std::string> args = {DCP_BINARY, "generate", "--checkpoint", (dir / "run" / "checkpoint").string(),
                                      "--prompt", "Document 7: the", "--max-new-tokens", "150", "--temperature", "0"};
     if (!chunk.empty()) args.insert(args.end(), {"--chunk-tokens", chunk});
-    Child g = Child::spawn(args, {}, (dir / ("generate" + chunk + ".log")).string());
-    const int status = g.wait(120);
+    args.insert(args.end(), extra.begin(), extra.end());
+    Child g = Child::spawn(args, {}, (dir / ("generate" + chunk + std::to_string(extra.size()) + ".log")).string());
+    status = g.wait(120);
     return std::pair{exited_ok(status), g.log()};
   };
   const auto by_config = generate("");  // kv.chunk_tokens of the checkpoint's config: 512
@@ -613,6 +615,29 @@ TEST(CliRuns, GenerateDecodesThroughTheKvCacheWithAnyChunkSize) {
   const auto bad = generate("0");
   EXPECT_FALSE(bad.first);
   EXPECT_NE(bad.second.find("--chunk-tokens"), std::string::npos) << bad.second;
+  // A compression policy from the command line: budget 1 is the full cache; a real budget still generates.
+  const auto kept = generate("", {"--kv.policy", "minimax", "--kv.budget", "1"});
+  ASSERT_TRUE(kept.first) << kept.second;
+  EXPECT_EQ(kept.second, by_config.second);
+  for (const char* budget : {"0.25", "40"}) {
+    const auto compressed = generate("7", {"--kv.policy", "snapkv", "--kv.budget", budget, "--kv.option", "window=8"});
+    ASSERT_TRUE(compressed.first) << compressed.second;
+    EXPECT_EQ(compressed.second.rfind("Document 7: the", 0), 0u) << compressed.second;
+  }
+  struct Usage {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  for (const Usage& u : std::vector<Usage>{{{"--kv.policy", "lru"}, "unknown policy 'lru'"},
+                                           {{"--kv.policy", "window", "--kv.budget", "1.5"}, "budget 1.5 must be"},
+                                           {{"--kv.policy", "full", "--kv.budget", "0.5"}, "needs another policy"},
+                                           {{"--kv.policy", "h2o", "--kv.option", "kernel=3"}, "h2o has no option 'kernel'"},
+                                           {{"--kv.policy", "h2o", "--kv.option", "recent_fraction"}, "KEY=VALUE"},
+                                           {{"--kv.budget", "nan"}, "--kv.budget"}}) {
+    const auto r = generate("", u.args);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << u.message << ": " << r.second;
+    EXPECT_NE(r.second.find(u.message), std::string::npos) << r.second;
+  }
   fs::remove_all(dir);
 }
 

@@ -393,3 +393,23 @@ TEST(KvPolicies, MakeKvPolicyChecksNamesAndOptions) {
   EXPECT_NE(error_of([] { AdaKvPolicy(std::make_shared<TovaScorer>(), KvBudget{0.5, 0}, 0.2); }).find("interval 0"),
             std::string::npos);
 }
+
+TEST(KvPolicies, MaxTokensCapsEveryHeadAndBudgetsReadAsFractionOrTokens) {
+  KvCache cache = random_cache(spec(1, 2), 40, 11);
+  make_kv_policy("window", {{"budget", 0.5}, {"max_tokens", 7}})->after_step(cache, kPrefill);
+  EXPECT_EQ(cache.length(0, 0), 7);  // min(ceil(0.5 * 40), 7)
+  KvCache by_tokens = random_cache(spec(1, 2), 40, 11);
+  make_kv_policy_with_budget("window", 12)->after_step(by_tokens, kPrefill);
+  EXPECT_EQ(by_tokens.length(0, 1), 12);
+  KvCache by_fraction = random_cache(spec(1, 2), 40, 11);
+  make_kv_policy_with_budget("window", 0.25)->after_step(by_fraction, kPrefill);
+  EXPECT_EQ(by_fraction.length(0, 1), 10);
+  EXPECT_NE(make_kv_policy_with_budget("full", 1), nullptr);
+  for (double bad : {0.0, 1.5, -3.0, 2.5, std::nan("")}) {
+    EXPECT_NE(error_of([&] { make_kv_policy_with_budget("window", bad); }).find("must be a fraction in (0, 1]"),
+              std::string::npos) << bad;
+  }
+  EXPECT_NE(error_of([] { make_kv_policy_with_budget("full", 0.5); }).find("needs another policy"), std::string::npos);
+  EXPECT_NE(error_of([] { make_kv_policy("window", {{"max_tokens", -1}}); }).find("max_tokens = -1 outside [0"),
+            std::string::npos);
+}
