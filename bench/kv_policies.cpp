@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
   fmt::print("| policy | budget | mean KL(full, policy) nats | mean abs logit diff | max abs logit diff | argmax agrees | bytes / full |\n");
   fmt::print("|---|---|---|---|---|---|---|\n");
   for (const char* name : {"window", "h2o", "snapkv", "tova", "expected-attention", "adakv-snapkv",
-                           "adakv-expected-attention"}) {
+                           "adakv-expected-attention", "minimax"}) {
     for (double budget : budgets) {
       const Run run = teacher_forced(model, tokens, prompt, chunk, make_kv_policy(name, {{"budget", budget}}));
       const torch::Tensor logp = torch::log_softmax(run.logits, 1);

@@ -13,7 +13,8 @@
 namespace dcp {
 namespace {
 
-const char* kPolicies = "full, window, h2o, snapkv, tova, expected-attention, adakv-<h2o|snapkv|tova|expected-attention>";
+const char* kPolicies =
+    "full, window, h2o, snapkv, tova, expected-attention, adakv-<h2o|snapkv|tova|expected-attention>, minimax";
 
 // The options of one policy: each read once with its default and range; anything left over is not an option
 // of this policy.
@@ -100,6 +101,23 @@ std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPo
   if (name == "full") {
     o.finish();
     return std::make_shared<FullKvCache>();
+  }
+  if (name == "minimax") {
+    MinimaxOptions m;
+    m.budget = o.budget(64);
+    m.window = o.integer("window", m.window, 1);
+    m.samples = o.integer("samples", m.samples, 0);
+    m.probes = o.integer("probes", m.probes, 0);
+    m.n_sink = o.integer("n_sink", m.n_sink, 0);
+    m.recent_fraction = o.number("recent_fraction", m.recent_fraction, 0.0, 1.0);
+    m.alpha_safeguard = o.number("alpha_safeguard", m.alpha_safeguard, 0.0, 1.0);
+    m.abstain_tail = o.number("abstain_tail", m.abstain_tail, 0.0, 1e300);
+    const int64_t refit = o.integer("refit_values", 0, 0);
+    if (refit > 1) throw std::invalid_argument(fmt::format("make_kv_policy: minimax: refit_values = {} must be 0 or 1", refit));
+    m.refit_values = refit == 1;
+    m.seed = static_cast<uint64_t>(o.integer("seed", 0, 0));
+    o.finish();
+    return std::make_shared<MinimaxKvPolicy>(m);
   }
   const std::string ada = "adakv-";
   const bool adakv = name.compare(0, ada.size(), ada) == 0;

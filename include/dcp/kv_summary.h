@@ -1,0 +1,87 @@
+// Weighted summaries of a block of cached entries for the `minimax` KV-cache policy (dcp/kv_policies.h): which
+// entries of the block stay, with which log-weight biases (and optionally refitted values), so that attention
+// over the summary reproduces attention over the block for a set of reference queries; and an estimate of how
+// compressible the block is.
+//
+// Reconstruction of "The risk of KV cache compression" (Haverbeck et al., arXiv 2607.01520), known only from its
+// abstract and a secondhand section map: ../shared/specs/kv-cache-compression.md section 2 (model) and 4.3
+// (COMPRESS). What each piece comes from is said at the piece; docs/kv_cache.md "minimax" says what is ours.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "dcp/kv_cache.h"
+
+namespace dcp {
+
+/// One head's summary problem for a block of its entries. With reference queries q_1..q_Q (rows of `queries`)
+/// and p_q = softmax(scale q.K^T + bias) over ALL entries of the head (so masses are relative to the head's
+/// total, spec section 2: errors count relative to D(q)), o_q = p_q V, a summary gives block entry i a weight
+/// w_i >= 0 (0 = evicted; stored as bias += log w_i). To first order its output error for q is
+///   sum_{i in block} (w_i - 1) p_qi (v_i - o_q)          (the error identity o~ - o = (dN - o dD) / D~)
+/// and its mass error sum_i (w_i - 1) p_qi. Both are linear in w: a column a_i per entry stacks
+/// p_qi (v_i - o_q) over q and gamma p_qi over q (gamma^2 = the mass-weighted mean of ||v_i - o_q||^2, so mass
+/// rows weigh like output rows), and the summary solves min ||A (w - 1)||^2 over sparse w >= 0. Everything is
+/// in fp64 through the Gram G = A^T A / Q, formed from [Q, n] products (never A itself).
+class KvBlockSummary {
+ public:
+  /// view: the head; queries [Q, head_dim] (after rotary, unscaled, any floating dtype, Q >= 1); scale > 0 the
+  /// softmax scale; block [n] int64 distinct indices into the view (n >= 1). Throws std::invalid_argument for
+  /// shapes that do not fit or an index out of range.
+  KvBlockSummary(const KvHeadView& view, const torch::Tensor& queries, double scale, const torch::Tensor& block);
+
+  int64_t block_size() const { return static_cast<int64_t>(diag_.size()); }
+
+  /// Greedy selection (orthogonal matching pursuit on A with least-squares weights, computed as a pivoted
+  /// Cholesky of G: each step takes the entry whose addition lowers the residual most, among entries positively
+  /// correlated with it, as spec 4.3 step 3 "greedy pivoted Cholesky / OMP on columns of [Phi V; Phi]").
+  /// Extends the path to min(atoms, block_size()) entries; stops early when no entry lowers the residual.
+  void extend(int64_t atoms);
+  /// Block positions (indices into `block`) in the order the greedy path took them.
+  const std::vector<int64_t>& order() const { return order_; }
+  /// error()[k]: mean squared first-order error over the reference queries with the first k entries of the
+  /// path at their least-squares weights (k = 0..order().size()); error()[0] is evicting the whole block.
+  const std::vector<double>& error() const { return error_; }
+
+  struct Fit {
+    torch::Tensor atoms;       ///< [m] int64 indices into `block`, ascending; weights > 0
+    torch::Tensor log_weight;  ///< [m] fp32: added to those entries' biases
+    torch::Tensor values;      ///< [m, value_dim] fp32 refitted values; undefined unless refit_values
+    double error = 0;          ///< mean squared first-order error of these weights (as error())
+  };
+  /// Non-negative least squares for the weights of the first `atoms` entries of the path (spec 4.3 step 4,
+  /// Attention Matching's NNLS mass fit, here on outputs and mass together), by coordinate descent from the
+  /// clipped least-squares solution; entries whose weight is 0 are left out. refit_values: then least squares
+  /// for their values so that the weighted numerator matches the block's on the reference queries (spec 4.3
+  /// step 4, optional; ridge towards the original values). Throws std::invalid_argument for atoms outside
+  /// [1, order().size()].
+  Fit fit(int64_t atoms, bool refit_values) const;
+
+ private:
+  torch::Tensor gram_;       // [n, n] fp64
+  std::vector<double> c_;    // G 1
+  std::vector<double> diag_;
+  double total_ = 0;         // 1^T G 1
+  torch::Tensor probs_, block_values_;  // [Q, n], [n, value_dim] fp64 (for the value refit)
+  // Greedy state.
+  std::vector<int64_t> order_;
+  std::vector<double> error_;
+  torch::Tensor chol_;                   // [n, steps] fp64: the Cholesky columns of the chosen entries
+  torch::Tensor residual_, remaining_;   // [n] fp64: correlation with the residual, column norm left
+  torch::Tensor available_;              // [n] bool: not chosen yet
+};
+
+/// The compressibility estimate of spec section 2: the eigenvalue tail of the mass-normalised response Gram
+/// G_ij = sum_q p_qi p_qj (v_i.v_j + 1) of a sample of entries, normalised by its trace: the share of the
+/// sample's response energy beyond its `keep` largest eigen-directions. ~0 for a block whose responses live in a
+/// few directions (clustered keys), ~1 - keep/S for near-orthogonal keys probed by lookup-like queries (a flat
+/// spectrum: every entry answers a query of its own). probs [Q, S] (rows: reference queries, columns: the
+/// sampled entries' attention probabilities over the whole head), values [S, value_dim]; keep in [0, S].
+/// Returns a value in [0, 1] (0 when the responses are all zero). Throws std::invalid_argument for shapes
+/// that do not fit.
+double kv_spectral_tail(const torch::Tensor& probs, const torch::Tensor& values, int64_t keep);
+
+}  // namespace dcp

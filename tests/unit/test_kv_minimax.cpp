@@ -1,0 +1,317 @@
+// The minimax KV policy and its block summaries: the identities of the issue (budget 1 bit-identical, a
+// summary with every entry exact, merging uncompressed summaries = attention over the union), weights that
+// restore mass (duplicated entries collapse exactly), summaries against eviction, abstention on a lookup head
+// and not on a compressible one, the budget across heads, and the options.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "dcp/attention_kernels.h"
+#include "dcp/config.h"
+#include "dcp/infer.h"
+#include "dcp/kv_cache.h"
+#include "dcp/kv_observations.h"
+#include "dcp/kv_policies.h"
+#include "dcp/kv_summary.h"
+#include "unit/error_of.h"
+
+using namespace dcp;
+using dcp::test::error_of;
+
+namespace {
+
+// softmax(scale q.K^T + bias) V of one head, fp64: [Q, value_dim].
+torch::Tensor attend(const KvHeadView& view, const torch::Tensor& q, double scale) {
+  const torch::Tensor p = torch::softmax(
+      scale * torch::matmul(q.to(torch::kDouble), view.keys.to(torch::kDouble).t()) + view.bias.to(torch::kDouble), 1);
+  return torch::matmul(p, view.values.to(torch::kDouble));
+}
+
+double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
+  return ((a - b).norm() / b.norm()).item<double>();
+}
+
+KvCacheSpec spec(int64_t heads, int64_t dim, torch::ScalarType dtype = torch::kDouble) {
+  KvCacheSpec s;
+  s.layers = 1;
+  s.kv_heads = heads;
+  s.head_dim = dim;
+  s.dtype = dtype;
+  return s;
+}
+
+// A cache whose heads hold the given keys [n, heads, d] and values at positions 0..n-1, and observations of
+// `q` [W, heads, d] as the last W positions' queries.
+struct Synthetic {
+  KvCache cache;
+  KvObservations obs;
+  Synthetic(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& q, double scale)
+      : cache(spec(k.size(1), k.size(2))), obs(1, k.size(1), KvObservationNeeds{q.size(0), false}) {
+    const int64_t n = k.size(0);
+    cache.append(0, k.to(torch::kDouble), v.to(torch::kDouble), torch::arange(n, torch::kInt64));
+    obs.observe(0, q, torch::arange(n - q.size(0), n, torch::kInt64), cache, scale);
+  }
+  KvStep step() const { return KvStep{true, 0, cache.next_position(), &obs}; }
+};
+
+ModelConfig tiny_config() {
+  ModelConfig cfg;
+  cfg.d_model = 64;
+  cfg.n_layers = 3;
+  cfg.n_heads = 4;
+  cfg.d_ff = 128;
+  return cfg;
+}
+
+Transformer sharp_model(uint64_t seed) {
+  torch::manual_seed(seed);
+  Transformer model(tiny_config(), AttentionConfig{}, Precision::kFp32);
+  torch::NoGradGuard no_grad;
+  for (const auto& item : model->named_parameters()) {
+    if (item.key().find("wqkv") != std::string::npos) item.value().narrow(0, 0, 2 * tiny_config().d_model).mul_(8.0);
+  }
+  model->eval();
+  return model;
+}
+
+std::vector<int64_t> random_tokens(int64_t n, uint64_t seed) {
+  torch::manual_seed(seed);
+  auto t = torch::randint(0, 256, {n}, torch::kInt64);
+  std::vector<int64_t> out(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
+  out[0] = kBosToken;
+  return out;
+}
+
+torch::Tensor session_logits(Transformer& model, const std::vector<int64_t>& tokens, int64_t prompt,
+                             std::shared_ptr<KvCompressor> compressor) {
+  DecodeSession session(model, 16, std::move(compressor));
+  std::vector<torch::Tensor> rows{session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + prompt))};
+  for (size_t i = static_cast<size_t>(prompt); i < tokens.size(); ++i) rows.push_back(session.decode(tokens[i]).unsqueeze(0));
+  return torch::cat(rows);
+}
+
+// Keys in c tight clusters of norm rho with values shared by the cluster (plus noise): compressible to about
+// c weighted entries. [n, 1, d] each.
+std::pair<torch::Tensor, torch::Tensor> clustered(int64_t n, int64_t d, int64_t c, double rho, double noise, uint64_t seed) {
+  torch::manual_seed(seed);
+  const torch::Tensor centres = torch::nn::functional::normalize(torch::randn({c, d}, torch::kDouble),
+                                                                 torch::nn::functional::NormalizeFuncOptions().dim(1));
+  const torch::Tensor values = torch::randn({c, d}, torch::kDouble);
+  const torch::Tensor which = torch::randint(0, c, {n}, torch::kInt64);
+  const torch::Tensor k = centres.index_select(0, which) * rho + noise * torch::randn({n, d}, torch::kDouble);
+  const torch::Tensor v = values.index_select(0, which) + noise * torch::randn({n, d}, torch::kDouble);
+  return {k.unsqueeze(1), v.unsqueeze(1)};
+}
+
+}  // namespace
+
+TEST(KvSummary, EveryEntryKeptIsExact) {
+  torch::manual_seed(1);
+  KvCache cache(spec(1, 8));
+  cache.append(0, torch::randn({40, 1, 8}, torch::kDouble), torch::randn({40, 1, 8}, torch::kDouble),
+               torch::arange(40, torch::kInt64));
+  const KvHeadView view = cache.view(0, 0);
+  const torch::Tensor q = torch::randn({100, 8}, torch::kDouble) * 2;
+  const torch::Tensor block = torch::arange(10, 40, torch::kInt64);
+  KvBlockSummary s(view, q, 0.35, block);
+  s.extend(30);
+  // 100 queries x 9 rows exceed 30 entries: the Gram is full rank and the path takes every entry, error 0.
+  ASSERT_EQ(s.order().size(), 30u);
+  EXPECT_NEAR(s.error().back(), 0.0, 1e-12 * s.error()[0]);
+  const KvBlockSummary::Fit fit = s.fit(30, false);
+  ASSERT_EQ(fit.atoms.numel(), 30);
+  EXPECT_LT(fit.log_weight.abs().max().item<double>(), 1e-5);  // every weight 1
+  // The error curve falls with every entry taken.
+  for (size_t k = 1; k < s.error().size(); ++k) EXPECT_LE(s.error()[k], s.error()[k - 1] + 1e-15);
+}
+
+TEST(KvSummary, DuplicatedEntriesCollapseToOneWeightedEntryExactly) {
+  // Each of 12 distinct (key, value) pairs stored 4 times: 12 entries with weight 4 (bias log 4) are the same
+  // attention for every query, not only the reference ones.
+  torch::manual_seed(2);
+  const torch::Tensor k = torch::randn({12, 1, 8}, torch::kDouble).repeat_interleave(4, 0);
+  const torch::Tensor v = torch::randn({12, 1, 8}, torch::kDouble).repeat_interleave(4, 0);
+  KvCache cache(spec(1, 8));
+  cache.append(0, k, v, torch::arange(48, torch::kInt64));
+  const KvHeadView view = cache.view(0, 0);
+  KvBlockSummary s(view, torch::randn({64, 8}, torch::kDouble), 0.35, torch::arange(48, torch::kInt64));
+  s.extend(12);
+  const KvBlockSummary::Fit fit = s.fit(12, false);
+  ASSERT_EQ(fit.atoms.numel(), 12);
+  EXPECT_LT((fit.log_weight - std::log(4.0)).abs().max().item<double>(), 1e-5);
+  KvHeadEdit edit;
+  edit.keep = fit.atoms;
+  edit.new_bias = fit.log_weight;
+  KvCache compact = cache;  // shares storage; commit reallocates only the copy's head
+  compact.commit(0, {edit});
+  const torch::Tensor fresh = torch::randn({50, 8}, torch::kDouble) * 3;
+  EXPECT_LT(rel_err(attend(compact.view(0, 0), fresh, 0.35), attend(cache.view(0, 0), fresh, 0.35)), 1e-5);
+}
+
+TEST(KvSummary, MergingTwoUncompressedSummariesIsAttentionOverTheirUnion) {
+  // Two summaries (entries with log-weight biases) of disjoint blocks: attention over their union, as the
+  // merge-reduce tree holds it, is the exact (out, lse) merge of attention over each (responses add).
+  torch::manual_seed(3);
+  const int64_t d = 8;
+  const torch::Tensor q = torch::randn({5, d}, torch::kDouble);
+  const torch::Tensor k = torch::randn({16, 1, d}, torch::kDouble), v = torch::randn({16, 1, d}, torch::kDouble);
+  const torch::Tensor bias = torch::randn({16}).to(torch::kDouble);  // fp32 values: the cache stores fp32 biases
+  KvCache u(spec(1, d));
+  u.append(0, k, v, torch::arange(16, torch::kInt64));
+  KvHeadEdit with_bias;
+  with_bias.keep = torch::arange(16, torch::kInt64);
+  with_bias.new_bias = bias;
+  u.commit(0, {with_bias});
+  auto over = [&](int64_t from, int64_t count) {
+    const torch::Tensor logits = 0.35 * torch::matmul(q, k.select(1, 0).narrow(0, from, count).t()) +
+                                 bias.narrow(0, from, count).unsqueeze(0);
+    return AttentionResult{torch::matmul(torch::softmax(logits, 1), v.select(1, 0).narrow(0, from, count)).unsqueeze(1),
+                           torch::logsumexp(logits, 1).unsqueeze(1)};
+  };
+  const AttentionResult merged = merge_attention(over(0, 7), over(7, 9));
+  EXPECT_LT(rel_err(merged.out.select(1, 0), attend(u.view(0, 0), q, 0.35)), 1e-12);
+}
+
+TEST(KvSummary, SpectralTailIsFlatForLookupAndSmallForClusters) {
+  torch::manual_seed(4);
+  // Near-orthogonal keys probed one by one: each probe's attention sits on its own entry.
+  const torch::Tensor probs_lookup = torch::eye(32, torch::kDouble) * 0.9 + 0.1 / 32;
+  const torch::Tensor unit = torch::nn::functional::normalize(torch::randn({32, 8}), torch::nn::functional::NormalizeFuncOptions().dim(1));
+  EXPECT_GT(kv_spectral_tail(probs_lookup, unit, 8), 0.7);  // flat: 1 - 8/32 less the shared 0.1/32 part
+  // Four clusters with shared values: responses in four directions.
+  const torch::Tensor which = torch::arange(32, torch::kInt64) % 4;
+  const torch::Tensor probs_clustered = torch::one_hot(which, 4).to(torch::kDouble).t().index_select(0, which) / 8.0;
+  const torch::Tensor values = torch::randn({4, 8}).index_select(0, which);
+  EXPECT_LT(kv_spectral_tail(probs_clustered, values, 4), 1e-9);
+  EXPECT_EQ(kv_spectral_tail(torch::zeros({3, 2}, torch::kDouble), torch::zeros({2, 1}), 1), 0.0);
+  EXPECT_NE(error_of([] { kv_spectral_tail(torch::zeros({3, 2}), torch::zeros({3, 1}), 1); }).find("kv_spectral_tail"),
+            std::string::npos);
+}
+
+TEST(KvMinimax, BudgetOneIsBitIdenticalToFull) {
+  Transformer model = sharp_model(1);
+  const auto tokens = random_tokens(90, 2);
+  const torch::Tensor full = session_logits(model, tokens, 50, make_kv_policy("full"));
+  const torch::Tensor got = session_logits(model, tokens, 50, make_kv_policy("minimax", {{"budget", 1.0}, {"interval", 1}}));
+  EXPECT_TRUE(torch::equal(got, full));
+}
+
+TEST(KvMinimax, DecodeStaysWithinTheLayerBudgetWithoutAbstention) {
+  Transformer model = sharp_model(3);
+  const auto tokens = random_tokens(160, 4);
+  auto policy = std::make_shared<MinimaxKvPolicy>([] {
+    MinimaxOptions o;
+    o.budget = KvBudget{0.3, 8, 0};
+    o.abstain_tail = 2;  // never
+    return o;
+  }());
+  DecodeSession session(model, 16, policy);
+  session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + 100));
+  for (size_t i = 100; i < tokens.size(); ++i) {
+    session.decode(tokens[i]);
+    const KvCache& c = session.cache();
+    if ((c.next_position() % 8) != 0) continue;  // compressed only every interval tokens
+    const auto per_head = static_cast<int64_t>(std::ceil(0.3 * static_cast<double>(c.next_position())));
+    for (int64_t layer = 0; layer < c.spec().layers; ++layer) {
+      int64_t total = 0;
+      for (int64_t h = 0; h < c.spec().kv_heads; ++h) total += c.length(layer, h);
+      EXPECT_LE(total, c.spec().kv_heads * per_head) << "layer " << layer << " at " << c.next_position();
+    }
+  }
+  EXPECT_TRUE(policy->abstained_heads().empty());
+  ASSERT_EQ(policy->risks().size(), 12u);
+  // Sinks stay: every head still holds positions 0..3.
+  for (int64_t h = 0; h < 4; ++h) {
+    const torch::Tensor p = session.cache().view(0, h).positions;
+    EXPECT_EQ(p.narrow(0, 0, 4).sum().item<int64_t>(), 6) << h;
+  }
+}
+
+TEST(KvMinimax, SummaryBeatsEvictionOnACompressibleHead) {
+  const int64_t n = 400, d = 16;
+  auto [k, v] = clustered(n, d, 6, 4.0, 0.05, 5);
+  torch::manual_seed(6);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const torch::Tensor q = torch::randn({64, 1, d}, torch::kDouble) * 3;
+  const torch::Tensor test_q = torch::randn({200, d}, torch::kDouble) * 3;
+  auto error_with = [&](const std::string& name) {
+    Synthetic s(k, v, q, scale);
+    const torch::Tensor full = attend(s.cache.view(0, 0), test_q, scale);
+    make_kv_policy(name, {{"budget", 0.1}})->after_step(s.cache, s.step());
+    if (name == "minimax") EXPECT_LE(s.cache.length(0, 0), 40);
+    return rel_err(attend(s.cache.view(0, 0), test_q, scale), full);
+  };
+  const double minimax = error_with("minimax");
+  for (const char* baseline : {"window", "snapkv", "expected-attention"}) {
+    EXPECT_LT(minimax, 0.5 * error_with(baseline)) << baseline;
+  }
+  EXPECT_LT(minimax, 0.05);
+}
+
+TEST(KvMinimax, AbstainsOnALookupHeadAndNotOnAClusteredOne) {
+  const int64_t n = 256, d = 64;
+  auto [kc, vc] = clustered(n, d, 4, 4.0, 0.05, 7);
+  torch::manual_seed(8);
+  // Lookup head: random keys of norm 16 in 64 dimensions (nearly orthogonal), random values.
+  const torch::Tensor kl = torch::nn::functional::normalize(torch::randn({n, 1, d}, torch::kDouble),
+                                                            torch::nn::functional::NormalizeFuncOptions().dim(2)) * 16;
+  const torch::Tensor vl = torch::randn({n, 1, d}, torch::kDouble);
+  const torch::Tensor q = torch::randn({64, 2, d}, torch::kDouble) * 16 / std::sqrt(64.0);
+  Synthetic s(torch::cat({kc, kl}, 1), torch::cat({vc, vl}, 1), q, 1.0 / 8);
+  auto policy = make_kv_policy("minimax", {{"budget", 0.25}});
+  policy->after_step(s.cache, s.step());
+  const auto abstained = policy->abstained_heads();
+  ASSERT_EQ(abstained.size(), 1u);
+  EXPECT_EQ(abstained[0], std::make_pair(int64_t{0}, int64_t{1}));
+  EXPECT_EQ(s.cache.length(0, 1), n);   // kept exact, over its budget on purpose
+  EXPECT_LE(s.cache.length(0, 0), 64);  // ceil(0.25 * 256)
+  const auto& risks = std::dynamic_pointer_cast<MinimaxKvPolicy>(policy)->risks();
+  EXPECT_TRUE(risks[1].abstained);
+  EXPECT_GT(risks[1].tail, 0.5);
+  EXPECT_LT(risks[0].tail, 0.5);
+  // Sticky: a later compression leaves the lookup head exact; reset() forgets it.
+  policy->after_step(s.cache, s.step());
+  EXPECT_EQ(s.cache.length(0, 1), n);
+  policy->reset();
+  EXPECT_TRUE(policy->abstained_heads().empty());
+}
+
+TEST(KvMinimax, MaxTokensIsAFixedBudgetThatMergesSummaries) {
+  Transformer model = sharp_model(9);
+  const auto tokens = random_tokens(300, 10);
+  auto policy = make_kv_policy("minimax", {{"budget", 1.0}, {"max_tokens", 40}, {"interval", 16}, {"abstain_tail", 2}});
+  DecodeSession session(model, 32, policy);
+  session.prefill(tokens);  // 300 tokens in chunks of 32, compressed after each
+  for (int64_t layer = 0; layer < 3; ++layer) {
+    int64_t total = 0;
+    for (int64_t h = 0; h < 4; ++h) total += session.cache().length(layer, h);
+    EXPECT_LE(total, 4 * 40) << layer;
+    EXPECT_GT(total, 4 * 10) << layer;
+  }
+}
+
+TEST(KvMinimax, OptionsAreChecked) {
+  struct Bad {
+    std::string key;
+    double value;
+    std::string message;
+  };
+  for (const Bad& b : std::vector<Bad>{{"window", 0, "window = 0 outside [1"},
+                                       {"samples", -1, "samples = -1 outside [0"},
+                                       {"recent_fraction", 1.5, "recent_fraction = 1.5 outside [0, 1]"},
+                                       {"abstain_tail", -0.1, "abstain_tail = -0.1 outside [0"},
+                                       {"refit_values", 2, "refit_values = 2 must be 0 or 1"},
+                                       {"max_tokens", -1, "max_tokens = -1 outside [0"},
+                                       {"budget", 0, "budget = 0 outside (0, 1]"}}) {
+    const std::string e = error_of([&] { make_kv_policy("minimax", {{b.key, b.value}}); });
+    EXPECT_NE(e.find("minimax: " + b.message), std::string::npos) << b.key << ": " << e;
+  }
+  EXPECT_NE(error_of([] { make_kv_policy("minimax", {{"kernel", 3}}); }).find("minimax has no option 'kernel'"),
+            std::string::npos);
+  Synthetic s(torch::randn({20, 1, 4}), torch::randn({20, 1, 4}), torch::randn({4, 1, 4}), 0.5);
+  EXPECT_NE(error_of([&] { make_kv_policy("minimax", {{"budget", 0.2}})->after_step(s.cache, KvStep{true, 0, 20, nullptr}); })
+                .find("no observed queries"),
+            std::string::npos);
+}
