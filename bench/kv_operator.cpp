@@ -182,6 +182,9 @@ struct Instance {
   torch::Tensor radius;        // [H] fp64: the largest observed query norm (bound of needles and adversaries)
   std::map<std::string, torch::Tensor> tests;  // family -> [H, m, d] fp64
   std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> full;  // family -> full attention (out, lse)
+  // What the in-distribution attention looks like (to read the tables by): mean over queries and heads of the
+  // perplexity exp(entropy) of the attention (entries a query effectively reads), and of the mass on the top 5%.
+  double perplexity = 0, top5_mass = 0;
   torch::Tensor adv_init;      // [H, R, d] fp64: adversarial restarts, inside the ball
 };
 
@@ -230,6 +233,10 @@ Instance make_instance(size_t g, const std::string& values_kind, int64_t seed, i
   // The full attention of the fixed test queries is the same for every policy and budget: computed once.
   const torch::Tensor zero_bias = torch::zeros({heads, n}, torch::kDouble);
   for (const auto& item : in.tests) in.full[item.first] = attend(item.second, in.keys, in.values, zero_bias, scale);
+  const torch::Tensor p = torch::softmax(scale * torch::matmul(in.tests["in-dist"], in.keys.transpose(1, 2)), -1);
+  in.perplexity = torch::exp(-(p * torch::log(p.clamp_min(1e-300))).sum(-1)).mean().item<double>();
+  const int64_t top = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(0.05 * double(n))));
+  in.top5_mass = std::get<0>(p.topk(top, -1)).sum(-1).mean().item<double>();
   return in;
 }
 
@@ -365,6 +372,130 @@ struct Cell {
   std::vector<double> bytes;
 };
 
+// ---- minimax calibration: the policy's own estimates against what was measured (MinimaxKvPolicy::risks(),
+// KvCompressor::abstained_heads(); spec section 7.1 "calibration" and "abstain precision/recall") ----
+
+// One (generator, values, seed, budget, head) of the minimax policy: its own estimate and what was measured.
+struct MinimaxRecord {
+  std::string generator, values;
+  int64_t seed, head;
+  double budget, tail, error;  // its estimates: KvHeadRisk::tail (spectral tail) and ::error (predicted RMS error)
+  double worst;                // the measured worst relative error of the head over every query family
+  bool abstained;               // in abstained_heads()
+  int64_t kept;
+};
+
+// Reads the minimax policy's per-head estimates after its compression of the instance (layer 0: risks()[head])
+// and pairs them with the head's measured worst relative error over every query family. No-op for other policies.
+void record_minimax(const std::shared_ptr<KvCompressor>& policy, const std::map<std::string, FamilyErrors>& fam,
+                    const std::string& generator, const std::string& values, int64_t seed, double budget,
+                    std::vector<MinimaxRecord>& out) {
+  const auto mm = std::dynamic_pointer_cast<MinimaxKvPolicy>(policy);
+  if (!mm) return;
+  const std::vector<KvHeadRisk>& risks = mm->risks();
+  const auto abstained = policy->abstained_heads();
+  const int64_t heads = fam.begin()->second.rel.size(0);
+  for (int64_t h = 0; h < heads && h < static_cast<int64_t>(risks.size()); ++h) {
+    double worst = 0;
+    for (const auto& item : fam) worst = std::max(worst, item.second.rel[h].max().item<double>());
+    const bool abst = std::find(abstained.begin(), abstained.end(), std::pair<int64_t, int64_t>(0, h)) !=
+                      abstained.end();
+    const KvHeadRisk& r = risks[static_cast<size_t>(h)];
+    if (r.kept == 0) continue;  // the head was within its budget (budget 1): nothing was compressed or estimated
+    out.push_back({generator, values, seed, h, budget, r.tail, r.error, worst, abst, r.kept});
+  }
+}
+
+// Spearman rank correlation (average ranks for ties) of x and y.
+double spearman(const std::vector<double>& x, const std::vector<double>& y) {
+  auto ranks = [](const std::vector<double>& v) {
+    std::vector<size_t> idx(v.size());
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+    std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return v[a] < v[b]; });
+    std::vector<double> r(v.size());
+    for (size_t i = 0; i < idx.size();) {
+      size_t j = i;
+      while (j + 1 < idx.size() && v[idx[j + 1]] == v[idx[i]]) ++j;
+      for (size_t k = i; k <= j; ++k) r[idx[k]] = 0.5 * double(i + j);
+      i = j + 1;
+    }
+    return r;
+  };
+  const std::vector<double> rx = ranks(x), ry = ranks(y);
+  const double n = double(x.size());
+  double mx = 0, my = 0;
+  for (size_t i = 0; i < x.size(); ++i) mx += rx[i] / n, my += ry[i] / n;
+  double sxy = 0, sxx = 0, syy = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    sxy += (rx[i] - mx) * (ry[i] - my);
+    sxx += (rx[i] - mx) * (rx[i] - mx);
+    syy += (ry[i] - my) * (ry[i] - my);
+  }
+  return sxx > 0 && syy > 0 ? sxy / std::sqrt(sxx * syy) : std::nan("");
+}
+
+// Markdown: per budget and over all, Spearman rank correlation of each estimate (tail, predicted error) with
+// the measured worst relative error over (generator, values, seed, head), abstention precision / recall with
+// "should abstain" = the head is from `lookup`; then per generator and budget what the estimates said.
+std::string minimax_calibration(const std::vector<MinimaxRecord>& recs, const std::vector<double>& budgets,
+                                const std::vector<std::string>& generators) {
+  std::string md =
+      "\n### minimax: its estimates against the measured worst case\n\n"
+      "Per (generator, values, seed, head) at each budget: the policy's estimated spectral tail (KvHeadRisk::tail) "
+      "and predicted error (KvHeadRisk::error) against the head's measured worst relative error over all four query "
+      "families (Spearman rank correlation), and its abstentions against \"should abstain\" = the head is from "
+      "`lookup`. The correlations are over the heads it compressed (an abstained head keeps everything: error 0, no "
+      "prediction); heads at budget 1 (nothing compressed) are left out.\n\n| budget | heads | compressed | "
+      "Spearman(tail, worst) | Spearman(predicted error, worst) | abstained | precision | recall |\n"
+      "|---|---|---|---|---|---|---|---|\n";
+  std::vector<double> all_budgets = budgets;
+  all_budgets.push_back(-1);  // all budgets together
+  for (double b : all_budgets) {
+    std::vector<double> tail, err, worst;
+    int64_t abst = 0, hit = 0, lookup = 0, total = 0;
+    for (const auto& r : recs) {
+      if (b >= 0 && r.budget != b) continue;
+      // The estimates describe the summary the head got: an abstained head kept everything (error 0 by
+      // construction, no predicted error), so the correlations run over the compressed heads only.
+      if (!r.abstained) {
+        tail.push_back(r.tail);
+        err.push_back(r.error);
+        worst.push_back(r.worst);
+      }
+      ++total;
+      const bool should = r.generator == "lookup";
+      abst += r.abstained;
+      lookup += should;
+      hit += r.abstained && should;
+    }
+    if (total == 0) continue;
+    md += fmt::format("| {} | {} | {} | {:.3f} | {:.3f} | {} | {} | {} |\n",
+                      b >= 0 ? fmt::format("{}", b) : std::string("all"), total, tail.size(), spearman(tail, worst),
+                      spearman(err, worst), abst,
+                      abst ? fmt::format("{:.3f}", double(hit) / double(abst)) : std::string("-"),
+                      lookup ? fmt::format("{:.3f}", double(hit) / double(lookup)) : std::string("-"));
+  }
+  md += "\n| generator | budget | mean tail | mean predicted error | abstained heads | mean kept entries | mean measured worst |"
+        "\n|---|---|---|---|---|---|---|\n";
+  for (const auto& g : generators) {
+    for (double b : budgets) {
+      double tail = 0, err = 0, kept = 0, worst = 0;
+      int64_t count = 0, abst = 0;
+      for (const auto& r : recs) {
+        if (r.generator != g || r.budget != b) continue;
+        tail += r.tail, err += r.error, kept += double(r.kept), worst += r.worst;
+        abst += r.abstained;
+        ++count;
+      }
+      if (count == 0) continue;
+      const double c = double(count);
+      md += fmt::format("| {} | {} | {:.3f} | {:.3f} | {} / {} | {:.0f} | {:.3f} |\n", g, b, tail / c, err / c, abst,
+                        count, kept / c, worst / c);
+    }
+  }
+  return md;
+}
+
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   size_t start = 0;
@@ -456,14 +587,23 @@ int main(int argc, char** argv) {
 
   // cells[(generator, values, policy, budget)]
   std::map<std::tuple<size_t, std::string, std::string, double>, Cell> cells;
+  std::map<std::pair<size_t, std::string>, std::pair<double, double>> profile;  // mean perplexity, top-5% mass
+  std::vector<MinimaxRecord> minimax_records;
   torch::NoGradGuard outer_no_grad;  // only the adversarial ascent records gradients (it re-enables them)
   for (size_t g : gens) {
     for (const auto& vk : value_kinds) {
       for (int64_t seed = 0; seed < seeds; ++seed) {
         const Instance in = make_instance(g, vk, seed, n, head_dim, heads, window, queries, restarts, knobs, scale);
+        auto& prof = profile[{g, vk}];
+        prof.first += in.perplexity / double(seeds);
+        prof.second += in.top5_mass / double(seeds);
         std::vector<Compressed> compressed;
+        std::vector<std::shared_ptr<KvCompressor>> made;  // kept: minimax's estimates are read after scoring
         for (const auto& p : policies) {
-          for (double b : budgets) compressed.push_back(compress(in, make_kv_policy(p, {{"budget", b}}), scale));
+          for (double b : budgets) {
+            made.push_back(make_kv_policy(p, {{"budget", b}}));
+            compressed.push_back(compress(in, made.back(), scale));
+          }
         }
         std::vector<FamilyErrors> adv;
         {
@@ -476,7 +616,9 @@ int main(int argc, char** argv) {
             const Compressed& c = compressed[i];
             std::map<std::string, FamilyErrors> fam;
             for (const auto& item : in.tests) fam[item.first] = errors(item.first, in, c, scale);
-            fam["adversarial"] = adv[i++];
+            fam["adversarial"] = adv[i];
+            record_minimax(made[i], fam, kGenerators[g], vk, seed, b, minimax_records);
+            ++i;
             Cell& cell = cells[{g, vk, p, b}];
             cell.seeds.push_back(std::move(fam));
             cell.bytes.push_back(c.bytes_ratio);
@@ -492,6 +634,12 @@ int main(int argc, char** argv) {
   bool ok = true;
   for (size_t g : gens) {
     md += fmt::format("\n### {}\n\n", kGenerators[g]);
+    for (const auto& vk : value_kinds) {  // the keys and queries do not depend on the values: one line suffices
+      md += fmt::format("Full attention of the in-distribution queries: reads {:.1f} entries (mean perplexity) of {}; "
+                        "the top 5% hold {:.1f}% of the mass.\n\n",
+                        profile[{g, vk}].first, n, 100 * profile[{g, vk}].second);
+      break;
+    }
     md += "| values | policy | budget | bytes | in-dist mean / p95 / max | shifted mean / p95 / max | needle mean / p95 / max "
           "| adversarial mean / max | worst | mass err mean |\n|---|---|---|---|---|---|---|---|---|---|\n";
     for (const auto& vk : value_kinds) {
@@ -533,6 +681,11 @@ int main(int argc, char** argv) {
         }
       }
     }
+  }
+  if (!minimax_records.empty()) {
+    std::vector<std::string> names;
+    for (size_t g : gens) names.push_back(kGenerators[g]);
+    md += minimax_calibration(minimax_records, budgets, names);
   }
   fmt::print("{}", md);
   if (!out.empty()) {
