@@ -5,7 +5,9 @@
 // law, needle probes and adversarial queries found by projected gradient ascent. docs/kv_cache.md "Operator tier"
 // says what the generators are and where the measured numbers are.
 //
-//   build/bench/bench_kv_operator --out bench/results/cpu2_202612_kv_operator
+//   build/bench/bench_kv_operator --n 1024 --head-dim 64 --heads 4 --seeds 3 --queries 128 \
+//       --out bench/results/cpu2_202612_kv_operator          (8 min on 2 shared cores; the committed results)
+//   build/bench/bench_kv_operator --n 64 --heads 2 --seeds 1 ... --check   (the CTest smoke test, bench/CMakeLists.txt)
 //
 // Per (generator, values, policy, budget) it reports the relative output error ||o~ - o|| / ||o|| (mean, p95, max
 // per family, pooled over heads and seeds, and the worst over all families), the mass error |log(D~/D)| (D the
