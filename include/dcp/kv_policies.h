@@ -152,7 +152,8 @@ class AdaKvPolicy : public KvCompressor {
 
 /// What minimax estimated for one (layer, head) at its latest compression.
 struct KvHeadRisk {
-  double tail = 0;       ///< spectral tail of the compressed block at its budget share (kv_spectral_tail), in [0, 1]
+  double tail = 0;       ///< the block's spectral tail at its budget share (kv_spectral_tail) x the attention share
+                         ///< the observed queries give the block, in [0, 1]: what abstain_tail is compared with
   double error = 0;      ///< predicted RMS first-order output error of the block's summary (KvBlockSummary)
   bool abstained = false;  ///< judged incompressible: kept exact from then on
   int64_t kept = 0;      ///< entries the head held after that compression

@@ -157,15 +157,15 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
       torch::Tensor sample;
       if (probes > 0) {
         sample = w.block.index_select(0, at::randperm(nb, gen, torch::TensorOptions().dtype(torch::kInt64)).narrow(0, 0, probes));
-        // As sharp as the observed queries are: along the entry's key, at their mean norm times their mean best
-        // cosine with any entry of the head (~1 where queries name entries, a lookup head; small where they
-        // match nothing in particular, so that a random-key cache read by broad queries is not called lookup).
+        // As sharp as the observed queries are on this block: along the entry's key, at their mean norm times
+        // their mean best cosine with an entry of the block (~1 where queries name block entries, a lookup
+        // head; small where they match nothing there in particular, e.g. attend to sinks or recent entries, so
+        // that a block of random keys read by such queries is not called lookup).
         auto unit = [](const torch::Tensor& x) { return x / x.norm(2, 1, true).clamp_min(1e-30); };
-        const torch::Tensor keys = w.view.keys.to(torch::kFloat);
-        const double cosine =
-            torch::matmul(unit(observed), unit(keys).t()).amax(1).clamp_min(0).mean().item<double>();
+        const torch::Tensor keys = unit(w.view.keys.index_select(0, w.block).to(torch::kFloat));
+        const double cosine = torch::matmul(unit(observed), keys.t()).amax(1).clamp_min(0).mean().item<double>();
         const double norm = observed.norm(2, 1).mean().item<double>() * cosine;
-        refs.push_back(unit(keys.index_select(0, sample)) * norm);
+        refs.push_back(unit(w.view.keys.index_select(0, sample).to(torch::kFloat)) * norm);
       }
       const torch::Tensor queries = torch::cat(refs);
       if (probes > 0) {
@@ -175,7 +175,11 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
             scale * torch::matmul(queries.to(torch::kDouble), w.view.keys.to(torch::kDouble).t()) +
                 w.view.bias.to(torch::kDouble), 1);
         const auto keep = static_cast<int64_t>(std::ceil(static_cast<double>(w.budget) * static_cast<double>(probes) / static_cast<double>(nb)));
-        w.tail = kv_spectral_tail(p.index_select(1, sample), w.view.values.index_select(0, sample), std::min(keep, probes));
+        // Weighted by the attention share the observed queries give the block: a block the head hardly reads
+        // (its mass on sinks or recent entries) risks little however flat its spectrum.
+        const double share = p.narrow(0, 0, observed.size(0)).index_select(1, w.block).sum(1).mean().item<double>();
+        w.tail = share * kv_spectral_tail(p.index_select(1, sample), w.view.values.index_select(0, sample),
+                                          std::min(keep, probes));
       }
       if (w.tail > options_.abstain_tail) continue;
       w.summary = std::make_unique<KvBlockSummary>(w.view, queries, scale, w.block);
