@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dcp/infer.h"
 
@@ -165,5 +166,10 @@ using KvPolicyOptions = std::map<std::string, double>;
 /// std::invalid_argument naming the policy and the option: an unknown name (listing the valid ones), an option
 /// the policy does not take (listing the ones it takes), a value out of range or not an integer.
 std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPolicyOptions& options = {});
+
+/// Every name make_kv_policy accepts, in the order of its list above (full first, then the baselines, then the
+/// adakv-<scorer> variants): what `dcp kv-eval --policies all` runs and what its unknown-name error lists. A new
+/// policy is added here and in make_kv_policy together (tests/unit/test_kv_eval.cpp builds every name).
+const std::vector<std::string>& kv_policy_names();
 
 }  // namespace dcp
