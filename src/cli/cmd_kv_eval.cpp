@@ -28,7 +28,7 @@ namespace {
 
 struct KvEvalCli {
   std::string checkpoint, data_path, policies = "all", budgets = "0.05,0.1,0.25,0.5", out;
-  int64_t context = 1024, continuation = 128, max_docs = 32, chunk_tokens = 0;
+  int64_t context = 1024, continuation = 128, max_docs = 32, chunk_tokens = 0, threads = 0;
   uint64_t seed = 0;
   bool json = false;
 };
@@ -77,10 +77,13 @@ void check_out_prefix(const std::string& prefix) {
   const fs::path md = prefix + ".md";
   std::error_code ec;
   if (!md.parent_path().empty()) fs::create_directories(md.parent_path(), ec);
-  std::ofstream probe(md, std::ios::app);
-  if (ec || !probe) {
-    throw CLI::ValidationError(fmt::format("--out '{}': cannot write '{}'{}", prefix, md.string(),
-                                           ec ? ": " + ec.message() : std::string()));
+  // A probe file beside the report, removed again: a failed evaluation leaves no empty report behind.
+  const fs::path probe_path = md.string() + ".probe";
+  const bool ok = !ec && static_cast<bool>(std::ofstream(probe_path));
+  fs::remove(probe_path, ec);
+  if (!ok) {
+    throw CLI::ValidationError(fmt::format("--out '{}': cannot write a file in '{}'", prefix,
+                                           md.parent_path().empty() ? "." : md.parent_path().string()));
   }
 }
 
@@ -116,8 +119,8 @@ void run(const KvEvalCli& cli) {
                                            "cache to compress)",
                                            cli.checkpoint, cfg.attention.backend));
   }
-  // The trainer's thread rule (train.threads, else every core of this one process).
-  const int64_t threads = threads_per_rank(cfg.train, DistEnv{});
+  // --threads, else the trainer's rule (train.threads, else every core of this one process).
+  const int64_t threads = cli.threads > 0 ? cli.threads : threads_per_rank(cfg.train, DistEnv{});
   torch::set_num_threads(static_cast<int>(threads));
   Transformer model(cfg.model, cfg.attention, resolve_precision(cfg.train.precision).precision);
   load_checkpoint(cli.checkpoint, model, nullptr);
@@ -210,6 +213,11 @@ void add_kv_eval_command(CLI::App& app) {
   sub->add_option("--chunk-tokens", cli->chunk_tokens,
                   "prefill chunk of the KV cache, tokens (default: the checkpoint's kv.chunk_tokens)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  // One token's forward is many small operations: on a machine shared with other jobs, fewer threads can be
+  // faster (bench-attention has the same option).
+  sub->add_option("--threads", cli->threads,
+                  "intra-op threads (default: the checkpoint's train.threads, else every core)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}));
   sub->add_flag("--json", cli->json, "print the results as one JSON object instead of the markdown report");
   sub->add_option("--out", cli->out, "write PREFIX.md, PREFIX.csv and PREFIX.png (gnuplot)");
   sub->callback([cli] { run(*cli); });

@@ -176,6 +176,7 @@ TEST(CliKvEval, UsageErrorsExit2NamingTheValue) {
       {{"--context", "0"}, "--context: Value 0 not in range"},
       {{"--continuation", "0"}, "--continuation: Value 0 not in range"},
       {{"--context", "400", "--continuation", "32"}, "none of the 7 documents has the 433 tokens needed"},
+      {{"--out", "/proc/kv/report"}, "--out '/proc/kv/report': cannot write"},
   };
   int i = 0;
   for (const auto& [extra, message] : cases) {
