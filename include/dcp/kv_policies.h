@@ -241,5 +241,9 @@ std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPo
 /// errors.
 std::shared_ptr<KvCompressor> make_kv_policy_with_budget(const std::string& name, double budget,
                                                          KvPolicyOptions options = {});
+/// Every name make_kv_policy accepts, in the order of its list above (full first, then the baselines, then the
+/// adakv-<scorer> variants): what `dcp kv-eval --policies all` runs and what its unknown-name error lists. A new
+/// policy is added here and in make_kv_policy together (tests/unit/test_kv_eval.cpp builds every name).
+const std::vector<std::string>& kv_policy_names();
 
 }  // namespace dcp

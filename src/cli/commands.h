@@ -18,6 +18,7 @@ void add_profile_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_bench_attention_command(CLI::App& app);
 void add_distill_command(CLI::App& app);
+void add_kv_eval_command(CLI::App& app);
 
 /// SP sizes to create groups for: parallel.sp_sizes, parallel.sp_size and every size `plans` use.
 /// Throws std::invalid_argument when one does not divide world_size.

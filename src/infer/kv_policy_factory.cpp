@@ -13,8 +13,8 @@
 namespace dcp {
 namespace {
 
-const char* kPolicies =
-    "full, window, h2o, snapkv, tova, expected-attention, adakv-<h2o|snapkv|tova|expected-attention>, minimax";
+// The valid names for an error message, from the one list (kv_policy_names).
+std::string valid_names() { return fmt::format("{}", fmt::join(kv_policy_names(), ", ")); }
 
 // The options of one policy: each read once with its default and range; anything left over is not an option
 // of this policy.
@@ -96,6 +96,14 @@ std::shared_ptr<const KvScorer> make_scorer(const std::string& name, Options& o,
 
 }  // namespace
 
+const std::vector<std::string>& kv_policy_names() {
+  static const std::vector<std::string> names{"full",          "window",         "h2o",
+                                              "snapkv",        "tova",           "expected-attention",
+                                              "adakv-h2o",     "adakv-snapkv",   "adakv-tova",
+                                              "adakv-expected-attention", "minimax"};
+  return names;
+}
+
 std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPolicyOptions& options) {
   Options o(name, options);
   if (name == "full") {
@@ -125,12 +133,12 @@ std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPo
   // say nothing across heads (every head would keep the same newest entries, as plain window does).
   if (name == ada + "window") {
     throw std::invalid_argument(fmt::format("make_kv_policy: '{}' is not a policy (window scores do not compare "
-                                            "across heads); valid: {}", name, kPolicies));
+                                            "across heads); valid: {}", name, valid_names()));
   }
   int64_t default_interval = 1;
   auto scorer = make_scorer(adakv ? name.substr(ada.size()) : name, o, default_interval);
   if (!scorer) {
-    throw std::invalid_argument(fmt::format("make_kv_policy: unknown policy '{}'; valid: {}", name, kPolicies));
+    throw std::invalid_argument(fmt::format("make_kv_policy: unknown policy '{}'; valid: {}", name, valid_names()));
   }
   const KvBudget budget = o.budget(default_interval);
   if (adakv) {
@@ -153,7 +161,7 @@ std::shared_ptr<KvCompressor> make_kv_policy_with_budget(const std::string& name
   if (name == "full") {
     if (budget != 1) {
       throw std::invalid_argument(fmt::format("KV policy full keeps every entry; budget {} needs another policy ({})",
-                                              budget, kPolicies));
+                                              budget, valid_names()));
     }
     return make_kv_policy(name, options);
   }

@@ -1,0 +1,121 @@
+// `dcp kv-eval`: what KV-cache compression policies cost a trained softmax model on real documents
+// (../shared/specs/kv-cache-compression.md 7.3, task fidelity, and 7.2, operator fidelity on recorded caches).
+// Per document: the first `context` tokens are prefilled through a DecodeSession with the policy, the next
+// `continuation` tokens are teacher-forced one decode() at a time (the policy compresses as it would while
+// generating), and the log-probabilities of the true next bytes give bits per byte, against the same run with
+// the full cache. The attention error compares, per layer, the attention output over the prefilled context of
+// the full run's true future queries, with the policy's cache against the full one. docs/kv_cache.md
+// "`dcp kv-eval`" describes every field and what is not measured.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dcp/data.h"
+#include "dcp/kv_cache.h"
+#include "dcp/model.h"
+
+namespace dcp {
+
+/// What one evaluation runs.
+struct KvEvalOptions {
+  std::vector<std::string> policies;  ///< make_kv_policy names; `full` takes no budget (one run, every budget row)
+  std::vector<double> budgets;        ///< the policies' `budget` option, each in (0, 1]
+  int64_t context = 1024;             ///< tokens prefilled (BOS and the first context - 1 bytes), >= 1
+  int64_t continuation = 128;         ///< tokens teacher-forced and scored after the context, >= 1
+  int64_t max_docs = 32;              ///< documents evaluated at most (a seeded choice among the long enough), >= 1
+  uint64_t seed = 0;                  ///< the choice of documents and the bootstrap resamples
+  int64_t chunk_tokens = 512;         ///< prefill chunk of every DecodeSession, >= 1
+  int64_t bootstrap_resamples = 1000; ///< resamples over documents for the 95% intervals, >= 1
+  /// Throws std::invalid_argument naming the field and its value: no policy, no budget, a budget outside (0, 1]
+  /// or NaN, context, continuation, max_docs, chunk_tokens or bootstrap_resamples < 1.
+  void validate() const;
+};
+
+/// One document to evaluate: BOS then its bytes, as the trainer feeds a sample (model inputs).
+struct KvEvalDocument {
+  std::string source;           ///< the corpus sample's source ("path#chunk")
+  std::vector<int64_t> tokens;  ///< BOS, then the sample's bytes (ids < 256)
+};
+
+/// The documents chosen from `ids` (samples of `corpus`).
+struct KvEvalDocuments {
+  std::vector<KvEvalDocument> documents;
+  int64_t available = 0;   ///< samples in `ids`
+  int64_t too_short = 0;   ///< of them with fewer than required_tokens tokens (BOS + bytes): skipped
+  int64_t not_chosen = 0;  ///< long enough but beyond max_docs
+  int64_t required_tokens = 0;  ///< context + continuation + 1: the prefill, the decoded tokens and the last target
+};
+
+/// Picks the samples of `ids` with at least context + continuation + 1 tokens (BOS + bytes), shuffled with
+/// `seed`, the first max_docs of them. Throws std::invalid_argument when none is long enough, saying how many
+/// samples there are, the longest one and the tokens needed.
+KvEvalDocuments choose_kv_eval_documents(const Corpus& corpus, const std::vector<int64_t>& ids,
+                                         const KvEvalOptions& options);
+
+/// Mean and 95% bootstrap interval of a statistic over documents.
+struct KvEvalStat {
+  double value = 0;
+  std::array<double, 2> ci{0, 0};  ///< [2.5%, 97.5%] percentiles of the statistic over the resamples
+};
+
+/// One (policy, budget) over the documents. Per-document quantities are averaged over documents.
+struct KvEvalRow {
+  std::string policy;
+  double budget = 1;
+  int64_t documents = 0;
+  double bpb = 0;       ///< bits per byte of the continuation with the policy: -sum log2 p / continuation
+  double bpb_full = 0;  ///< the same with the full cache
+  KvEvalStat rel_bpb_increase;           ///< mean over documents of (bpb - bpb_full) / bpb_full
+  KvEvalStat worst_decile_rel_increase;  ///< mean of the worst ceil(10%) of the documents' increases (>= 1 doc)
+  KvEvalStat attn_rel_err;               ///< mean over layers, heads, queries and documents (kv_attention_rel_err)
+  std::vector<double> attn_rel_err_per_layer;  ///< [layers]: the same mean per layer
+  double kv_bytes = 0;       ///< KvCache::bytes() after the continuation with the policy, bytes
+  double kv_bytes_full = 0;  ///< the same with the full cache, bytes
+  double prefill_s = 0;      ///< wall seconds of the context's prefill (steady_clock)
+  double decode_s = 0;       ///< wall seconds of the continuation's decode() calls, summed
+  double abstained_heads = 0;  ///< KvCompressor::abstained_heads().size() at the end of the document
+};
+
+struct KvEvalResult {
+  KvEvalOptions options;
+  std::vector<KvEvalRow> rows;  ///< per policy in the given order, per budget in the given order
+  double full_prefill_s = 0;    ///< the reference run (full cache, recording the continuation's queries)
+  double full_decode_s = 0;
+};
+
+/// Runs every (policy, budget) of `options` and the full-cache reference on every document (see the file
+/// comment; at most documents x (1 + runs) sessions, one policy object per document and run). `model` must be a
+/// softmax model in eval mode; documents need options.context + options.continuation + 1 tokens. Throws
+/// std::invalid_argument for bad options (validate), a bad policy name or option (make_kv_policy's message), an
+/// empty document list or a document that is too short, and for a model without softmax attention
+/// (DecodeSession's message).
+/// `on_document(done, total)`, when set, is called after each document (progress for long runs).
+KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& documents,
+                         const KvEvalOptions& options,
+                         const std::function<void(int64_t done, int64_t total)>& on_document = {});
+
+/// Relative error of attention over a compressed cache against the full one, for one (layer, head):
+/// o(q) = softmax(scale q.K^T + bias) V over the entries of each view (fp64 inside), and per query
+/// ||o_c - o_f|| / ||o_f||. queries: [T, head_dim] floating (after rotary, unscaled). Returns [T] fp64 errors.
+/// Throws std::invalid_argument for an empty view, head_dim or value_dim that differ, or scale <= 0.
+torch::Tensor kv_attention_rel_err(const KvHeadView& full, const KvHeadView& compressed,
+                                   const torch::Tensor& queries, double scale);
+
+/// The mean of the worst (largest) ceil(fraction x n) values, at least one. Throws std::invalid_argument for
+/// no values or fraction outside (0, 1].
+double worst_fraction_mean(const std::vector<double>& values, double fraction = 0.1);
+
+/// `statistic` of `values` and its 95% percentile bootstrap interval: `resamples` draws of values.size() values
+/// with replacement, seeded by `seed` (the same seed draws the same document indices, so rows are resampled
+/// together). Throws std::invalid_argument for no values or resamples < 1.
+KvEvalStat bootstrap_stat(const std::vector<double>& values, double (*statistic)(const std::vector<double>&),
+                          int64_t resamples, uint64_t seed);
+
+/// The plain mean (a statistic for bootstrap_stat). Throws std::invalid_argument for no values.
+double mean_of(const std::vector<double>& values);
+
+}  // namespace dcp

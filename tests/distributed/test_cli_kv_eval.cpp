@@ -1,0 +1,204 @@
+// `dcp kv-eval` as a user runs it: a tiny random softmax checkpoint with peaked attention, a tiny corpus, two
+// policies at two budgets in --json and --out, and usage errors (exit 2 naming the value; exit 1 for a
+// checkpoint that cannot be read).
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "distributed/process.h"
+#include "dcp/config.h"
+#include "dcp/model.h"
+#include "train/checkpoint.h"
+#include "train/optimizer.h"
+
+namespace fs = std::filesystem;
+using dcp::test::Child;
+using dcp::test::exited_ok;
+
+namespace {
+
+fs::path make_workdir(const std::string& name) {
+  fs::path dir = fs::temp_directory_path() / ("dcp_kv_eval_" + name + "_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string read(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Six documents of 300 random lowercase letters and one of 50 (too short for context 128 + continuation 32).
+fs::path write_corpus(const fs::path& dir) {
+  const fs::path corpus = dir / "corpus";
+  fs::create_directories(corpus);
+  std::mt19937 rng(5);
+  for (int i = 0; i < 7; ++i) {
+    std::string text;
+    for (int j = 0; j < (i == 6 ? 50 : 300); ++j) text += static_cast<char>('a' + rng() % 26);
+    std::ofstream(corpus / ("doc" + std::to_string(i) + ".txt")) << text;
+  }
+  return corpus;
+}
+
+// A checkpoint of a random 2-layer model (q and k rows of wqkv scaled by 8: peaked attention, so evicting entries
+// visibly changes the output), as the trainer writes one.
+fs::path write_checkpoint(const fs::path& dir, const fs::path& corpus, const std::string& backend) {
+  dcp::Config cfg;
+  cfg.model.d_model = 64;
+  cfg.model.n_layers = 2;
+  cfg.model.n_heads = 4;
+  cfg.model.d_ff = 128;
+  cfg.attention.backend = backend;
+  cfg.train.precision = "fp32";
+  cfg.train.threads = 1;
+  cfg.data.path = corpus.string();
+  cfg.data.format = "text_dir";
+  cfg.data.max_seq_len = 512;
+  cfg.kv.chunk_tokens = 32;
+  torch::manual_seed(3);
+  dcp::Transformer model(cfg.model, cfg.attention, dcp::Precision::kFp32);
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& item : model->named_parameters()) {
+      if (item.key().find("wqkv") != std::string::npos) item.value().narrow(0, 0, 2 * cfg.model.d_model).mul_(8.0);
+    }
+  }
+  auto optimizer = dcp::make_optimizer(model, cfg.train);
+  const fs::path ckpt = dir / ("checkpoint_" + backend);
+  dcp::save_checkpoint(ckpt.string(), model, *optimizer, dcp::TrainState{}, cfg);
+  return ckpt;
+}
+
+struct Setup {
+  fs::path dir, corpus, checkpoint;
+};
+
+const Setup& setup() {
+  static const Setup s = [] {
+    Setup r;
+    r.dir = make_workdir("cli");
+    r.corpus = write_corpus(r.dir);
+    r.checkpoint = write_checkpoint(r.dir, r.corpus, "softmax");
+    return r;
+  }();
+  return s;
+}
+
+std::vector<std::string> base_args() {
+  const Setup& s = setup();
+  return {DCP_BINARY, "kv-eval", "--checkpoint", s.checkpoint.string(), "--data.path", s.corpus.string(), "--seed",
+          "1"};
+}
+
+// Runs dcp with `extra` after base_args; returns the exit code (-1 on a signal or time-out) and the log.
+std::pair<int, std::string> run(const std::vector<std::string>& extra, const std::string& name) {
+  auto args = base_args();
+  args.insert(args.end(), extra.begin(), extra.end());
+  Child c = Child::spawn(args, {{"OMP_NUM_THREADS", "1"}}, (setup().dir / (name + ".log")).string());
+  const int status = c.wait(120);
+  return {status >= 0 && WIFEXITED(status) ? WEXITSTATUS(status) : -1, c.log()};
+}
+
+}  // namespace
+
+TEST(CliKvEval, JsonHasEveryFieldFullIsExactAndWindowLosesOnPeakedAttention) {
+  const fs::path out = setup().dir / "report" / "kv";
+  const auto [code, log] = run({"--context", "128", "--continuation", "32", "--policies", "full,window", "--budgets",
+                                "0.1,0.5", "--json", "--out", out.string()},
+                               "json");
+  ASSERT_EQ(code, 0) << log;
+  // Progress lines go to stderr first; the JSON object is what starts with '{' on its own line.
+  const size_t start = log.find("\n{");
+  ASSERT_NE(start, std::string::npos) << log;
+  const size_t end = log.rfind('}');
+  const nlohmann::json j = nlohmann::json::parse(log.substr(start + 1, end - start));
+  EXPECT_EQ(j["split"], "all");
+  EXPECT_EQ(j["context"], 128);
+  EXPECT_EQ(j["continuation"], 32);
+  EXPECT_EQ(j["chunk_tokens"], 32);  // the checkpoint's kv.chunk_tokens
+  EXPECT_EQ(j["documents"]["available"], 7);
+  EXPECT_EQ(j["documents"]["too_short"], 1);
+  EXPECT_EQ(j["documents"]["evaluated"], 6);
+  EXPECT_EQ(j["documents"]["required_tokens"], 161);
+  ASSERT_EQ(j["results"].size(), 4u);
+  for (const auto& r : j["results"]) {
+    for (const char* key : {"policy", "budget", "documents", "bpb", "bpb_full", "rel_bpb_increase",
+                            "rel_bpb_increase_ci", "worst_decile_rel_increase", "worst_decile_rel_increase_ci",
+                            "attn_rel_err", "attn_rel_err_ci", "attn_rel_err_per_layer", "kv_bytes",
+                            "kv_bytes_full", "prefill_s", "decode_s", "abstained_heads"}) {
+      ASSERT_TRUE(r.contains(key)) << key << " in " << r.dump();
+    }
+    EXPECT_EQ(r["documents"], 6);
+    EXPECT_EQ(r["attn_rel_err_per_layer"].size(), 2u);
+    EXPECT_GT(r["bpb_full"].get<double>(), 1.0);
+    if (r["policy"] == "full") {
+      EXPECT_NEAR(r["rel_bpb_increase"].get<double>(), 0, 1e-12) << r.dump();
+      EXPECT_NEAR(r["attn_rel_err"].get<double>(), 0, 1e-12);
+      EXPECT_EQ(r["kv_bytes"], r["kv_bytes_full"]);
+    }
+  }
+  const auto& w10 = j["results"][2];
+  ASSERT_EQ(w10["policy"], "window");
+  ASSERT_EQ(w10["budget"], 0.1);
+  // 16 of 160 entries kept per head: attention moves a lot, and so does the loss of the worst document.
+  EXPECT_GT(w10["attn_rel_err"].get<double>(), 0.05) << w10.dump();
+  EXPECT_GT(w10["attn_rel_err"].get<double>(), j["results"][3]["attn_rel_err"].get<double>());
+  EXPECT_GT(w10["worst_decile_rel_increase"].get<double>(), 0) << w10.dump();
+  EXPECT_NE(w10["rel_bpb_increase"].get<double>(), 0);
+  EXPECT_NEAR(w10["kv_bytes"].get<double>() / w10["kv_bytes_full"].get<double>(), 0.1, 1e-9);
+  // --out: the markdown starts with the command, the CSV has a row per (policy, budget).
+  const std::string md = read(out.string() + ".md");
+  EXPECT_NE(md.find("kv-eval --checkpoint"), std::string::npos);
+  EXPECT_NE(md.find("| window | 0.1 |"), std::string::npos);
+  const std::string csv = read(out.string() + ".csv");
+  EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 5);
+  if (log.find("gnuplot not found") == std::string::npos) EXPECT_TRUE(fs::exists(out.string() + ".png")) << log;
+}
+
+TEST(CliKvEval, UsageErrorsExit2NamingTheValue) {
+  // Each case is a process start (a few seconds on a loaded machine), so one per kind of check.
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--policies", "window,lru"}, "unknown policy 'lru'"},
+      {{"--budgets", "0.1,0"}, "--budgets: '0' is not a fraction in (0, 1]"},
+      {{"--budgets", "nan"}, "--budgets: 'nan' is not a fraction"},
+      {{"--context", "0"}, "--context: Value 0 not in range"},
+      {{"--continuation", "0"}, "--continuation: Value 0 not in range"},
+      {{"--context", "400", "--continuation", "32"}, "none of the 7 documents has the 433 tokens needed"},
+      {{"--out", "/proc/kv/report"}, "--out '/proc/kv/report': cannot write"},
+  };
+  int i = 0;
+  for (const auto& [extra, message] : cases) {
+    const auto [code, log] = run(extra, "usage" + std::to_string(i++));
+    EXPECT_EQ(code, 2) << extra.front() << ": " << log;
+    EXPECT_NE(log.find(message), std::string::npos) << "expected '" << message << "' in: " << log;
+  }
+}
+
+TEST(CliKvEval, RefusesAFlexformerCheckpointAndAMissingOne) {
+  const fs::path flex = write_checkpoint(setup().dir, setup().corpus, "flexformer");
+  Child c = Child::spawn({DCP_BINARY, "kv-eval", "--checkpoint", flex.string()}, {},
+                         (setup().dir / "flex.log").string());
+  int status = c.wait(60);
+  ASSERT_TRUE(status >= 0 && WIFEXITED(status)) << c.log();
+  EXPECT_EQ(WEXITSTATUS(status), 2) << c.log();
+  EXPECT_NE(c.log().find("attention.backend is 'flexformer'"), std::string::npos) << c.log();
+
+  const std::string missing = (setup().dir / "no_such_checkpoint").string();
+  Child m = Child::spawn({DCP_BINARY, "kv-eval", "--checkpoint", missing}, {}, (setup().dir / "missing.log").string());
+  status = m.wait(60);
+  ASSERT_TRUE(status >= 0 && WIFEXITED(status)) << m.log();
+  EXPECT_EQ(WEXITSTATUS(status), 1) << m.log();
+  EXPECT_NE(m.log().find(missing), std::string::npos) << m.log();
+}

@@ -1,0 +1,268 @@
+// dcp kv-eval's pieces: the statistics over documents, the attention error of a compressed cache, the choice of
+// documents, the driver on a tiny random model (full = the reference exactly, window visibly not), the report
+// writers, and kv_policy_names (every name is one make_kv_policy builds).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "dcp/config.h"
+#include "dcp/infer.h"
+#include "dcp/kv_eval.h"
+#include "dcp/kv_eval_report.h"
+#include "dcp/kv_policies.h"
+#include "unit/error_of.h"
+
+using namespace dcp;
+using dcp::test::error_of;
+
+namespace {
+
+ModelConfig tiny_config() {
+  ModelConfig cfg;
+  cfg.d_model = 64;
+  cfg.n_layers = 2;
+  cfg.n_heads = 4;  // head_dim 16
+  cfg.d_ff = 128;
+  return cfg;
+}
+
+// Random weights with peaked attention (q and k rows of wqkv scaled by 8, as in test_kv_policies.cpp), so that
+// evicting entries visibly changes attention.
+Transformer sharp_model(uint64_t seed) {
+  torch::manual_seed(seed);
+  Transformer model(tiny_config(), AttentionConfig{}, Precision::kFp32);
+  torch::NoGradGuard no_grad;
+  for (const auto& item : model->named_parameters()) {
+    if (item.key().find("wqkv") != std::string::npos) item.value().narrow(0, 0, 2 * tiny_config().d_model).mul_(8.0);
+  }
+  model->eval();
+  return model;
+}
+
+KvHeadView random_view(int64_t n, int64_t d, uint64_t seed) {
+  torch::manual_seed(seed);
+  KvHeadView v;
+  v.keys = torch::randn({n, d}) * 2;
+  v.values = torch::randn({n, d});
+  v.bias = torch::zeros({n});
+  v.positions = torch::arange(n, torch::kInt64);
+  return v;
+}
+
+KvHeadView rows(const KvHeadView& v, const torch::Tensor& keep) {
+  return {v.keys.index_select(0, keep), v.values.index_select(0, keep), v.bias.index_select(0, keep),
+          v.positions.index_select(0, keep)};
+}
+
+KvEvalOptions small_options() {
+  KvEvalOptions o;
+  o.policies = {"full", "window"};
+  o.budgets = {0.1, 0.5};
+  o.context = 96;
+  o.continuation = 24;
+  o.chunk_tokens = 16;
+  o.bootstrap_resamples = 200;
+  o.seed = 3;
+  return o;
+}
+
+std::vector<KvEvalDocument> random_documents(int64_t count, int64_t tokens, uint64_t seed) {
+  torch::manual_seed(seed);
+  std::vector<KvEvalDocument> docs;
+  for (int64_t i = 0; i < count; ++i) {
+    auto t = torch::randint(97, 123, {tokens}, torch::kInt64);
+    KvEvalDocument d{"doc" + std::to_string(i), std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + tokens)};
+    d.tokens[0] = kBosToken;
+    docs.push_back(std::move(d));
+  }
+  return docs;
+}
+
+}  // namespace
+
+TEST(KvEvalStats, WorstFractionMeanTakesTheLargestTenPercentAtLeastOne) {
+  EXPECT_DOUBLE_EQ(worst_fraction_mean({1, 5, 3}), 5);  // ceil(0.3) = 1
+  std::vector<double> v;
+  for (int i = 0; i < 30; ++i) v.push_back(i);
+  EXPECT_DOUBLE_EQ(worst_fraction_mean(v), (29 + 28 + 27) / 3.0);  // exactly 3 of 30, not 4
+  EXPECT_DOUBLE_EQ(worst_fraction_mean(v, 1.0), mean_of(v));
+  EXPECT_NE(error_of([] { worst_fraction_mean({}); }).find("no values"), std::string::npos);
+  EXPECT_NE(error_of([] { worst_fraction_mean({1}, 0); }).find("fraction 0 outside"), std::string::npos);
+}
+
+TEST(KvEvalStats, BootstrapIsSeededAndBracketsTheMean) {
+  std::vector<double> v;
+  for (int i = 0; i < 40; ++i) v.push_back(std::sin(i) + 0.1 * i);
+  const KvEvalStat a = bootstrap_stat(v, mean_of, 1000, 7), b = bootstrap_stat(v, mean_of, 1000, 7);
+  EXPECT_EQ(a.ci, b.ci);
+  EXPECT_DOUBLE_EQ(a.value, mean_of(v));
+  EXPECT_LT(a.ci[0], a.value);
+  EXPECT_GT(a.ci[1], a.value);
+  // The interval of a mean shrinks like 1/sqrt(n): about 2 x 1.96 standard errors wide.
+  double var = 0;
+  for (double x : v) var += (x - a.value) * (x - a.value);
+  const double se = std::sqrt(var / (v.size() - 1) / v.size());
+  EXPECT_NEAR(a.ci[1] - a.ci[0], 2 * 1.96 * se, 0.6 * se);
+  const KvEvalStat c = bootstrap_stat({2.5}, mean_of, 10, 1);
+  EXPECT_EQ(c.ci, (std::array<double, 2>{2.5, 2.5}));
+  EXPECT_NE(error_of([] { bootstrap_stat({1}, mean_of, 0, 1); }).find("resamples 0"), std::string::npos);
+}
+
+TEST(KvAttentionRelErr, ZeroForTheSameEntriesPositiveWhenEvictedAndBiasCountsCopies) {
+  const KvHeadView full = random_view(40, 16, 1);
+  const torch::Tensor q = torch::randn({5, 16}) * 2;
+  const double scale = 0.25;
+  EXPECT_EQ(kv_attention_rel_err(full, full, q, scale).abs().max().item<double>(), 0.0);
+  const torch::Tensor err = kv_attention_rel_err(full, rows(full, torch::arange(30, 40, torch::kInt64)), q, scale);
+  EXPECT_EQ(err.numel(), 5);
+  EXPECT_GT(err.min().item<double>(), 0.01);
+  // A full view with entry 0 stored twice equals one copy with bias log 2.
+  KvHeadView doubled = rows(full, torch::cat({torch::zeros({1}, torch::kInt64), torch::arange(40, torch::kInt64)}));
+  KvHeadView weighted = full;
+  weighted.bias = full.bias.clone();
+  weighted.bias[0] = std::log(2.0);
+  // Up to the rounding of log 2 to fp32 (cache biases are fp32: 3e-8 relative in the weight).
+  EXPECT_LT(kv_attention_rel_err(doubled, weighted, q, scale).max().item<double>(), 1e-7);
+  // A visibly different weight is visible.
+  weighted.bias[0] = std::log(2.2);
+  EXPECT_GT(kv_attention_rel_err(doubled, weighted, q, scale).max().item<double>(), 1e-4);
+  EXPECT_NE(error_of([&] { kv_attention_rel_err(full, full, q, 0); }).find("scale 0"), std::string::npos);
+  EXPECT_NE(error_of([&] { kv_attention_rel_err(full, full, torch::randn({5, 8}), 1); }).find("do not fit"),
+            std::string::npos);
+}
+
+TEST(KvPolicyNames, EveryNameIsOneMakeKvPolicyBuilds) {
+  const auto& names = kv_policy_names();
+  ASSERT_FALSE(names.empty());
+  EXPECT_EQ(names.front(), "full");
+  for (const auto& n : names) {
+    if (n == "full") {
+      EXPECT_NO_THROW(make_kv_policy(n)) << n;
+    } else {
+      EXPECT_NO_THROW(make_kv_policy(n, {{"budget", 0.25}})) << n;
+    }
+  }
+  // The unknown-name error lists the same names.
+  const std::string e = error_of([] { make_kv_policy("lru"); });
+  for (const auto& n : names) EXPECT_NE(e.find(n), std::string::npos) << n;
+}
+
+TEST(KvEvalOptions, ValidateNamesTheField) {
+  KvEvalOptions o = small_options();
+  o.budgets = {0.5, std::nan("")};
+  EXPECT_NE(error_of([&] { o.validate(); }).find("budget nan outside (0, 1]"), std::string::npos);
+  o = small_options();
+  o.budgets = {1.5};
+  EXPECT_NE(error_of([&] { o.validate(); }).find("budget 1.5 outside"), std::string::npos);
+  o = small_options();
+  o.context = 0;
+  EXPECT_NE(error_of([&] { o.validate(); }).find("context 0 must be >= 1"), std::string::npos);
+  o = small_options();
+  o.continuation = -3;
+  EXPECT_NE(error_of([&] { o.validate(); }).find("continuation -3"), std::string::npos);
+  o = small_options();
+  o.policies.clear();
+  EXPECT_NE(error_of([&] { o.validate(); }).find("no policy"), std::string::npos);
+}
+
+TEST(KvEvalDocuments, SkipsShortOnesCountsThemAndRefusesWhenNoneIsLongEnough) {
+  DataConfig cfg;
+  cfg.max_seq_len = 4096;
+  cfg.heldout_fraction = 0;
+  std::vector<std::pair<std::string, std::string>> docs;
+  for (int i = 0; i < 5; ++i) docs.push_back({"long" + std::to_string(i), std::string(200 + i, 'a' + i)});
+  docs.push_back({"short", std::string(50, 'z')});
+  const Corpus corpus = Corpus::from_documents(docs, cfg);
+  KvEvalOptions o = small_options();  // needs 96 + 24 + 1 = 121 tokens
+  o.max_docs = 3;
+  const KvEvalDocuments d = choose_kv_eval_documents(corpus, corpus.train_ids(), o);
+  EXPECT_EQ(d.available, 6);
+  EXPECT_EQ(d.too_short, 1);
+  EXPECT_EQ(d.not_chosen, 2);
+  EXPECT_EQ(d.required_tokens, 121);
+  ASSERT_EQ(d.documents.size(), 3u);
+  for (const auto& doc : d.documents) {
+    EXPECT_EQ(doc.tokens[0], kBosToken);
+    EXPECT_GE(doc.tokens.size(), 201u);
+    EXPECT_EQ(doc.tokens[1], doc.tokens[2]);  // the document's bytes follow BOS
+  }
+  o.context = 300;
+  EXPECT_NE(error_of([&] { choose_kv_eval_documents(corpus, corpus.train_ids(), o); })
+                .find("none of the 6 documents has the 325 tokens needed (context 300 + continuation 24 + 1, BOS "
+                      "included); the longest has 205"),
+            std::string::npos);
+}
+
+TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
+  Transformer model = sharp_model(11);
+  const KvEvalOptions o = small_options();
+  const auto docs = random_documents(4, 130, 5);
+  int64_t calls = 0;
+  const KvEvalResult r = run_kv_eval(model, docs, o, [&](int64_t done, int64_t total) {
+    EXPECT_EQ(done, ++calls);
+    EXPECT_EQ(total, 4);
+  });
+  EXPECT_EQ(calls, 4);
+  ASSERT_EQ(r.rows.size(), 4u);
+  for (const auto& row : r.rows) {
+    EXPECT_EQ(row.documents, 4);
+    EXPECT_EQ(row.attn_rel_err_per_layer.size(), 2u);
+    EXPECT_GT(row.bpb_full, 1);  // a random model: about log2(257) bits on random letters
+    EXPECT_GT(row.prefill_s, 0);
+    EXPECT_GT(row.decode_s, 0);
+    EXPECT_EQ(row.abstained_heads, 0);
+    if (row.policy == "full") {
+      EXPECT_EQ(row.rel_bpb_increase.value, 0) << row.budget;
+      EXPECT_EQ(row.worst_decile_rel_increase.value, 0);
+      EXPECT_EQ(row.attn_rel_err.value, 0);
+      EXPECT_EQ(row.kv_bytes, row.kv_bytes_full);
+    }
+  }
+  const KvEvalRow& w10 = r.rows[2];
+  const KvEvalRow& w50 = r.rows[3];
+  ASSERT_EQ(w10.policy, "window");
+  ASSERT_EQ(w10.budget, 0.1);
+  EXPECT_NE(w10.bpb, w10.bpb_full);
+  EXPECT_GT(w10.attn_rel_err.value, 0.05);
+  EXPECT_GT(w10.attn_rel_err.value, w50.attn_rel_err.value);  // keeping more entries errs less
+  EXPECT_GE(w10.worst_decile_rel_increase.value, w10.rel_bpb_increase.value);
+  EXPECT_LE(w10.rel_bpb_increase.ci[0], w10.rel_bpb_increase.value);
+  EXPECT_GE(w10.rel_bpb_increase.ci[1], w10.rel_bpb_increase.value);
+  // window keeps ceil(0.1 x 120) = 12 entries per head of the 120 tokens seen at the end (interval 1).
+  EXPECT_DOUBLE_EQ(w10.kv_bytes / w10.kv_bytes_full, 12.0 / 120.0);
+
+  // Report writers: JSON fields, CSV rows, the plot names every policy.
+  KvEvalReportInfo info;
+  info.split = "all";
+  const nlohmann::json j = kv_eval_json(r, info);
+  ASSERT_EQ(j["results"].size(), 4u);
+  for (const char* key : {"policy", "budget", "bpb", "bpb_full", "rel_bpb_increase", "rel_bpb_increase_ci",
+                          "worst_decile_rel_increase", "worst_decile_rel_increase_ci", "attn_rel_err",
+                          "attn_rel_err_per_layer", "kv_bytes", "kv_bytes_full", "prefill_s", "decode_s",
+                          "abstained_heads"}) {
+    EXPECT_TRUE(j["results"][2].contains(key)) << key;
+  }
+  EXPECT_EQ(j["results"][2]["rel_bpb_increase_ci"].size(), 2u);
+  const std::string csv = kv_eval_csv(r);
+  EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 5);
+  EXPECT_NE(csv.find("\nwindow,0.1,4,"), std::string::npos);
+  const std::string plot = kv_eval_gnuplot_script(r, "x.csv", "x.png");
+  EXPECT_NE(plot.find("title \"window\""), std::string::npos);
+  EXPECT_NE(plot.find("title \"full\""), std::string::npos);
+  const std::string md = kv_eval_markdown(r, info);
+  EXPECT_NE(md.find("| window | 0.1 |"), std::string::npos);
+}
+
+TEST(KvEval, RefusesBadPoliciesBeforeRunning) {
+  Transformer model = sharp_model(1);
+  KvEvalOptions o = small_options();
+  o.policies = {"window", "lru"};
+  EXPECT_NE(error_of([&] { run_kv_eval(model, random_documents(1, 130, 1), o); }).find("unknown policy 'lru'"),
+            std::string::npos);
+  o = small_options();
+  EXPECT_NE(error_of([&] { run_kv_eval(model, random_documents(1, 100, 1), o); }).find("has 100 tokens, fewer"),
+            std::string::npos);
+}
