@@ -614,7 +614,7 @@ TEST(CliRuns, GenerateDecodesThroughTheKvCacheWithAnyChunkSize) {
   }
   const auto bad = generate("0");
   EXPECT_FALSE(bad.first);
-  EXPECT_NE(bad.second.find("--chunk-tokens"), std::string::npos) << bad.second;
+  EXPECT_NE(bad.second.find("chunk_tokens"), std::string::npos) << bad.second;  // --kv.chunk_tokens, alias --chunk-tokens
   // A compression policy from the command line: budget 1 is the full cache; a real budget still generates.
   const auto kept = generate("", {"--kv.policy", "minimax", "--kv.budget", "1"});
   ASSERT_TRUE(kept.first) << kept.second;
