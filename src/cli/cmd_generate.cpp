@@ -29,7 +29,9 @@ std::shared_ptr<KvCompressor> kv_policy_from_cli(const std::string& policy, doub
     if (eq == 0 || !value || !std::isfinite(*value)) {
       throw ConfigError(fmt::format("--kv.option '{}': expected KEY=VALUE with a finite decimal VALUE", item));
     }
-    parsed[item.substr(0, eq)] = *value;
+    if (!parsed.emplace(item.substr(0, eq), *value).second) {
+      throw ConfigError(fmt::format("--kv.option '{}': {} is given twice", item, item.substr(0, eq)));
+    }
   }
   try {
     return make_kv_policy_with_budget(policy, budget, parsed);
@@ -69,7 +71,11 @@ void add_generate_command(CLI::App& app) {
   sub->callback([checkpoint, prompt, opt, chunk_tokens, kv] {
     Config cfg = load_checkpoint_config(*checkpoint);
     if (!kv->policy.empty()) cfg.kv.policy = kv->policy;
-    if (kv->budget > 0) cfg.kv.budget = kv->budget;
+    if (kv->budget > 0) {
+      cfg.kv.budget = kv->budget;
+    } else if (kv->policy == "full") {
+      cfg.kv.budget = 1;  // --kv.policy full turns off a compression the checkpoint's config sets
+    }
     if (cfg.attention.backend == "softmax") {
       opt->kv_policy = kv_policy_from_cli(cfg.kv.policy, cfg.kv.budget, kv->options);
     } else if (!kv->policy.empty() || kv->budget > 0 || !kv->options.empty()) {

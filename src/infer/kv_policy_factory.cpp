@@ -33,8 +33,8 @@ class Options {
     }
     return v;
   }
-  int64_t integer(const std::string& key, int64_t fallback, int64_t lo) {
-    const double v = number(key, static_cast<double>(fallback), static_cast<double>(lo), 1e15);
+  int64_t integer(const std::string& key, int64_t fallback, int64_t lo, int64_t hi = int64_t{1000000000000000}) {
+    const double v = number(key, static_cast<double>(fallback), static_cast<double>(lo), static_cast<double>(hi));
     if (v != std::floor(v)) {
       throw std::invalid_argument(fmt::format("make_kv_policy: {}: {} = {} is not an integer", policy_, key, v));
     }
@@ -113,9 +113,10 @@ std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPo
   if (name == "minimax") {
     MinimaxOptions m;
     m.budget = o.budget(64);
-    m.window = o.integer("window", m.window, 1);
-    m.samples = o.integer("samples", m.samples, 0);
-    m.probes = o.integer("probes", m.probes, 0);
+    // Reference queries cost Q x entries fp64 per head: bounded so that a typo cannot ask for terabytes.
+    m.window = o.integer("window", m.window, 1, 65536);
+    m.samples = o.integer("samples", m.samples, 0, 65536);
+    m.probes = o.integer("probes", m.probes, 0, 65536);
     m.n_sink = o.integer("n_sink", m.n_sink, 0);
     m.recent_fraction = o.number("recent_fraction", m.recent_fraction, 0.0, 1.0);
     m.alpha_safeguard = o.number("alpha_safeguard", m.alpha_safeguard, 0.0, 1.0);
@@ -157,6 +158,12 @@ std::shared_ptr<KvCompressor> make_kv_policy_with_budget(const std::string& name
   if (!fraction && !tokens) {
     throw std::invalid_argument(fmt::format(
         "KV budget {} must be a fraction in (0, 1] of the tokens seen or a whole number >= 2 of entries per head", budget));
+  }
+  for (const char* key : {"budget", "max_tokens"}) {
+    if (options.count(key) != 0) {
+      throw std::invalid_argument(fmt::format(
+          "KV option {} = {} is set by the budget ({}), not as an option of the policy", key, options.at(key), budget));
+    }
   }
   if (name == "full") {
     if (budget != 1) {

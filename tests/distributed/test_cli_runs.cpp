@@ -633,6 +633,9 @@ TEST(CliRuns, GenerateDecodesThroughTheKvCacheWithAnyChunkSize) {
                                            {{"--kv.policy", "full", "--kv.budget", "0.5"}, "needs another policy"},
                                            {{"--kv.policy", "h2o", "--kv.option", "kernel=3"}, "h2o has no option 'kernel'"},
                                            {{"--kv.policy", "h2o", "--kv.option", "recent_fraction"}, "KEY=VALUE"},
+                                           {{"--kv.policy", "window", "--kv.option", "budget=0.1"}, "set by the budget"},
+                                           {{"--kv.policy", "h2o", "--kv.option", "interval=2", "--kv.option", "interval=3"},
+                                            "given twice"},
                                            {{"--kv.budget", "nan"}, "--kv.budget"}}) {
     const auto r = generate("", u.args);
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << u.message << ": " << r.second;

@@ -410,6 +410,12 @@ TEST(KvPolicies, MaxTokensCapsEveryHeadAndBudgetsReadAsFractionOrTokens) {
               std::string::npos) << bad;
   }
   EXPECT_NE(error_of([] { make_kv_policy_with_budget("full", 0.5); }).find("needs another policy"), std::string::npos);
+  // The budget is the budget argument's, never an option that it would silently override.
+  EXPECT_NE(error_of([] { make_kv_policy_with_budget("window", 0.5, {{"budget", 0.1}}); }).find("set by the budget"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { make_kv_policy_with_budget("window", 40, {{"max_tokens", 5}}); }).find("set by the budget"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { make_kv_policy("minimax", {{"samples", 1e8}}); }).find(", 65536]"), std::string::npos);
   EXPECT_NE(error_of([] { make_kv_policy("window", {{"max_tokens", -1}}); }).find("max_tokens = -1 outside [0"),
             std::string::npos);
 }
