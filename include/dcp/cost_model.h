@@ -108,7 +108,7 @@ struct DeviceSpec {
   /// Checks that every rate lies in a physical range, so that the planners' times stay finite and positive
   /// (a hand-edited profile with peak_flops 1e-300 or an overhead of 1e300 s would otherwise make them 0 or inf):
   /// peak_flops x mfu (and x attention_mfu when set) in [1e3, 1e21] FLOP/s, mfu in (0, 10], attention_mfu in
-  /// [0, 10], bandwidths (intra, inter and each all-to-all fit's) in [1e3, 1e15] B/s, gpus_per_node in
+  /// [0, 1e6], bandwidths (intra, inter and each all-to-all fit's) in [1e3, 1e15] B/s, gpus_per_node in
   /// [1, 1e6], latencies and micro_batch_overhead_s in [0, 3600] s, overhead_s_per_byte in [0, 1] s, memory_bytes
   /// in (0, 1e18]; all-to-all fits for sp_size >= 2. Throws std::invalid_argument naming the device, the field
   /// and the value.

@@ -171,7 +171,10 @@ void DeviceSpec::validate() const {
   };
   check("memory_bytes", memory_bytes, 0, 1e18, true);
   check("mfu", mfu, 0, 10, true);
-  check("attention_mfu", attention_mfu, 0, 10);
+  // A profile's attention_mfu is attention's measured rate over the linear layers' (profiler.cpp), which exceeds
+  // 10 on tiny models whose matmuls run far below peak (11.9 measured for d_model 32 with one head): the
+  // product check below is the physical bound.
+  check("attention_mfu", attention_mfu, 0, 1e6);
   check("peak_flops x mfu", peak_flops * mfu, 1e3, 1e21);
   if (attention_mfu > 0) check("peak_flops x attention_mfu", peak_flops * attention_mfu, 1e3, 1e21);
   check("intra_node_bw", intra_node_bw, 1e3, 1e15);

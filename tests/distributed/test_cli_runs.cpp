@@ -343,7 +343,8 @@ TEST(CliRuns, TwoRunsSharingAProfileCacheProfileOnce) {
   const std::string& reused = a_profiled ? b.log() : a.log();
   EXPECT_NE((a_profiled ? a.log() : b.log()).find("profiled this model in"), std::string::npos);
   EXPECT_EQ(reused.find("profiled this model in"), std::string::npos) << reused;
-  EXPECT_NE(reused.find("another run holds"), std::string::npos) << reused;
+  // "another run holds" is logged only when the second run reached the lock while the first profiled; on a
+  // loaded machine it may start after the profile was written and find it cached, which is the same contract.
   EXPECT_NE(reused.find("train.cost_model auto: cached profile"), std::string::npos) << reused;
   int profiles = 0;
   for (const auto& e : fs::directory_iterator(cache)) profiles += e.path().extension() == ".json";
