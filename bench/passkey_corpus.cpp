@@ -22,6 +22,8 @@
 #include <filesystem>
 #include <iterator>
 #include <random>
+#include <vector>
+#include <algorithm>
 #include <string>
 
 namespace {
@@ -50,6 +52,41 @@ std::string repeat(const std::string& text, size_t offset, size_t n) {
   return out;
 }
 
+// Needle k's key follows kMarkers[k], a byte found nowhere else in the document, so a head that matches one
+// previous token finds it. Without markers (the first corpora) the key followed "is ", which the haystack's words
+// repeat, and the small models trained on this CPU never learned the longer match that needs (docs/kv_cache.md).
+constexpr char kMarkers[] = "#$%&@*+=";
+constexpr int kMaxNeedles = sizeof(kMarkers) - 1;
+
+// A document of exactly `bytes` bytes: the haystack with `needles` keys stated at random depths, then one
+// question per key in random order, the last one for the key after '#'. bytes >= 160 + 83 x (needles - 1).
+std::string document(std::mt19937_64& rng, size_t bytes, int needles) {
+  std::vector<std::string> stated, asked;
+  size_t used = 0;
+  for (int k = 0; k < needles; ++k) {
+    const std::string key = fmt::format("{:05d}", std::uniform_int_distribution<int>(0, 99999)(rng));
+    stated.push_back(fmt::format(" The pass key is {}{}. Remember it. ", kMarkers[k], key));
+    asked.push_back(fmt::format(" What is the pass key? The pass key is {}{}", kMarkers[k], key));
+    used += stated.back().size() + asked.back().size();
+  }
+  std::shuffle(asked.begin() + 1, asked.end(), rng);
+  std::rotate(asked.begin(), asked.begin() + 1, asked.end());  // '#' last: the continuation dcp kv-eval scores
+  const size_t hay = bytes - used;
+  std::vector<size_t> depth;
+  for (int k = 0; k < needles; ++k) depth.push_back(std::uniform_int_distribution<size_t>(0, hay)(rng));
+  std::sort(depth.begin(), depth.end());
+  const std::string hay_text = sentence(rng);
+  std::string text;
+  size_t at = 0;
+  for (int k = 0; k < needles; ++k) {
+    text += repeat(hay_text, at, depth[k] - at) + stated[k];
+    at = depth[k];
+  }
+  text += repeat(hay_text, at, hay - at);
+  for (const auto& q : asked) text += q;
+  return text;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -57,14 +94,22 @@ int main(int argc, char** argv) {
   std::string out;
   int64_t docs = 1000, min_bytes = 256, max_bytes = 2048;
   uint64_t seed = 1;
+  int64_t needles = 1;
   app.add_option("--out", out, "folder to write (created; existing passkey_*.txt files are overwritten)")->required();
   app.add_option("--docs", docs, "documents")->check(CLI::Range(int64_t{1}, int64_t{10000000}));
   app.add_option("--min-bytes", min_bytes, "shortest document, bytes")->check(CLI::Range(int64_t{160}, int64_t{1} << 30));
   app.add_option("--max-bytes", max_bytes, "longest document, bytes")->check(CLI::Range(int64_t{160}, int64_t{1} << 30));
+  app.add_option("--needles", needles, "keys per document (more keys = more retrieval per training token)")
+      ->check(CLI::Range(int64_t{1}, int64_t{kMaxNeedles}));
   app.add_option("--seed", seed, "random seed (use different seeds for training and evaluation)");
   CLI11_PARSE(app, argc, argv);
   if (min_bytes > max_bytes) {
     fmt::print(stderr, "passkey_corpus: --min-bytes {} exceeds --max-bytes {}\n", min_bytes, max_bytes);
+    return 2;
+  }
+  if (min_bytes < 160 + 83 * (needles - 1)) {
+    fmt::print(stderr, "passkey_corpus: --min-bytes {} is too short for {} needles (needs {})\n", min_bytes,
+               needles, 160 + 83 * (needles - 1));
     return 2;
   }
   std::error_code ec;
@@ -76,13 +121,7 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(seed);
   for (int64_t d = 0; d < docs; ++d) {
     const auto bytes = static_cast<size_t>(std::uniform_int_distribution<int64_t>(min_bytes, max_bytes)(rng));
-    const std::string key = fmt::format("{:05d}", std::uniform_int_distribution<int>(0, 99999)(rng));
-    const std::string needle = " The pass key is " + key + ". Remember it. " + key + " is the pass key. ";
-    const std::string question = " What is the pass key? The pass key is " + key;
-    const size_t hay = bytes - needle.size() - question.size();  // >= 160 - 111 bytes of haystack
-    const size_t before = std::uniform_int_distribution<size_t>(0, hay)(rng);
-    const std::string hay_text = sentence(rng);
-    const std::string text = repeat(hay_text, 0, before) + needle + repeat(hay_text, before, hay - before) + question;
+    const std::string text = document(rng, bytes, static_cast<int>(needles));
     const std::string path = fmt::format("{}/passkey_{:05d}.txt", out, d);
     std::FILE* f = std::fopen(path.c_str(), "wb");
     const bool written = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();

@@ -69,6 +69,11 @@ struct KvEvalRow {
   int64_t documents = 0;
   double bpb = 0;       ///< bits per byte of the continuation with the policy: -sum log2 p / continuation
   double bpb_full = 0;  ///< the same with the full cache
+  /// Fraction of the continuation's tokens that are the argmax of their logits, mean over documents (greedy
+  /// decoding would emit them); `exact_match` is the fraction of documents whose every continuation token is.
+  /// On a retrieval corpus whose continuation is the answer (a pass key), exact_match is retrieval accuracy.
+  double token_accuracy = 0, token_accuracy_full = 0;
+  double exact_match = 0, exact_match_full = 0;
   KvEvalStat rel_bpb_increase;           ///< mean over documents of (bpb - bpb_full) / bpb_full
   KvEvalStat worst_decile_rel_increase;  ///< mean of the worst ceil(10%) of the documents' increases (>= 1 doc)
   KvEvalStat attn_rel_err;               ///< mean over layers, heads, queries and documents (kv_attention_rel_err)

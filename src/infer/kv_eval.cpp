@@ -69,6 +69,7 @@ std::vector<KvHeadView> snapshot(const KvCache& cache) {
 // What one session measured on one document.
 struct DocRun {
   double bpb = 0;
+  int64_t correct = 0;  // continuation tokens that are their logits' argmax
   int64_t kv_bytes = 0;
   double prefill_s = 0, decode_s = 0;
   std::vector<KvHeadView> after_prefill;  // layer-major
@@ -98,6 +99,7 @@ DocRun run_document(Transformer& model, const KvEvalDocument& doc, const KvEvalO
     r.decode_s += seconds_since(t);
     const int64_t target = doc.tokens[static_cast<size_t>(o.context + i + 1)];
     nats -= torch::log_softmax(logits.to(torch::kFloat64), 0)[target].item<double>();
+    r.correct += logits.argmax().item<int64_t>() == target;
   }
   if (!std::isfinite(nats)) {
     throw std::runtime_error(fmt::format("kv-eval: non-finite log-probability on document '{}' (the model's "
@@ -127,7 +129,7 @@ std::vector<double> layer_errors(const std::vector<KvHeadView>& full, const std:
 }
 
 struct RowSamples {
-  std::vector<double> bpb, bpb_full, rel, attn, kv_bytes, kv_bytes_full, prefill, decode, abstained;
+  std::vector<double> bpb, bpb_full, accuracy, accuracy_full, exact, exact_full, rel, attn, kv_bytes, kv_bytes_full, prefill, decode, abstained;
   std::vector<std::vector<double>> attn_layers;  // per document, [layers]
 };
 
@@ -138,6 +140,10 @@ KvEvalRow summarize(const std::string& policy, double budget, const RowSamples& 
   row.documents = static_cast<int64_t>(s.rel.size());
   row.bpb = mean_of(s.bpb);
   row.bpb_full = mean_of(s.bpb_full);
+  row.token_accuracy = mean_of(s.accuracy);
+  row.token_accuracy_full = mean_of(s.accuracy_full);
+  row.exact_match = mean_of(s.exact);
+  row.exact_match_full = mean_of(s.exact_full);
   row.rel_bpb_increase = bootstrap_stat(s.rel, mean_of, o.bootstrap_resamples, o.seed);
   row.worst_decile_rel_increase =
       bootstrap_stat(s.rel, [](const std::vector<double>& v) { return worst_fraction_mean(v, 0.1); },
@@ -258,6 +264,11 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
         RowSamples& s = samples[p][b];
         s.bpb.push_back(run.bpb);
         s.bpb_full.push_back(ref.bpb);
+        const auto n = static_cast<double>(o.continuation);
+        s.accuracy.push_back(static_cast<double>(run.correct) / n);
+        s.accuracy_full.push_back(static_cast<double>(ref.correct) / n);
+        s.exact.push_back(run.correct == o.continuation ? 1.0 : 0.0);
+        s.exact_full.push_back(ref.correct == o.continuation ? 1.0 : 0.0);
         s.rel.push_back((run.bpb - ref.bpb) / ref.bpb);
         s.attn_layers.push_back(layer_errors(ref.after_prefill, run.after_prefill, *recorder, layers, heads));
         s.attn.push_back(mean_of(s.attn_layers.back()));

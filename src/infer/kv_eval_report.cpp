@@ -36,6 +36,10 @@ nlohmann::json kv_eval_json(const KvEvalResult& r, const KvEvalReportInfo& info)
                        {"documents", row.documents},
                        {"bpb", number(row.bpb)},
                        {"bpb_full", number(row.bpb_full)},
+                       {"token_accuracy", number(row.token_accuracy)},
+                       {"token_accuracy_full", number(row.token_accuracy_full)},
+                       {"exact_match", number(row.exact_match)},
+                       {"exact_match_full", number(row.exact_match_full)},
                        {"rel_bpb_increase", number(row.rel_bpb_increase.value)},
                        {"rel_bpb_increase_ci", interval(row.rel_bpb_increase)},
                        {"worst_decile_rel_increase", number(row.worst_decile_rel_increase.value)},
@@ -87,7 +91,9 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
   md << fmt::format(
       "Per document the first {} tokens are prefilled with the policy, the next {} teacher-forced one decode() "
       "at a time (the policy compresses while decoding as it does in generation), and their true next bytes "
-      "scored. `rel bpb increase` = (bpb - bpb_full) / bpb_full per document, then the mean; `worst decile` = "
+      "scored. `top-1` = the fraction of those tokens that are the argmax of their logits (greedy decoding would "
+      "emit them), `exact` = the fraction of documents where all are (retrieval accuracy when the continuation is "
+      "the answer). `rel bpb increase` = (bpb - bpb_full) / bpb_full per document, then the mean; `worst decile` = "
       "the mean of the worst 10% of documents (at least one); intervals are 95% percentile bootstraps over "
       "documents ({} resamples, seed {}). `attn rel err`: per layer, head and true future query (the full run's "
       "continuation queries, after rotary), ||o_c - o_f|| / ||o_f|| of the attention output over the cache right "
@@ -95,13 +101,14 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
       "over the full cache's. Times are wall seconds per document. Field definitions and what is not measured: "
       "docs/kv_cache.md, \"`dcp kv-eval`\".\n\n",
       o.context, o.continuation, o.bootstrap_resamples, o.seed);
-  md << "| policy | budget | bpb | bpb full | rel bpb increase [95% CI] | worst decile [95% CI] | attn rel err "
-        "[95% CI] | kv bytes / full | prefill s | decode s | abstained heads |\n";
-  md << "|---|---|---|---|---|---|---|---|---|---|---|\n";
+  md << "| policy | budget | bpb | bpb full | top-1 (full) | exact (full) | rel bpb increase [95% CI] | worst "
+        "decile [95% CI] | attn rel err [95% CI] | kv bytes / full | prefill s | decode s | abstained heads |\n";
+  md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& row : r.rows) {
-    md << fmt::format("| {} | {:g} | {:.4f} | {:.4f} | {} | {} | {:.4f} [{:.4f}, {:.4f}] | {:.3f} | {:.3f} | "
-                      "{:.3f} | {:.1f} |\n",
-                      row.policy, row.budget, row.bpb, row.bpb_full, percent(row.rel_bpb_increase),
+    md << fmt::format("| {} | {:g} | {:.4f} | {:.4f} | {:.3f} ({:.3f}) | {:.3f} ({:.3f}) | {} | {} | {:.4f} "
+                      "[{:.4f}, {:.4f}] | {:.3f} | {:.3f} | {:.3f} | {:.1f} |\n",
+                      row.policy, row.budget, row.bpb, row.bpb_full, row.token_accuracy, row.token_accuracy_full,
+                      row.exact_match, row.exact_match_full, percent(row.rel_bpb_increase),
                       percent(row.worst_decile_rel_increase), row.attn_rel_err.value, row.attn_rel_err.ci[0],
                       row.attn_rel_err.ci[1], row.kv_bytes / row.kv_bytes_full, row.prefill_s, row.decode_s,
                       row.abstained_heads);
@@ -121,7 +128,7 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
     for (double e : row.attn_rel_err_per_layer) md << fmt::format(" {:.4f} |", e);
     md << "\n";
   }
-  md << "\nNot measured: task accuracy (recall, needles), contexts beyond the trained window, the query-agnostic "
+  md << "\nNot measured: contexts beyond the trained window, the query-agnostic "
         "protocol, peak memory during compression, and GPU timings.\n";
   return md.str();
 }
@@ -130,7 +137,8 @@ std::string kv_eval_csv(const KvEvalResult& r) {
   std::string csv =
       "policy,budget,documents,bpb,bpb_full,rel_bpb_increase,rel_bpb_increase_lo,rel_bpb_increase_hi,"
       "worst_decile_rel_increase,worst_decile_lo,worst_decile_hi,attn_rel_err,attn_rel_err_lo,attn_rel_err_hi,"
-      "kv_bytes,kv_bytes_full,prefill_s,decode_s,abstained_heads\n";
+      "kv_bytes,kv_bytes_full,prefill_s,decode_s,abstained_heads,token_accuracy,token_accuracy_full,exact_match,"
+      "exact_match_full\n";
   for (const auto& row : r.rows) {
     const std::vector<std::string> f = {
         row.policy,
@@ -151,7 +159,11 @@ std::string kv_eval_csv(const KvEvalResult& r) {
         csv_number(row.kv_bytes_full),
         csv_number(row.prefill_s),
         csv_number(row.decode_s),
-        csv_number(row.abstained_heads)};
+        csv_number(row.abstained_heads),
+        csv_number(row.token_accuracy),
+        csv_number(row.token_accuracy_full),
+        csv_number(row.exact_match),
+        csv_number(row.exact_match_full)};
     csv += fmt::format("{}\n", fmt::join(f, ","));
   }
   return csv;

@@ -219,7 +219,11 @@ TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
       EXPECT_EQ(row.worst_decile_rel_increase.value, 0);
       EXPECT_EQ(row.attn_rel_err.value, 0);
       EXPECT_EQ(row.kv_bytes, row.kv_bytes_full);
+      EXPECT_EQ(row.token_accuracy, row.token_accuracy_full);
+      EXPECT_EQ(row.exact_match, row.exact_match_full);
     }
+    EXPECT_GE(row.token_accuracy, row.exact_match);  // every token right implies accuracy 1
+    EXPECT_LE(row.token_accuracy, 1);
   }
   const KvEvalRow& w10 = r.rows[2];
   const KvEvalRow& w50 = r.rows[3];
@@ -239,7 +243,7 @@ TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
   info.split = "all";
   const nlohmann::json j = kv_eval_json(r, info);
   ASSERT_EQ(j["results"].size(), 4u);
-  for (const char* key : {"policy", "budget", "bpb", "bpb_full", "rel_bpb_increase", "rel_bpb_increase_ci",
+  for (const char* key : {"policy", "budget", "bpb", "bpb_full", "token_accuracy", "exact_match", "rel_bpb_increase", "rel_bpb_increase_ci",
                           "worst_decile_rel_increase", "worst_decile_rel_increase_ci", "attn_rel_err",
                           "attn_rel_err_per_layer", "kv_bytes", "kv_bytes_full", "prefill_s", "decode_s",
                           "abstained_heads"}) {
