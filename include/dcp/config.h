@@ -75,6 +75,10 @@ struct TrainConfig {
   int64_t checkpoint_every = 50;        ///< steps between checkpoints; 0 = only at the end
   int64_t stop_after_steps = 0;         ///< end this invocation after N steps (checkpointed; --resume goes on); 0 = off
   int64_t threads = 0;                  ///< intra-op threads per rank; 0 = cores / local ranks
+  /// A non-finite loss or gradient norm on any rank: stop (exit 1 before the optimizer step, the last
+  /// checkpoint kept) | skip (drop that step's update, counted in summary.json's nonfinite_steps_skipped).
+  std::string nonfinite = "stop";
+  int64_t nonfinite_max_skips = 10;     ///< with skip: the run stops at the skip after this many (0 = never skip)
   /// auto | bf16 | fp32: the dtype of matmuls and activations (resolve_precision in dcp/precision.h; auto =
   /// bf16 where the CPU has AVX512-BF16 or AMX, else fp32). Parameters and optimizer state are fp32 in both.
   std::string precision = "auto";

@@ -52,7 +52,17 @@ double heldout_bits_per_byte(Transformer& model, const Corpus& corpus, const Con
 /// checkpoint/, logs/. Steps follow static plans (groups of parallel.sp_size ranks), or, when `plans` is
 /// non-empty, the given plans in order, repeated as epochs. With `resume`, continues from run_dir/checkpoint
 /// exactly (same data order, optimizer state and LR schedule). `groups` must hold every SP size the plans use.
-/// Throws std::runtime_error (bad data, a failed peer) or std::invalid_argument (a plan that does not fit).
-void train(const Config& cfg, const ProcessGroups& groups, bool resume, const std::vector<StepPlan>& plans = {});
+struct TrainOptions {
+  bool resume = false;             ///< continue from run_dir/checkpoint (or the .old a crash left)
+  bool allow_data_change = false;  ///< resume although the corpus fingerprint differs (a warning instead)
+  std::vector<StepPlan> plans;     ///< execute these instead of planning (repeated as epochs)
+};
+
+/// One run dir holds one run: run_dir/run.lock (lock_run_dir) refuses a second concurrent one. A non-finite loss
+/// or gradient norm stops the run before the optimizer step (train.nonfinite stop) or drops that update (skip).
+/// Throws std::runtime_error for bad data, a failed peer, a busy run dir, a non-finite step, a checkpoint that is
+/// corrupt or of another corpus (TrainOptions::allow_data_change), and std::invalid_argument for a plan that does
+/// not fit.
+void train(const Config& cfg, const ProcessGroups& groups, const TrainOptions& options = {});
 
 }  // namespace dcp

@@ -21,19 +21,22 @@ void add_train_command(CLI::App& app) {
   auto* sub = app.add_subcommand("train", "Train a model (defaults: small byte-level LM on the Python docs)");
   auto config_path = std::make_shared<std::string>();
   auto plan_file = std::make_shared<std::string>();
-  auto resume = std::make_shared<bool>(false);
+  auto options = std::make_shared<TrainOptions>();
   sub->add_option("--config", *config_path, "YAML config file (see configs/)")->check(CLI::ExistingFile);
   sub->add_option("--plan-file", *plan_file, "execute these StepPlans (JSON, docs/step_plan.md) instead of planning")
       ->check(CLI::ExistingFile);
-  sub->add_flag("--resume", *resume, "continue from run_dir/checkpoint");
+  sub->add_flag("--resume", options->resume, "continue from run_dir/checkpoint");
+  sub->add_flag("--allow-data-change", options->allow_data_change,
+                "with --resume: continue although the corpus under data.path changed (files added, removed or "
+                "resized since the checkpoint; the data order and held-out split then differ)");
   sub->allow_extras();
   sub->footer("Any config key can be overridden as --section.key=value, e.g. --train.max_steps=100.");
-  sub->callback([sub, config_path, plan_file, resume] {
+  sub->callback([sub, config_path, plan_file, options] {
     Config cfg = Config::load(*config_path, config_overrides(*sub));
-    std::vector<StepPlan> plans = plan_file->empty() ? std::vector<StepPlan>{} : load_plans(*plan_file);
+    options->plans = plan_file->empty() ? std::vector<StepPlan>{} : load_plans(*plan_file);
     DistEnv env = DistEnv::from_environment();
-    ProcessGroups groups(env, cfg.dist.timeout_s, sp_sizes_for(cfg, env.world_size, plans));
-    train(cfg, groups, *resume, plans);
+    ProcessGroups groups(env, cfg.dist.timeout_s, sp_sizes_for(cfg, env.world_size, options->plans));
+    train(cfg, groups, *options);
   });
 }
 

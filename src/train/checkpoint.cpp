@@ -5,7 +5,10 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+#include <torch/optim/adamw.h>
 #include <torch/serialize.h>
+#include <zlib.h>
 
 #include <cmath>
 #include <filesystem>
@@ -15,20 +18,151 @@
 
 namespace dcp {
 namespace fs = std::filesystem;
+using nlohmann::json;
 
 namespace {
 
-// A crash between the two renames leaves only `dir`.old; loading falls back to it.
-fs::path existing_dir(const std::string& dir) {
-  if (fs::exists(fs::path(dir) / "state.json")) return dir;
-  fs::path old = dir + ".old";
-  if (fs::exists(old / "state.json")) return old;
-  throw std::runtime_error(fmt::format("checkpoint '{}' not found (no state.json)", dir));
+constexpr const char* kManifest = "manifest.json";
+constexpr const char* kManifestFormat = "dcp-checkpoint-1";
+// JSON integers above 2^53 do not survive a round trip through a double (jq, Python's json with floats).
+constexpr int64_t kMaxCount = int64_t{1} << 53;
+
+uint32_t crc32_of(std::string_view bytes) {
+  return static_cast<uint32_t>(crc32_z(crc32_z(0, nullptr, 0), reinterpret_cast<const Bytef*>(bytes.data()),
+                                       bytes.size()));
+}
+
+std::string read_file(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) {
+    throw std::runtime_error(fmt::format("checkpoint file '{}' is missing (or not a file)", path.string()));
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  if (!in.good() && !in.eof()) throw std::runtime_error(fmt::format("cannot read '{}'", path.string()));
+  return bytes.str();
+}
+
+// The manifest of checkpoint folder `d`, or null for a checkpoint written before manifests (warned once per folder).
+json read_manifest(const fs::path& d) {
+  const fs::path path = d / kManifest;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    spdlog::warn("checkpoint '{}' has no {} (written before dcp checksummed its files): its files are not "
+                 "verified",
+                 d.string(), kManifest);
+    return nullptr;
+  }
+  json m;
+  try {
+    m = json::parse(read_file(path));
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("checkpoint manifest '{}' is unreadable: {}", path.string(), error_message(e)));
+  }
+  if (!m.is_object() || m.value("format", "") != kManifestFormat || !m.contains("files") || !m["files"].is_object() ||
+      !m.contains("step") || !m["step"].is_number_integer()) {
+    throw std::runtime_error(fmt::format("checkpoint manifest '{}' is not a {} manifest (format, step and files "
+                                         "expected)",
+                                         path.string(), kManifestFormat));
+  }
+  return m;
+}
+
+// The bytes of `name` in checkpoint folder `d`, checked against the manifest's size and CRC32 when there is one.
+std::string read_verified(const fs::path& d, const json& manifest, const std::string& name) {
+  const fs::path path = d / name;
+  std::string bytes = read_file(path);
+  if (manifest.is_null()) return bytes;
+  const json& files = manifest["files"];
+  if (!files.contains(name)) {
+    throw std::runtime_error(fmt::format("checkpoint manifest '{}' does not list '{}'", (d / kManifest).string(), name));
+  }
+  const json& f = files[name];
+  const auto size = f.value("bytes", int64_t{-1});
+  const auto crc = f.value("crc32", std::string());
+  if (static_cast<int64_t>(bytes.size()) != size) {
+    throw std::runtime_error(fmt::format("checkpoint file '{}' is {} bytes but {} records {} (truncated or "
+                                         "replaced)",
+                                         path.string(), bytes.size(), kManifest, size));
+  }
+  if (const std::string actual = fmt::format("{:08x}", crc32_of(bytes)); actual != crc) {
+    throw std::runtime_error(fmt::format("checkpoint file '{}' is corrupt: its CRC32 is {} but {} records {}",
+                                         path.string(), actual, kManifest, crc));
+  }
+  return bytes;
 }
 
 // JSON has no NaN: an undefined metric (no held-out data) is stored as null.
-nlohmann::json number_or_null(double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); }
-double number_or_nan(const nlohmann::json& j) { return j.is_null() ? std::nan("") : j.get<double>(); }
+json number_or_null(double v) { return std::isnan(v) ? json() : json(v); }
+
+// state.json's fields, each refused naming the file and the field when missing, of the wrong type or out of range.
+struct StateReader {
+  const json& j;
+  const fs::path& path;
+
+  [[noreturn]] void bad(const std::string& key, const std::string& what) const {
+    throw std::runtime_error(fmt::format("checkpoint state '{}': field '{}' {}", path.string(), key, what));
+  }
+  const json& at(const std::string& key) const {
+    if (!j.contains(key)) bad(key, "is missing");
+    return j[key];
+  }
+  int64_t count(const std::string& key, bool optional = false) const {
+    if (optional && !j.contains(key)) return 0;
+    const json& v = at(key);
+    if (!v.is_number_integer()) bad(key, fmt::format("is {}, not a whole number", v.dump()));
+    if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(kMaxCount)
+                               : (v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxCount)) {
+      bad(key, fmt::format("is {}, outside [0, 2^53]", v.dump()));
+    }
+    return v.get<int64_t>();
+  }
+  double seconds(const std::string& key, bool optional = false) const {
+    if (optional && !j.contains(key)) return 0;
+    const json& v = at(key);
+    if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
+      bad(key, fmt::format("is {}, not a finite number >= 0", v.dump()));
+    }
+    return v.get<double>();
+  }
+};
+
+TrainState parse_state(const std::string& text, const fs::path& path, const json& manifest) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("checkpoint state '{}' is unreadable: {}", path.string(), error_message(e)));
+  }
+  if (!j.is_object()) throw std::runtime_error(fmt::format("checkpoint state '{}' is not a JSON object", path.string()));
+  const StateReader r{j, path};
+  TrainState s;
+  s.step = r.count("step");
+  s.epoch = r.count("epoch");
+  s.index_in_epoch = r.count("index_in_epoch");
+  s.tokens_trained = r.count("tokens_trained");
+  s.samples_trained = r.count("samples_trained");
+  s.nonfinite_skips = r.count("nonfinite_skips", /*optional=*/true);
+  s.wall_time_s = r.seconds("wall_time_s");
+  s.cost_calibration = r.seconds("cost_calibration", /*optional=*/true);
+  const json& bpb = r.at("heldout_bits_per_byte_initial");
+  if (!bpb.is_null() && !(bpb.is_number() && std::isfinite(bpb.get<double>()))) {
+    r.bad("heldout_bits_per_byte_initial", fmt::format("is {}, not a finite number or null", bpb.dump()));
+  }
+  s.heldout_bits_per_byte_initial = bpb.is_null() ? std::nan("") : bpb.get<double>();
+  if (j.contains("data_fingerprint")) {
+    if (!j["data_fingerprint"].is_string()) r.bad("data_fingerprint", "is not a string");
+    s.data_fingerprint = j["data_fingerprint"].get<std::string>();
+  }
+  // Each epoch has at least one step, so neither the epoch nor the position in it can exceed the steps done.
+  if (s.index_in_epoch > s.step) r.bad("index_in_epoch", fmt::format("is {}, above step {}", s.index_in_epoch, s.step));
+  if (s.epoch > s.step) r.bad("epoch", fmt::format("is {}, above step {}", s.epoch, s.step));
+  if (!manifest.is_null() && manifest["step"].get<int64_t>() != s.step) {
+    r.bad("step", fmt::format("is {} but {} records step {}", s.step, kManifest, manifest["step"].dump()));
+  }
+  return s;
+}
 
 bool fixes_model_or_data_order(const std::string& key) {
   // The attention keys that decide which attention parameters exist and their shapes; mode and chunk_size
@@ -37,13 +171,65 @@ bool fixes_model_or_data_order(const std::string& key) {
                                     "train.micro_batch_tokens", "parallel.sp_size", "attention.backend",
                                     "attention.feature_map", "attention.num_features", "attention.input_norm",
                                     "attention.normalizer"};
+  if (key == "parallel.sp_sizes" || key == "model.recompute_layers") return false;
   for (const char* p : kPrefixes) {
-    if (key.rfind(p, 0) == 0 && key != "parallel.sp_sizes") return true;
+    if (key.rfind(p, 0) == 0) return true;
   }
   return false;
 }
 
+void check_shapes(Transformer& model, const std::vector<std::pair<std::string, std::vector<int64_t>>>& built,
+                  const fs::path& file) {
+  size_t i = 0;
+  auto compare = [&](const std::string& name, const torch::Tensor& t) {
+    if (t.sizes().vec() != built[i].second) {
+      throw std::runtime_error(fmt::format(
+          "loading checkpoint file '{}' failed: parameter '{}' is [{}] there but the config builds [{}] (is it "
+          "written for this model and attention config?)",
+          file.string(), name, fmt::join(t.sizes(), ", "), fmt::join(built[i].second, ", ")));
+    }
+    if (t.is_floating_point() && !torch::isfinite(t).all().item<bool>()) {
+      throw std::runtime_error(fmt::format("checkpoint file '{}': parameter '{}' holds NaN or infinite values",
+                                           file.string(), name));
+    }
+    ++i;
+  };
+  for (const auto& p : model->named_parameters()) compare(p.key(), p.value());
+  for (const auto& b : model->named_buffers()) compare(b.key(), b.value());
+}
+
+// torch::load of an optimizer takes moments of any shape; the first step would then fail naming no file.
+void check_optimizer_shapes(Transformer& model, torch::optim::Optimizer& optimizer, const fs::path& file) {
+  std::map<const void*, std::string> names;
+  for (const auto& p : model->named_parameters()) names[p.value().unsafeGetTensorImpl()] = p.key();
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      const auto it = optimizer.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      if (it == optimizer.state().end()) continue;  // no step taken for it yet
+      const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(it->second.get());
+      if (adamw == nullptr) continue;
+      for (const auto& [what, t] : {std::pair{"exp_avg", adamw->exp_avg()}, {"exp_avg_sq", adamw->exp_avg_sq()}}) {
+        if (t.defined() && t.sizes() != p.sizes()) {
+          throw std::runtime_error(fmt::format(
+              "checkpoint file '{}' does not fit the model: AdamW {} of parameter '{}' is [{}] but the parameter "
+              "is [{}] (an optimizer state of another model?)",
+              file.string(), what, names[p.unsafeGetTensorImpl()], fmt::join(t.sizes(), ", "),
+              fmt::join(p.sizes(), ", ")));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
+
+std::string checkpoint_folder(const std::string& dir) {
+  std::error_code ec;
+  if (fs::exists(fs::path(dir) / "state.json", ec)) return dir;
+  const std::string old = dir + ".old";
+  if (fs::exists(fs::path(old) / "state.json", ec)) return old;
+  throw std::runtime_error(fmt::format("checkpoint '{}' not found (no state.json in it or in {})", dir, old));
+}
 
 void check_resumable(const std::string& dir, const Config& current) {
   Config stored = load_checkpoint_config(dir);
@@ -61,86 +247,95 @@ void check_resumable(const std::string& dir, const Config& current) {
 
 void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer& optimizer,
                      const TrainState& state, const Config& cfg) {
-  fs::path tmp = dir + ".tmp";
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
+  const fs::path tmp = dir + ".tmp", old = dir + ".old";
+  json files = json::object();
+  auto write = [&](const std::string& name, const std::string& bytes) {
+    write_file_checked(tmp / name, bytes);
+    files[name] = {{"bytes", bytes.size()}, {"crc32", fmt::format("{:08x}", crc32_of(bytes))}};
+  };
   // Serialized in memory first: LibTorch's file writer reports a full disk from its destructor, which aborts.
-  auto save_to = [](const auto& object, const fs::path& path) {
+  auto serialized = [](const auto& object) {
     std::ostringstream bytes;
     torch::save(object, bytes);
-    write_file_checked(path, bytes.str());
+    return bytes.str();
   };
   try {
-    save_to(model, tmp / "model.pt");
-    save_to(optimizer, tmp / "optimizer.pt");
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+    write("model.pt", serialized(model));
+    write("optimizer.pt", serialized(optimizer));
+    write("state.json", json{{"step", state.step},
+                             {"epoch", state.epoch},
+                             {"index_in_epoch", state.index_in_epoch},
+                             {"tokens_trained", state.tokens_trained},
+                             {"samples_trained", state.samples_trained},
+                             {"nonfinite_skips", state.nonfinite_skips},
+                             {"heldout_bits_per_byte_initial", number_or_null(state.heldout_bits_per_byte_initial)},
+                             {"wall_time_s", state.wall_time_s},
+                             {"cost_calibration", state.cost_calibration},
+                             {"data_fingerprint", state.data_fingerprint}}
+                                .dump(1) +
+                            "\n");
+    write("config.yaml", cfg.to_yaml());
+    write_file_checked(tmp / kManifest,
+                       json{{"format", kManifestFormat}, {"step", state.step}, {"files", files}}.dump(1) + "\n");
+    sync_folder(tmp);
+    std::error_code ec;
+    if (fs::exists(fs::path(dir) / kManifest, ec) || fs::exists(fs::path(dir) / "state.json", ec)) {
+      fs::remove_all(old);
+      fs::rename(dir, old);
+    }
+    fs::rename(tmp, dir);
+    sync_folder(fs::absolute(dir).parent_path());
+    fs::remove_all(old);
   } catch (const std::exception& e) {
-    throw std::runtime_error(fmt::format("writing checkpoint to '{}' failed: {}", tmp.string(), error_message(e)));
+    std::error_code ignored;
+    fs::remove_all(tmp, ignored);  // frees the space; `dir` or `dir`.old still holds the last complete one
+    throw std::runtime_error(fmt::format("writing checkpoint '{}' failed: {}", dir, error_message(e)));
   }
-  nlohmann::json j = {{"step", state.step},
-                      {"epoch", state.epoch},
-                      {"index_in_epoch", state.index_in_epoch},
-                      {"tokens_trained", state.tokens_trained},
-                      {"samples_trained", state.samples_trained},
-                      {"heldout_bits_per_byte_initial", number_or_null(state.heldout_bits_per_byte_initial)},
-                      {"wall_time_s", state.wall_time_s},
-                      {"cost_calibration", state.cost_calibration}};
-  write_file_checked(tmp / "state.json", j.dump(1) + "\n");
-  write_file_checked(tmp / "config.yaml", cfg.to_yaml());
-  fs::path old = dir + ".old";
-  fs::remove_all(old);
-  if (fs::exists(dir)) fs::rename(dir, old);
-  fs::rename(tmp, dir);
-  fs::remove_all(old);
 }
 
 Config load_checkpoint_config(const std::string& dir) {
-  return Config::load((existing_dir(dir) / "config.yaml").string(), {});
+  const fs::path d = checkpoint_folder(dir);
+  const fs::path path = d / "config.yaml";
+  const std::string text = read_verified(d, read_manifest(d), "config.yaml");
+  if (text.find_first_not_of(" \t\r\n") == std::string::npos) {
+    throw std::runtime_error(fmt::format("checkpoint config '{}' is empty", path.string()));
+  }
+  try {
+    return Config::load(path.string(), {});
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("checkpoint config '{}' is not a valid dcp config: {}", path.string(),
+                                         error_message(e)));
+  }
 }
 
 TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer* optimizer) {
-  fs::path d = existing_dir(dir);
+  const fs::path d = checkpoint_folder(dir);
+  const json manifest = read_manifest(d);
+  const TrainState state = parse_state(read_verified(d, manifest, "state.json"), d / "state.json", manifest);
   // torch::load resizes a parameter to the stored tensor's shape, so a checkpoint of another model (an edited
   // config) would load silently; compare the shapes the config built with what was loaded.
-  auto shapes = [&] {
-    std::vector<std::pair<std::string, std::vector<int64_t>>> out;
-    for (const auto& p : model->named_parameters()) out.emplace_back(p.key(), p.value().sizes().vec());
-    for (const auto& b : model->named_buffers()) out.emplace_back(b.key(), b.value().sizes().vec());
-    return out;
-  };
-  const auto built = shapes();
-  try {
-    torch::load(model, (d / "model.pt").string());
-    if (optimizer) torch::load(*optimizer, (d / "optimizer.pt").string());
-  } catch (const std::exception& e) {
-    throw std::runtime_error(fmt::format("loading checkpoint '{}' failed (is it complete, and written for this model config?): {}",
-                                         d.string(), error_message(e)));
-  }
-  const auto loaded = shapes();
-  for (size_t i = 0; i < built.size(); ++i) {
-    if (loaded[i].second != built[i].second) {
-      throw std::runtime_error(fmt::format(
-          "loading checkpoint '{}' failed: parameter '{}' is [{}] there but the config builds [{}] (is it written "
-          "for this model and attention config?)",
-          d.string(), built[i].first, fmt::join(loaded[i].second, ", "), fmt::join(built[i].second, ", ")));
+  std::vector<std::pair<std::string, std::vector<int64_t>>> built;
+  for (const auto& p : model->named_parameters()) built.emplace_back(p.key(), p.value().sizes().vec());
+  for (const auto& b : model->named_buffers()) built.emplace_back(b.key(), b.value().sizes().vec());
+  auto load = [&](auto& object, const std::string& name) {
+    std::istringstream bytes(read_verified(d, manifest, name));
+    try {
+      torch::load(object, bytes);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(fmt::format("loading checkpoint file '{}' failed (is it complete, and written for "
+                                           "this model config?): {}",
+                                           (d / name).string(), error_message(e)));
     }
+  };
+  load(model, "model.pt");
+  check_shapes(model, built, d / "model.pt");
+  if (optimizer) {
+    load(*optimizer, "optimizer.pt");
+    check_optimizer_shapes(model, *optimizer, d / "optimizer.pt");
   }
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(std::ifstream(d / "state.json"));
-  } catch (const std::exception& e) {
-    throw std::runtime_error(fmt::format("checkpoint state '{}' is unreadable: {}", (d / "state.json").string(),
-                                         error_message(e)));
-  }
-  TrainState s;
-  s.step = j.at("step");
-  s.epoch = j.at("epoch");
-  s.index_in_epoch = j.at("index_in_epoch");
-  s.tokens_trained = j.at("tokens_trained");
-  s.samples_trained = j.at("samples_trained");
-  s.heldout_bits_per_byte_initial = number_or_nan(j.at("heldout_bits_per_byte_initial"));
-  s.wall_time_s = j.at("wall_time_s");
-  s.cost_calibration = j.value("cost_calibration", 0.0);
-  return s;
+  return state;
 }
 
 }  // namespace dcp

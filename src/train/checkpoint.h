@@ -1,4 +1,5 @@
-// Atomic checkpoints: model, optimizer, training position and the resolved config.
+// Checkpoints that survive crashes and refuse corruption: model, optimizer, training position and the resolved
+// config, each file checksummed in a manifest, installed with renames that never remove the last good one.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -12,35 +13,50 @@ namespace dcp {
 
 /// Where training stands; with the config's seed this fixes the data order, so resuming repeats no sample.
 struct TrainState {
-  int64_t step = 0;            ///< optimizer steps done
+  int64_t step = 0;            ///< optimizer steps done (skipped non-finite steps included)
   int64_t epoch = 0;
   int64_t index_in_epoch = 0;  ///< next step of the epoch's plan list
   int64_t tokens_trained = 0;
   int64_t samples_trained = 0;
+  int64_t nonfinite_skips = 0; ///< steps whose update train.nonfinite skip dropped, over all invocations
   double heldout_bits_per_byte_initial = 0;  ///< NaN when there is no held-out sample (null in JSON)
   double wall_time_s = 0;      ///< training wall time of all earlier invocations
   double cost_calibration = 0; ///< measured / predicted step time, EMA; 0 = not measured yet
+  std::string data_fingerprint;  ///< corpus_fingerprint() of the corpus trained on; "" in older checkpoints
 };
 
-/// Writes `dir` atomically: into `dir`.tmp first, then renamed over `dir`. Throws std::runtime_error naming
-/// the path when writing fails.
+/// Writes checkpoint `dir`: every file into `dir`.tmp, flushed and fsynced, then manifest.json (each file's
+/// bytes and CRC32, and the step), the folder synced; then installed by renames, `dir` -> `dir`.old (only when
+/// `dir` is complete, so an earlier crash's only good checkpoint `dir`.old is never removed first),
+/// `dir`.tmp -> `dir`, the parent synced, `dir`.old removed. A crash at any point leaves `dir` or `dir`.old
+/// loadable. Throws std::runtime_error naming the path and the OS error (a full disk: "No space left on device");
+/// the previous checkpoint is then left in place.
 void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer& optimizer,
                      const TrainState& state, const Config& cfg);
 
-/// Reads the config stored in checkpoint `dir` (its config.yaml). Throws std::runtime_error naming the path
-/// when the directory or file is missing.
+/// The folder a checkpoint `dir` loads from: `dir` when it holds state.json, else `dir`.old (left by a crash
+/// between the two renames). Throws std::runtime_error "checkpoint '<dir>' not found" when neither does.
+std::string checkpoint_folder(const std::string& dir);
+
+/// Reads the config stored in checkpoint `dir` (its config.yaml, verified against the manifest). Throws
+/// std::runtime_error naming the path when the folder or file is missing, empty, corrupt or not a valid config
+/// (a checkpoint's content is data: these are runtime failures, exit 1, not usage errors).
 Config load_checkpoint_config(const std::string& dir);
 
 /// Throws std::runtime_error naming the first key whose value differs between `current` and the config stored
-/// in checkpoint `dir`, among the model shape, the attention keys that fix the attention parameters (backend,
-/// feature_map, num_features, input_norm, normalizer) and everything that fixes the data order (data.*,
-/// run.seed, train batch sizes, parallel.sp_size): resuming across such a change would load mismatched weights
-/// or repeat and skip samples.
+/// in checkpoint `dir`, among the model shape (model.recompute_layers excepted: it changes neither weights nor
+/// data order), the attention keys that fix the attention parameters (backend, feature_map, num_features,
+/// input_norm, normalizer) and everything that fixes the data order (data.*, run.seed, train batch sizes,
+/// parallel.sp_size): resuming across such a change would load mismatched weights or repeat and skip samples.
 void check_resumable(const std::string& dir, const Config& current);
 
-/// Loads model weights (and optimizer state when `optimizer` is non-null) and returns the state. Throws
-/// std::runtime_error naming the path when files are missing or unreadable, and naming the parameter and both
-/// shapes when a stored tensor's shape differs from the one `model` was built with (another model config).
+/// Loads model weights (and optimizer state when `optimizer` is non-null) and returns the state. Every file is
+/// verified against manifest.json first (a checkpoint without one, written before manifests existed, is loaded
+/// with a warning). Throws std::runtime_error naming the file and the field or parameter: a missing, truncated
+/// or corrupt file (size or CRC32 differs from the manifest), a state.json field that is missing, not a whole
+/// number, negative, above 2^53 or inconsistent (index_in_epoch or epoch above step, a step other than the
+/// manifest's), a stored tensor whose shape differs from the one `model` was built with, optimizer moments whose
+/// shapes differ from their parameters', and weights that are not finite.
 TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer* optimizer);
 
 }  // namespace dcp

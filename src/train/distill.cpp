@@ -15,6 +15,9 @@
 #include "dcp/plan.h"
 #include "dcp/train.h"
 #include "train/checkpoint.h"
+#include "train/data_fingerprint.h"
+#include "train/run_dir_lock.h"
+#include "util/file_write.h"
 #include "train/optimizer.h"
 #include "util/logging.h"
 #include "util/clock.h"
@@ -281,7 +284,9 @@ DistillResult distill(const std::string& teacher_dir, const Config& cfg, const A
   const Corpus corpus = Corpus::load(cfg.data);
   // Only now, with the teacher, the student and the corpus checked, is anything written to run.dir: a failed
   // start leaves no logs there that would make a rerun refuse a non-empty --out.
-  init_logging((out_dir / "distill").string(), env.rank, cfg.run.log_level);
+  fs::create_directories(out_dir);
+  const auto run_lock = lock_run_dir(out_dir.string(), world);  // held through the fine-tuning train()
+  init_logging((out_dir / "distill").string(), env.rank, cfg.run.log_level, "dcp distill");
   torch::set_num_threads(static_cast<int>(threads_per_rank(cfg.train, env)));
   spdlog::info("teacher {} ({} layers, d_model {}); student attention: {} / {} / {} / {} with {} features; "
                "precision: {}",
@@ -313,6 +318,7 @@ DistillResult distill(const std::string& teacher_dir, const Config& cfg, const A
   if (env.rank == 0) {
     TrainState state;
     state.heldout_bits_per_byte_initial = r.student_fitted_bpb;
+    state.data_fingerprint = corpus_fingerprint(corpus);
     save_checkpoint(ckpt.string(), student, *make_optimizer(student, cfg.train), state, cfg);
   }
   world.barrier();
@@ -350,12 +356,14 @@ DistillResult distill(const std::string& teacher_dir, const Config& cfg, const A
                 {"normalizer", cfg.attention.normalizer},
                 {"mode", cfg.attention.mode}}},
               {"layers", layers}};
-    std::ofstream(out_dir / "distill.json") << j.dump(2) << "\n";
+    write_file_atomically(out_dir / "distill.json", j.dump(2) + "\n");
   };
   if (env.rank == 0) write_report();
   if (r.finetune_steps > 0) {
     const auto finetune_start = std::chrono::steady_clock::now();
-    train(cfg, groups, /*resume=*/true);
+    TrainOptions finetune;
+    finetune.resume = true;
+    train(cfg, groups, finetune);
     r.finetune_seconds = seconds_since(finetune_start);
     if (env.rank == 0) {
       r.student_finetuned_bpb =

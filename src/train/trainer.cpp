@@ -14,6 +14,9 @@
 #include "dcp/profiler.h"
 #include "dcp/train.h"
 #include "train/checkpoint.h"
+#include "train/data_fingerprint.h"
+#include "train/run_dir_lock.h"
+#include "train/step_guard.h"
 #include "train/optimizer.h"
 #include "train/profile_cache.h"
 #include "train/progress.h"
@@ -40,19 +43,105 @@ void check_same_weights(Transformer& model, const Communicator& world) {
   }
 }
 
-// On resume, lines past the checkpoint belong to steps that will run again.
+// On resume, lines past the checkpoint belong to steps that will run again. A crash or a full disk can leave a
+// partial last line: it is dropped with a warning; a bad line before the last one is someone's edit and refused.
 void truncate_metrics(const fs::path& path, int64_t keep_through_step) {
-  std::vector<std::string> kept;
+  std::vector<std::string> lines;
   if (keep_through_step > 0) {
     std::ifstream in(path);
-    for (std::string line; std::getline(in, line);) {
-      if (line.empty()) continue;
-      if (json::parse(line).value("step", int64_t{0}) <= keep_through_step) kept.push_back(line);
-    }
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
   }
+  while (!lines.empty() && lines.back().empty()) lines.pop_back();
   std::string text;
-  for (const auto& l : kept) text += l + "\n";
-  write_file_checked(path, text);
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (lines[i].empty()) continue;
+    json j;
+    try {
+      j = json::parse(lines[i]);
+    } catch (const std::exception& e) {
+      if (i + 1 == lines.size()) {
+        spdlog::warn("{}: dropped its partial last line {} (left by a crash or a full disk): {:.60}",
+                     path.string(), i + 1, lines[i]);
+        continue;
+      }
+      throw std::runtime_error(fmt::format("metrics '{}' line {} is not JSON ({}); remove or repair the line",
+                                           path.string(), i + 1, e.what()));
+    }
+    if (j.value("step", int64_t{0}) <= keep_through_step) text += lines[i] + "\n";
+  }
+  // Through a new file and a rename: a crash or a full disk during the rewrite leaves the old file whole.
+  write_file_atomically(path, text);
+}
+
+json memory_needs_json(const std::vector<LengthNeed>& needs) {
+  json out = json::array();
+  for (const LengthNeed& n : needs) {
+    out.push_back({{"length", n.length}, {"sp_size", n.sp_size}, {"recompute_layers", n.recompute_layers},
+                   {"predicted_bytes", n.bytes}});
+  }
+  return out;
+}
+
+// The corpus of data.*, with what it kept and skipped (by reason, with examples) logged.
+Corpus load_corpus(const DataConfig& data) {
+  Corpus corpus = Corpus::load(data);
+  spdlog::info("corpus {}: {} documents kept, {} train samples, {} held-out samples, {} documents skipped",
+               data.path, corpus.num_documents(), corpus.train_ids().size(), corpus.heldout_ids().size(),
+               corpus.skipped().total());
+  for (const auto& [reason, n] : corpus.skipped().by_reason) {
+    std::string examples;
+    for (const auto& e : corpus.skipped().examples.at(reason)) examples += " " + e;
+    spdlog::warn("skipped {} document(s) as {}: e.g.{}", n, reason, examples);
+  }
+  return corpus;
+}
+
+TrainState fresh_state(const fs::path& ckpt_dir, const Corpus& corpus) {
+  if (fs::exists(ckpt_dir)) {
+    spdlog::warn("{} exists; this run starts fresh and replaces it (--resume continues it)", ckpt_dir.string());
+  }
+  TrainState s;
+  s.data_fingerprint = corpus_fingerprint(corpus);
+  return s;
+}
+
+// A resumed position must lie in its epoch's plans (state.json's own checks cannot know their number).
+void check_position(const TrainState& s, size_t epoch_steps, const fs::path& ckpt_dir) {
+  if (s.index_in_epoch > static_cast<int64_t>(epoch_steps)) {
+    throw std::runtime_error(fmt::format("checkpoint {}: index_in_epoch {} is beyond the {} steps of epoch {} (a "
+                                         "checkpoint of another corpus or config?)",
+                                         ckpt_dir.string(), s.index_in_epoch, epoch_steps, s.epoch));
+  }
+}
+
+// Loads run_dir/checkpoint (or the .old a crash left) and checks that the corpus is the one it was trained on.
+TrainState resume_from(const fs::path& dir, const Config& cfg, Transformer& model, torch::optim::Optimizer& optimizer,
+                       const std::string& fingerprint, bool allow_data_change) {
+  check_resumable(dir.string(), cfg);
+  const std::string folder = checkpoint_folder(dir.string());
+  if (folder != dir.string()) {
+    spdlog::warn("{} is missing (a crash between the renames of a save); resuming from {}", dir.string(), folder);
+  }
+  TrainState s = load_checkpoint(dir.string(), model, &optimizer);
+  if (s.data_fingerprint.empty()) {
+    spdlog::warn("checkpoint {} records no data fingerprint (an older dcp wrote it): a changed corpus under "
+                 "data.path cannot be detected",
+                 folder);
+  } else if (s.data_fingerprint != fingerprint) {
+    const std::string change = fmt::format("the corpus under data.path '{}' changed since checkpoint {} was written "
+                                           "({} then, {} now)",
+                                           cfg.data.path, folder, s.data_fingerprint, fingerprint);
+    if (!allow_data_change) {
+      throw std::runtime_error(fmt::format("cannot resume: {}; the data order and the held-out split would differ "
+                                           "(--allow-data-change resumes anyway)",
+                                           change));
+    }
+    spdlog::warn("{}; resuming anyway (--allow-data-change): the data order and the held-out split differ", change);
+  }
+  s.data_fingerprint = fingerprint;
+  spdlog::info("resumed from {} at step {} (epoch {}, step {} of the epoch)", folder, s.step, s.epoch,
+               s.index_in_epoch);
+  return s;
 }
 
 // train.cost_model as a file or device name: auto resolves to this machine's cached (or fresh) profile.
@@ -117,35 +206,30 @@ int64_t threads_per_rank(const TrainConfig& cfg, const DistEnv& env) {
                          : std::max<int64_t>(1, std::thread::hardware_concurrency() / env.local_world_size);
 }
 
-void train(const Config& cfg, const ProcessGroups& groups, bool resume, const std::vector<StepPlan>& file_plans) {
+void train(const Config& cfg, const ProcessGroups& groups, const TrainOptions& options) {
   const auto wall_start = std::chrono::steady_clock::now();
   const DistEnv& env = groups.env();
   const Communicator& world = groups.world();
   const bool lead = env.rank == 0;
+  const bool resume = options.resume;
+  const std::vector<StepPlan>& file_plans = options.plans;
   const fs::path run_dir = cfg.run.dir;
   std::error_code ec;
   fs::create_directories(run_dir, ec);
   if (ec) throw std::runtime_error(fmt::format("cannot create run.dir '{}': {}", run_dir.string(), ec.message()));
-  init_logging(run_dir.string(), env.rank, cfg.run.log_level);
+  const auto run_lock = lock_run_dir(run_dir.string(), world);
+  init_logging(run_dir.string(), env.rank, cfg.run.log_level, resume ? "dcp train --resume" : "dcp train");
 
   const int64_t threads = threads_per_rank(cfg.train, env);
   torch::set_num_threads(static_cast<int>(threads));
   spdlog::info("world_size {} ({} variables), {} threads per rank, process groups ready in {:.2f} s", env.world_size,
                env.launcher, threads, groups.creation_seconds());
 
-  Corpus corpus = Corpus::load(cfg.data);
-  spdlog::info("corpus {}: {} documents kept, {} train samples, {} held-out samples, {} documents skipped",
-               cfg.data.path, corpus.num_documents(), corpus.train_ids().size(), corpus.heldout_ids().size(),
-               corpus.skipped().total());
+  const Corpus corpus = load_corpus(cfg.data);
   std::vector<int64_t> train_lengths;
   for (int64_t id : corpus.train_ids()) train_lengths.push_back(corpus.samples()[static_cast<size_t>(id)].length);
   const LengthHistogram lengths = length_histogram(train_lengths);
   spdlog::info("train sample lengths (tokens): {}", lengths.describe());
-  for (const auto& [reason, n] : corpus.skipped().by_reason) {
-    std::string examples;
-    for (const auto& e : corpus.skipped().examples.at(reason)) examples += " " + e;
-    spdlog::warn("skipped {} document(s) as {}: e.g.{}", n, reason, examples);
-  }
 
   const PrecisionChoice precision = resolve_precision(cfg.train.precision);
   const ModelShape shape = model_shape_of(cfg, activation_bytes(precision.precision));
@@ -160,17 +244,9 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   spdlog::info("precision: {}; fp32 master weights, gradients and AdamW moments", precision.describe());
 
   const fs::path ckpt_dir = run_dir / "checkpoint";
-  TrainState state;
-  if (!resume && fs::exists(ckpt_dir)) {
-    spdlog::warn("run_dir {} already holds a checkpoint; this run starts fresh and replaces it (--resume continues it)",
-                 run_dir.string());
-  }
-  if (resume) {
-    check_resumable(ckpt_dir.string(), cfg);
-    state = load_checkpoint(ckpt_dir.string(), model, optimizer.get());
-    spdlog::info("resumed from {} at step {} (epoch {}, step {} of the epoch)", ckpt_dir.string(), state.step,
-                 state.epoch, state.index_in_epoch);
-  }
+  TrainState state = resume ? resume_from(ckpt_dir, cfg, model, *optimizer, corpus_fingerprint(corpus),
+                                          options.allow_data_change)
+                             : fresh_state(ckpt_dir, corpus);
   check_same_weights(model, world);
 
   // The cost model (a profile of another model or precision is refused), the memory checks and the first
@@ -229,6 +305,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     return set.steps;
   };
   std::vector<StepPlan> plans = plans_for(state.epoch);
+  check_position(state, plans.size(), ckpt_dir);
 
   const fs::path metrics_path = run_dir / "metrics.jsonl";
   if (lead) {
@@ -247,6 +324,8 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
   const auto train_start = std::chrono::steady_clock::now();
   const int64_t first_step = state.step;
   Progress progress(cfg.train.max_steps, first_step, lead);
+  StepGuard guard(cfg.train, state.nonfinite_skips);
+  std::string last_checkpoint = resume ? fmt::format("{} (step {})", ckpt_dir.string(), state.step) : "";
   RunRecord record(corpus.samples(), env.world_size, cost, memory, file_plans.empty() ? cfg.train.planner : "plan-file");
   while (state.step < cfg.train.max_steps &&
          (cfg.train.stop_after_steps == 0 || state.step - first_step < cfg.train.stop_after_steps)) {
@@ -259,22 +338,28 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
     const StepPlan& plan = plans[static_cast<size_t>(state.index_in_epoch)];
     const auto step_start = std::chrono::steady_clock::now();
     StepStats r = compute_step_gradients(model, corpus, plan, groups);
-    double grad_norm = 0;
-    if (cfg.train.grad_clip > 0) {
-      grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), cfg.train.grad_clip);
-    }
+    // The norm before clipping, also without clipping: the guard needs it.
+    const double grad_norm = torch::nn::utils::clip_grad_norm_(
+        model->parameters(),
+        cfg.train.grad_clip > 0 ? cfg.train.grad_clip : std::numeric_limits<double>::infinity());
+    const bool update = guard.admit(state.step + 1, r.loss, grad_norm, world, last_checkpoint);
     double lr = lr_at(state.step, cfg.train);
     for (auto& g : optimizer->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
-    optimizer->step();
+    if (update) optimizer->step();
     double step_time = seconds_since(step_start);
 
     ++state.step;
     ++state.index_in_epoch;
-    state.tokens_trained += r.tokens;
-    state.samples_trained += r.samples;
-    const json line = record.step(plan, r, step_time, lr, grad_norm, state);
+    if (update) {
+      state.tokens_trained += r.tokens;
+      state.samples_trained += r.samples;
+    }
+    state.nonfinite_skips = guard.skips();
+    json line = record.step(plan, r, step_time, lr, grad_norm, state);
+    if (!update) line["update_skipped_nonfinite"] = true;
     if (lead) append_line_checked(metrics_path, line.dump());
     progress.update(state.step, r.loss, line["tokens_per_s"].get<double>(), lr);
+    throw_if_logging_failed();
     if (cfg.train.checkpoint_every > 0 && state.step % cfg.train.checkpoint_every == 0 &&
         state.step < cfg.train.max_steps) {
       if (lead) {
@@ -283,6 +368,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
         save_checkpoint(ckpt_dir.string(), model, *optimizer, snapshot, cfg);
       }
       world.barrier();
+      last_checkpoint = fmt::format("{} (step {})", ckpt_dir.string(), state.step);
     }
   }
   progress.finish();
@@ -302,6 +388,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                     {"epochs_started", state.epoch + 1},
                     {"tokens_trained", state.tokens_trained},
                     {"samples_trained", state.samples_trained},
+                    {"nonfinite_steps_skipped", state.nonfinite_skips},
                     {"samples_skipped", [&] {
                        auto all = corpus.skipped().by_reason;
                        for (const auto& [reason, n] : planner_skips) all[reason] += n;
@@ -313,14 +400,7 @@ void train(const Config& cfg, const ProcessGroups& groups, bool resume, const st
                     {"cost_model_file", cost_model},
                     {"memory_budget_bytes", memory.budget_bytes()},
                     {"memory_model", memory.source()},
-                    {"memory_needs", [&] {
-                       json out = json::array();
-                       for (const LengthNeed& n : needs) {
-                         out.push_back({{"length", n.length}, {"sp_size", n.sp_size},
-                                        {"recompute_layers", n.recompute_layers}, {"predicted_bytes", n.bytes}});
-                       }
-                       return out;
-                     }()},
+                    {"memory_needs", memory_needs_json(needs)},
                     {"memory_meter", MemoryMeter::method()},
                     {"train_lengths", {{"min", lengths.min}, {"p50", lengths.p50}, {"p90", lengths.p90},
                                        {"max", lengths.max}, {"tokens", lengths.tokens}}},

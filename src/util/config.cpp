@@ -66,6 +66,8 @@ void visit(C& c, F&& f) {
   f("train.checkpoint_every", c.train.checkpoint_every, IntRule{0});
   f("train.stop_after_steps", c.train.stop_after_steps, IntRule{0});
   f("train.threads", c.train.threads, IntRule{0, 1024});
+  f("train.nonfinite", c.train.nonfinite, Choices{"stop", "skip"});
+  f("train.nonfinite_max_skips", c.train.nonfinite_max_skips, IntRule{0, 1000000});
   f("train.precision", c.train.precision, Choices{"auto", "bf16", "fp32"});
   f("train.planner", c.train.planner, Choices{"static", "bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-opt"});
   f("train.cost_model", c.train.cost_model, Choices{});

@@ -25,4 +25,19 @@ bool FileLock::try_lock() {
   throw std::runtime_error(fmt::format("cannot lock '{}': {}", path_, std::strerror(errno)));
 }
 
+void FileLock::set_holder_note(const std::string& note) {
+  if (!held_) throw std::runtime_error(fmt::format("the lock '{}' is not held", path_));
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, note.data(), note.size(), 0) != static_cast<ssize_t>(note.size())) {
+    throw std::runtime_error(fmt::format("cannot write the lock file '{}': {}", path_, std::strerror(errno)));
+  }
+}
+
+std::string FileLock::holder_note() const {
+  std::string out(256, '\0');
+  const ssize_t n = ::pread(fd_, out.data(), out.size(), 0);
+  out.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\0')) out.pop_back();
+  return out;
+}
+
 }  // namespace dcp

@@ -21,6 +21,11 @@ class FileLock {
   /// Takes the lock if no other process holds it; true when this object holds it (then or before). Never
   /// blocks. Throws std::runtime_error naming the file when flock fails for another reason than a holder.
   bool try_lock();
+  /// Replaces the lock file's content with `note` (who holds it: a pid), for a refused process to report.
+  /// Requires the lock; throws std::runtime_error naming the file when it is not held or the write fails.
+  void set_holder_note(const std::string& note);
+  /// The lock file's content ("" when unreadable): the holder's note. Throws nothing.
+  std::string holder_note() const;
   const std::string& path() const { return path_; }
 
  private:

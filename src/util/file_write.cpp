@@ -40,6 +40,15 @@ void write_file_checked(const fs::path& path, std::string_view data) {
   }
 }
 
+void sync_folder(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  const int err = fd < 0 ? errno : (fsync(fd) != 0 && errno != EINVAL ? errno : 0);
+  if (fd >= 0) ::close(fd);
+  if (err != 0) {
+    throw std::runtime_error(fmt::format("cannot sync the folder '{}': {}", dir.string(), std::strerror(err)));
+  }
+}
+
 std::string folder_write_problem(const fs::path& dir) {
   std::error_code ec;
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) return fmt::format("'{}' is not a folder", dir.string());

@@ -17,6 +17,10 @@ void write_file_checked(const std::filesystem::path& path, std::string_view data
 /// partial one. Throws std::runtime_error naming `path` and the reason.
 void write_file_atomically(const std::filesystem::path& path, std::string_view data, std::string_view tag = "");
 
+/// fsync(2) of the folder `dir`, so that the names created or renamed in it survive a power loss as well as a
+/// crash. Throws std::runtime_error "cannot sync the folder '<dir>': <strerror>".
+void sync_folder(const std::filesystem::path& dir);
+
 /// Why new files cannot be written in the folder `dir`, or "" when they can: creates it (and its parents) when
 /// missing, then creates and removes a probe file in it, so that a read-only or foreign folder is found before
 /// a long computation rather than at its end. The reason reads "'<dir>' is not a folder", "cannot create the

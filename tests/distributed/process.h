@@ -1,6 +1,7 @@
 // Spawning and supervising child processes in tests (the dcp binary, ranks started by hand).
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>

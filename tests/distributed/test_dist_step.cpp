@@ -3,6 +3,7 @@
 
 #include "dcp/planning.h"
 #include "distributed/fixtures.h"
+#include "train/step_guard.h"
 
 using namespace dcp;
 using namespace dcp::test;
@@ -91,4 +92,18 @@ TEST(Runtime, ResolvesItsPrecisionAndPlansAtItsWidth) {
   EXPECT_EQ(Runtime(o, groups()).precision().precision, resolve_precision("auto").precision);
   o.precision = "fp16";
   EXPECT_THROW(Runtime(o, groups()), ConfigError);
+}
+
+// R3: a non-finite loss on one rank only (rank 1) is seen by every rank, which all skip or all stop.
+TEST(StepGuard, ANonFiniteValueOnOneRankStopsOrSkipsEveryRank) {
+  const Communicator& world = groups().world();
+  const double loss = world.rank() == 1 ? std::nan("") : 2.0;
+  TrainConfig skip;
+  skip.nonfinite = "skip";
+  StepGuard skipping(skip, 0);
+  EXPECT_FALSE(skipping.admit(1, loss, 1.0, world, ""));
+  EXPECT_TRUE(skipping.admit(2, 2.0, 1.0, world, ""));
+  StepGuard stopping(TrainConfig{}, 0);
+  EXPECT_THROW(stopping.admit(3, loss, 1.0, world, ""), std::runtime_error);
+  EXPECT_TRUE(stopping.admit(4, 2.0, 1.0, world, ""));  // every rank is still in step
 }
