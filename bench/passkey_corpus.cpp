@@ -4,15 +4,17 @@
 // in the context. The haystack is one random sentence of the document (words from a fixed list) repeated: a
 // model predicts it by copying earlier repeats, which trains the induction heads that retrieval needs, and it
 // is compressible (its repeats are near-duplicates in the cache) while the key is not. A model trained on such
-// documents with `dcp train` (configs/passkey.yaml) learns to retrieve; `dcp kv-eval` on documents of a fixed
-// length then measures whether a compressed KV cache still lets it (an eviction policy loses a key it did not
-// keep).
+// documents with `dcp train` (configs/passkey.yaml) is meant to learn to retrieve (the small ones trained on this
+// CPU have not yet: docs/kv_cache.md "Retrieval"); `dcp kv-eval` on documents of a fixed length then measures
+// whether a compressed KV cache still lets it (an eviction policy loses a key it did not keep).
 //
-//   build/bench/passkey_corpus --out DIR --docs 6000 --min-bytes 200 --max-bytes 1100 --seed 1
-//   build/bench/passkey_corpus --out DIR --docs 64 --min-bytes 1029 --max-bytes 1029 --seed 2   # eval, C=1024
+//   build/bench/passkey_corpus --out DIR --docs 12000 --min-bytes 409 --max-bytes 700 --needles 4 --seed 1
+//   build/bench/passkey_corpus --out DIR --docs 64 --min-bytes 517 --max-bytes 517 --needles 4 --seed 2  # eval
 //
 // Documents are DIR/passkey_NNNNN.txt (data.format text_dir, data.glob "*.txt"). A document of B bytes ends
-// with the 5 key digits: with dcp's BOS token first, a context of B - 4 tokens ends just before them.
+// with the marker and the 5 key digits: `dcp kv-eval --context B-5 --continuation 5` prefills BOS and the bytes
+// before the marker, decodes the marker and scores the digits; `dcp generate` with the first B-5 bytes as the
+// prompt should print them.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 

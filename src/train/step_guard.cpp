@@ -13,6 +13,7 @@ namespace dcp {
 namespace {
 
 constexpr size_t kWindow = 20;
+constexpr size_t kMinHistory = 5;  // a spike in the first steps is worth a warning too
 constexpr double kSpikeRatio = 3.0;
 
 }  // namespace
@@ -27,18 +28,19 @@ bool StepGuard::admit(int64_t step, double loss, double grad_norm, const Communi
   auto flag = torch::tensor({std::isfinite(loss) && std::isfinite(grad_norm) ? 0.0 : 1.0}, torch::kFloat64);
   world.allreduce_max(flag);
   if (flag.item<double>() == 0) {
-    if (recent_.size() == kWindow) {
+    if (recent_.size() >= kMinHistory) {
       std::vector<double> sorted(recent_.begin(), recent_.end());
-      std::nth_element(sorted.begin(), sorted.begin() + kWindow / 2, sorted.end());
-      const double median = sorted[kWindow / 2];
+      std::nth_element(sorted.begin(), sorted.begin() + sorted.size() / 2, sorted.end());
+      const double median = sorted[sorted.size() / 2];
       if (median > 0 && loss > kSpikeRatio * median) {
+        ++spikes_;
         spdlog::warn("step {}: loss {:.4g} is {:.1f}x the median {:.4g} of the last {} steps (a loss spike: too "
                      "high a train.lr, or bad data?)",
-                     step, loss, loss / median, median, kWindow);
+                     step, loss, loss / median, median, sorted.size());
       }
-      recent_.pop_front();
     }
     recent_.push_back(loss);
+    if (recent_.size() > kWindow) recent_.pop_front();
     return true;
   }
   const std::string what = fmt::format("step {}: the loss is {} and the gradient norm {} on rank {} (or a peer)",

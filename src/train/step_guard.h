@@ -22,16 +22,18 @@ class StepGuard {
   /// False: non-finite under train.nonfinite skip, the caller drops the update (counted in skips()). Throws
   /// std::runtime_error naming the step, the values and `last_checkpoint` (what a restart resumes from) under
   /// stop, or when a skip would exceed train.nonfinite_max_skips. Warns (spdlog) when a finite loss is above
-  /// 3x the median of the last 20 finite ones.
+  /// 3x the median of the last (up to) 20 finite ones, from the sixth step on.
   bool admit(int64_t step, double loss, double grad_norm, const Communicator& world,
              const std::string& last_checkpoint);
 
-  int64_t skips() const { return skips_; }  ///< over all invocations
+  int64_t skips() const { return skips_; }    ///< over all invocations
+  int64_t spikes() const { return spikes_; }  ///< loss-spike warnings of this invocation
 
  private:
   std::string mode_;
   int64_t max_skips_;
   int64_t skips_;
+  int64_t spikes_ = 0;
   std::deque<double> recent_;  // the last kWindow finite losses
 };
 

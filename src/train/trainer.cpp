@@ -389,6 +389,7 @@ void train(const Config& cfg, const ProcessGroups& groups, const TrainOptions& o
                     {"tokens_trained", state.tokens_trained},
                     {"samples_trained", state.samples_trained},
                     {"nonfinite_steps_skipped", state.nonfinite_skips},
+                    {"loss_spike_warnings", guard.spikes()},
                     {"samples_skipped", [&] {
                        auto all = corpus.skipped().by_reason;
                        for (const auto& [reason, n] : planner_skips) all[reason] += n;

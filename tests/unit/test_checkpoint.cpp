@@ -288,6 +288,14 @@ TEST(StepGuard, StopsOrSkipsNonFiniteSteps) {
   e = test::error_of([&] { guard.admit(3, 2.0, std::numeric_limits<double>::infinity(), self, ""); });
   EXPECT_NE(e.find("no checkpoint was written yet"), std::string::npos) << e;
 
+  // A loss above 3x the median of the recent ones is a warning, counted.
+  StepGuard spiky(stop, 0);
+  for (int64_t s = 1; s <= 5; ++s) EXPECT_TRUE(spiky.admit(s, 2.0, 1.0, self, ""));
+  EXPECT_TRUE(spiky.admit(6, 5.9, 1.0, self, ""));
+  EXPECT_EQ(spiky.spikes(), 0);
+  EXPECT_TRUE(spiky.admit(7, 6.1, 1.0, self, ""));
+  EXPECT_EQ(spiky.spikes(), 1);
+
   TrainConfig skip;
   skip.nonfinite = "skip";
   skip.nonfinite_max_skips = 2;
