@@ -94,7 +94,13 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
 }
 
 Config load_checkpoint_config(const std::string& dir) {
-  return Config::load((existing_dir(dir) / "config.yaml").string(), {});
+  const std::string path = (existing_dir(dir) / "config.yaml").string();
+  try {
+    return Config::load(path, {});
+  } catch (const ConfigError& e) {
+    // The checkpoint's content is data, not usage: a corrupt config.yaml is a runtime error (exit 1).
+    throw std::runtime_error(fmt::format("checkpoint '{}': its config.yaml cannot be used: {}", dir, e.what()));
+  }
 }
 
 TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer* optimizer) {

@@ -28,7 +28,8 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
                      const TrainState& state, const Config& cfg);
 
 /// Reads the config stored in checkpoint `dir` (its config.yaml). Throws std::runtime_error naming the path
-/// when the directory or file is missing.
+/// when the directory or file is missing, and naming the checkpoint when the file is not a valid config (never
+/// ConfigError: a checkpoint's content is data, not a usage error).
 Config load_checkpoint_config(const std::string& dir);
 
 /// Throws std::runtime_error naming the first key whose value differs between `current` and the config stored
