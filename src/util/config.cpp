@@ -29,8 +29,9 @@ struct RealRule {
 using Choices = std::vector<std::string>;
 struct EmptyOrText {};  // a string whose empty value means "the default" (e.g. a folder resolved at run time)
 
-// The largest value of a key that reaches float32 tensors (train.grad_clip, model.rope_theta): torch refuses to
-// convert a double above FLT_MAX (3.4e38) to float, deep inside a run and without naming the key.
+// The largest value of a key that torch converts to a float32 scalar (train.grad_clip, in clip_grad_norm_): above
+// FLT_MAX (3.4e38) it fails deep inside the run without naming the key. (model.rope_theta needs no bound: a
+// theta of 1e39 trains, its powers are taken in double.)
 constexpr double kFloatKeyMax = 1e30;
 
 // The one list of configuration keys. Each entry binds a key to its member and its rule; loading,
@@ -49,7 +50,7 @@ void visit(C& c, F&& f) {
   f("model.n_layers", c.model.n_layers, IntRule{1, 1024});
   f("model.n_heads", c.model.n_heads, IntRule{1, 1024});
   f("model.d_ff", c.model.d_ff, IntRule{1, 1 << 20});
-  f("model.rope_theta", c.model.rope_theta, RealRule{1.0, kFloatKeyMax});
+  f("model.rope_theta", c.model.rope_theta, RealRule{1.0});
   f("model.recompute_layers", c.model.recompute_layers, IntRule{0, 1024});
   f("attention.backend", c.attention.backend, Choices{"softmax", "flexformer"});
   f("attention.impl", c.attention.impl, Choices{"tiled", "reference"});
