@@ -56,7 +56,7 @@ class Communicator {
 
 /// The SP sizes named by `spec` for `world_size`, ascending, always including 1 and world_size:
 /// "pow2" = powers of two dividing world_size, "all" = every divisor, or a comma list such as "1,2,3".
-/// Throws std::invalid_argument naming the spec when it is malformed or a size does not divide world_size.
+/// Throws ConfigError (a usage error) naming the spec when it is malformed or a size does not divide world_size.
 std::vector<int64_t> resolve_sp_sizes(const std::string& spec, int64_t world_size);
 
 /// The SP sizes a model of `heads` attention heads can run with: resolve_sp_sizes(spec, world_size) without

@@ -39,8 +39,8 @@ struct StepPlan {
   const GroupPlan& group_of(int64_t rank) const;
 
   /// Checks that groups partition [0, world_size) into aligned blocks (first_rank % sp_size == 0), that
-  /// token counts add up against `samples`, and that recompute_layers is within [0, n_layers]. Throws
-  /// std::invalid_argument describing the first violation.
+  /// token counts add up against `samples`, that no sample id appears twice (in one micro-batch or two), and
+  /// that recompute_layers is within [0, n_layers]. Throws std::invalid_argument describing the first violation.
   void validate(int64_t world_size, const std::vector<Sample>& samples, int64_t n_layers) const;
 
   /// Canonical JSON text (schema in docs/step_plan.md) and its inverse; from_json throws

@@ -253,7 +253,7 @@ void add_bench_command(CLI::App& app) {
   sub->add_option("--report", opt->report, "path prefix of the .md, .csv and .png results (default: OUT/bench)");
   sub->add_option("--slices", opt->slices, "time slices per planner; the planners take turns slice by slice")
       ->check(CLI::Range(1, 1000000));
-  sub->add_option("--grace", opt->grace_s, "dcp launch --grace of every slice")->check(CLI::Range(0.0, 3600.0));
+  sub->add_option("--grace", opt->grace_s, "dcp launch --grace of every slice")->check(finite_number_validator("seconds", 0, true, 3600));
   sub->add_flag("!--no-plot", opt->plot, "skip the gnuplot PNG");
   sub->allow_extras();
   sub->footer("Config keys are overridden as --section.key=value for every run, e.g. --train.max_steps=30; "

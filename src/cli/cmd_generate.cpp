@@ -51,8 +51,7 @@ void add_generate_command(CLI::App& app) {
   sub->add_option("--prompt", *prompt, "text the sample continues");
   sub->add_option("--max-new-tokens", opt->max_new_tokens, "bytes to generate")->check(CLI::Range(0, 1 << 20));
   sub->add_option("--temperature", opt->temperature, "softmax temperature; 0 = greedy")
-      ->check(finite_number_validator("", 0, true))
-      ->check(CLI::Range(0.0, 100.0));
+      ->check(finite_number_validator("", 0, true, 100));
   sub->add_option("--top-k", opt->top_k, "sample among the k most likely bytes; 0 = all")->check(CLI::Range(0, 256));
   auto chunk_tokens = std::make_shared<int64_t>(0);
   sub->add_option("--kv.chunk_tokens,--chunk-tokens", *chunk_tokens,

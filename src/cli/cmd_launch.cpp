@@ -8,7 +8,7 @@ void add_launch_command(CLI::App& app) {
   auto opt = std::make_shared<LaunchOptions>();
   sub->add_option("--nproc", opt->nproc, "number of local processes (ranks)")->check(CLI::Range(1, 1024));
   sub->add_option("--grace", opt->grace_s, "seconds survivors get after SIGTERM before SIGKILL")
-      ->check(CLI::Range(0.0, 3600.0));
+      ->check(finite_number_validator("seconds", 0, true, 3600));
   sub->add_option("command", opt->command, "the dcp subcommand (or program path) and its arguments, after --")
       ->required();
   sub->callback([opt] {

@@ -14,8 +14,9 @@ struct PlanArgs : PlanningArgs {
 };
 
 void run_plan(const PlanArgs& a) {
+  const Planner planner = planner_of_option("--planner", a.planner);
   const PlanningInputs in = make_planning_inputs(a);
-  const PlanSet set = planner_by_name(a.planner)(in.samples, a.world_size, *in.cost, *in.memory, in.options);
+  const PlanSet set = planner(in.samples, a.world_size, *in.cost, *in.memory, in.options);
   if (a.json) {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& step : set.steps) out.push_back(nlohmann::json::parse(step.to_json()));

@@ -40,7 +40,7 @@ std::vector<std::string> split_names(const std::string& list) {
   while (start <= list.size()) {
     const size_t comma = std::min(list.find(',', start), list.size());
     out.push_back(list.substr(start, comma - start));
-    planner_by_name(out.back());  // throws for an unknown name
+    planner_of_option(fmt::format("--planners '{}'", list), out.back());  // a usage error for an unknown name
     start = comma + 1;
   }
   return out;
@@ -97,6 +97,7 @@ Row simulate(const std::string& name, const std::vector<Sample>& samples, int64_
 }
 
 void run_simulate(const SimulateArgs& a) {
+  const std::vector<std::string> names = split_names(a.planners);  // before the inputs: a typo fails at once
   const PlanningInputs in = make_planning_inputs(a);
   const auto& samples = in.samples;
   const auto& lengths = in.lengths;
@@ -108,7 +109,7 @@ void run_simulate(const SimulateArgs& a) {
   const DeviceSpec& device = cost.device();
 
   std::vector<Row> rows;
-  for (const auto& name : split_names(a.planners)) {
+  for (const auto& name : names) {
     rows.push_back(simulate(name, samples, a.world_size, cost, memory, opt));
   }
   for (const auto& r : rows) {

@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <set>
@@ -9,6 +10,11 @@ namespace dcp {
 
 std::vector<int64_t> sp_sizes_for(const Config& cfg, int64_t world_size, const std::vector<StepPlan>& plans) {
   std::vector<int64_t> sizes = resolve_sp_sizes(cfg.parallel.sp_sizes, world_size);
+  if (cfg.parallel.sp_size > 0 && world_size % cfg.parallel.sp_size != 0) {
+    throw ConfigError(fmt::format("config key 'parallel.sp_size': bad value '{}' (allowed: 0 or a divisor of the "
+                                  "world size {})",
+                                  cfg.parallel.sp_size, world_size));
+  }
   std::set<int64_t> all(sizes.begin(), sizes.end());
   if (cfg.parallel.sp_size > 0) all.insert(cfg.parallel.sp_size);  // 0: sized to a size of parallel.sp_sizes
   for (const auto& p : plans) {

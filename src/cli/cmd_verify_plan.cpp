@@ -18,15 +18,20 @@ struct VerifyArgs {
   double tolerance = 1e-4;
 };
 
+// The --step'th plan of the plan file; a step the file does not hold is a usage error.
+StepPlan plan_of_step(const VerifyArgs& a) {
+  std::vector<StepPlan> plans = load_plans(a.plan_file);
+  if (a.step < 0 || a.step >= static_cast<int64_t>(plans.size())) {
+    throw ConfigError(fmt::format("--step {}: plan file '{}' holds {} step(s), numbered from 0", a.step, a.plan_file,
+                                  plans.size()));
+  }
+  return plans[static_cast<size_t>(a.step)];
+}
+
 // Runs as every rank: one distributed step, then the single-process reference on the same samples.
 void verify_as_rank(const VerifyArgs& a, const std::vector<std::string>& overrides) {
   Config cfg = Config::load(a.config_path, overrides);
-  std::vector<StepPlan> plans = load_plans(a.plan_file);
-  if (a.step < 0 || a.step >= static_cast<int64_t>(plans.size())) {
-    throw std::invalid_argument(fmt::format("--step {}: plan file '{}' holds {} step(s)", a.step, a.plan_file,
-                                            plans.size()));
-  }
-  const StepPlan& plan = plans[static_cast<size_t>(a.step)];
+  const StepPlan plan = plan_of_step(a);
   DistEnv env = DistEnv::from_environment();
   Corpus corpus = Corpus::load(cfg.data);
   plan.validate(env.world_size, corpus.samples(), cfg.model.n_layers);
@@ -75,7 +80,7 @@ void add_verify_plan_command(CLI::App& app) {
   sub->add_option("--nproc", a->nproc, "ranks to start (the plan's world_size)")->check(CLI::Range(1, 1024));
   sub->add_option("--config", a->config_path, "YAML config (model shape, corpus)")->check(CLI::ExistingFile);
   sub->add_option("--step", a->step, "which step of the plan file (0-based)");
-  sub->add_option("--tolerance", a->tolerance, "pass when max_rel_err <= this")->check(CLI::Range(1e-12, 1.0));
+  sub->add_option("--tolerance", a->tolerance, "pass when max_rel_err <= this")->check(finite_number_validator("", 1e-12, false, 1.0));
   sub->allow_extras();
   sub->footer("Prints JSON with max_abs_err, max_rel_err (= max_abs_err / max |reference gradient|) and pass; "
               "exits 3 when the check fails. Both sides compute in fp32 whatever train.precision.");
@@ -87,6 +92,7 @@ void add_verify_plan_command(CLI::App& app) {
       verify_as_rank(*a, overrides);
       return;
     }
+    plan_of_step(*a);  // before any rank starts
     LaunchOptions launch;
     launch.nproc = a->nproc;
     launch.command = {"verify-plan", "--plan-file", a->plan_file, "--step", std::to_string(a->step), "--tolerance",

@@ -3,6 +3,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <limits>
+
 #include "dcp/config.h"
 #include "dcp/plan.h"
 
@@ -21,14 +23,16 @@ void add_distill_command(CLI::App& app);
 void add_kv_eval_command(CLI::App& app);
 
 /// SP sizes to create groups for: parallel.sp_sizes, parallel.sp_size and every size `plans` use.
-/// Throws std::invalid_argument when one does not divide world_size.
+/// Throws ConfigError when parallel.sp_sizes or parallel.sp_size names one that does not divide world_size (a
+/// plan's sizes are StepPlan::validate's to check).
 std::vector<int64_t> sp_sizes_for(const Config& cfg, int64_t world_size, const std::vector<StepPlan>& plans);
 
-/// A CLI11 check for a number option: the text must be a decimal number (parse_decimal: no hex, inf or nan),
-/// finite and > 0 (>= 0 with `zero_ok`; >= `min` when min > 0). Its error reads "must be a positive
-/// (non-negative) finite number[ of <unit>][ (at least <min>)], got '<text>'", where CLI11's own ranges print
-/// DBL_MAX and let NaN through. Used by bench-attention, distill, generate, plan and simulate.
-CLI::Validator finite_number_validator(const std::string& unit, double min = 0, bool zero_ok = false);
+/// The CLI11 check of every floating-point option: the text must be a decimal number (parse_decimal: no hex,
+/// inf or nan), finite, > 0 (>= 0 with `zero_ok`; >= `min` when min > 0) and <= `max`. Its error reads "must be
+/// a positive (non-negative) finite number[ of <unit>][ (at least <min>) | (at most <max>) | in [<min>, <max>]],
+/// got '<text>'" after the option's name, where CLI11's own ranges print DBL_MAX and let NaN through.
+CLI::Validator finite_number_validator(const std::string& unit, double min = 0, bool zero_ok = false,
+                                       double max = std::numeric_limits<double>::infinity());
 
 /// Prints a fatal error: to the run's log (and, on rank 0, the terminal) once logging is set up, else to
 /// stderr with the rank.

@@ -17,18 +17,25 @@
 
 namespace dcp {
 
-CLI::Validator finite_number_validator(const std::string& unit, double min, bool zero_ok) {
+CLI::Validator finite_number_validator(const std::string& unit, double min, bool zero_ok, double max) {
   return CLI::Validator(
-      [unit, min, zero_ok](std::string& text) -> std::string {
+      [unit, min, zero_ok, max](std::string& text) -> std::string {
         const std::optional<double> parsed = parse_decimal(text);
         const double v = parsed.value_or(0);
-        const bool ok = parsed && std::isfinite(v) && (min > 0 ? v >= min : zero_ok ? v >= 0 : v > 0);
+        const bool ok = parsed && std::isfinite(v) && (min > 0 ? v >= min : zero_ok ? v >= 0 : v > 0) && v <= max;
         if (ok) return "";
+        std::string bounds;
+        if (min > 0 && std::isfinite(max)) {
+          bounds = fmt::format(" in [{:g}, {:g}]", min, max);
+        } else if (min > 0) {
+          bounds = fmt::format(" (at least {:g})", min);
+        } else if (std::isfinite(max)) {
+          bounds = fmt::format(" (at most {:g})", max);
+        }
         return fmt::format("must be a {} finite number{}{}, got '{}'", zero_ok ? "non-negative" : "positive",
-                           unit.empty() ? "" : " of " + unit,
-                           min > 0 ? fmt::format(" (at least {:g})", min) : "", text);
+                           unit.empty() ? "" : " of " + unit, bounds, text);
       },
-      "POSITIVE");
+      "NUMBER");
 }
 
 std::vector<std::string> config_overrides(const CLI::App& sub) {

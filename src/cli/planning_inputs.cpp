@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <optional>
 
 #include "cli/commands.h"
@@ -10,6 +11,8 @@
 #include "dcp/planning.h"
 
 namespace dcp {
+
+namespace fs = std::filesystem;
 
 void add_planning_options(CLI::App* sub, PlanningArgs& a) {
   auto* lengths = sub->add_option("--lengths", a.lengths_file, "file of sample lengths, one integer (tokens) a line")
@@ -29,12 +32,13 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a) {
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--tokens-per-step", a.tokens_per_step, "token budget of a global step (0: world_size x 131072)")
       ->check(CLI::NonNegativeNumber);
-  sub->add_option("--num-samples", a.num_samples, "samples of the lognormal and uniform workloads")
-      ->check(CLI::PositiveNumber);
+  sub->add_option("--num-samples", a.num_samples,
+                  fmt::format("samples of the lognormal and uniform workloads (at most {})", kMaxNumSamples))
+      ->check(CLI::Range(int64_t{1}, kMaxNumSamples));
   sub->add_option("--static-sp", a.static_sp,
                   "SP size of bucket and packed (0: the smallest at which the longest sample fits)")
       ->check(CLI::NonNegativeNumber);
-  sub->add_option("--mfu", a.mfu, "achieved fraction of the device's peak FLOP/s (default: the device model's own)")->check(CLI::Range(1e-3, 1.0));
+  sub->add_option("--mfu", a.mfu, "achieved fraction of the device's peak FLOP/s (default: the device model's own)")->check(finite_number_validator("", 1e-3, false, 1.0));
   sub->add_option("--seed", a.seed, "seed of the epoch order and of the generated workload");
   sub->add_flag("--json", a.json, "print JSON");
   sub->allow_extras();
@@ -53,11 +57,28 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
     w.name = a.workload;
     w.num_samples = a.num_samples;
     w.seed = a.seed;
-    in.lengths = workload_lengths(w);
+    try {
+      in.lengths = workload_lengths(w);
+    } catch (const std::invalid_argument& e) {
+      throw ConfigError(fmt::format("--workload '{}': {}", a.workload, e.what()));
+    }
     in.source = a.workload;
   }
   in.samples = samples_from_lengths(in.lengths, in.source);
-  DeviceSpec device = DeviceSpec::named(a.cost_model);  // first: its error names the known devices
+  DeviceSpec device = [&] {  // first: its error names the known devices
+    try {
+      return DeviceSpec::named(a.cost_model);
+    } catch (const std::invalid_argument& e) {
+      // A name that is no file and no path is a bad option value (exit 2); a profile file that is missing or
+      // unreadable is a runtime error (exit 1, README).
+      std::error_code ec;
+      if (a.cost_model.find('/') == std::string::npos && fs::path(a.cost_model).extension() != ".json" &&
+          !fs::exists(a.cost_model, ec)) {
+        throw ConfigError(fmt::format("--cost-model: {}", e.what()));
+      }
+      throw;
+    }
+  }();
   if (a.mfu > 0) device.mfu = a.mfu;
   bool sets_attention = false;
   for (const auto& o : a.overrides) {
@@ -84,6 +105,13 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
     if (profiled) in.shape = *profiled;
     if (sets_attention || !profiled) in.shape = with_attention(in.shape, cfg.attention);
   }
+  if (a.static_sp > 0) {
+    const std::vector<int64_t> allowed = sp_sizes_allowed(a.world_size, in.shape);
+    if (a.world_size % a.static_sp != 0 || std::find(allowed.begin(), allowed.end(), a.static_sp) == allowed.end()) {
+      throw ConfigError(fmt::format("--static-sp {}: must divide --world-size {} and the model's {} heads",
+                                    a.static_sp, a.world_size, in.shape.heads));
+    }
+  }
   if (a.memory_budget_bytes > 0) memory.budget_bytes = a.memory_budget_bytes;
   in.cost = std::make_unique<CostModel>(in.shape, device);
   const int64_t longest = in.lengths.empty() ? 0 : *std::max_element(in.lengths.begin(), in.lengths.end());
@@ -93,6 +121,14 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
   in.options.tokens_per_step = a.tokens_per_step > 0 ? a.tokens_per_step : a.world_size * 131072;
   in.options.static_sp_size = a.static_sp;
   return in;
+}
+
+Planner planner_of_option(const std::string& option, const std::string& name) {
+  try {
+    return planner_by_name(name);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(fmt::format("{}: {}", option, e.what()));
+  }
 }
 
 }  // namespace dcp

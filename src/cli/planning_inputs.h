@@ -34,7 +34,7 @@ struct PlanningInputs {
 
 /// Registers --lengths/--workload, --world-size, --cost-model, --config, step sizes, --static-sp, --mfu,
 /// --seed and --json on `sub`, and lets it take config overrides (the command stores config_overrides(*sub)
-/// in `overrides`).
+/// in `overrides`). Every number option is bounded (--num-samples by kMaxNumSamples).
 void add_planning_options(CLI::App* sub, PlanningArgs& a);
 
 /// Reads or generates the lengths and builds the models. The model shape is the 1.3B default unless --config
@@ -47,7 +47,15 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a);
 /// --memory-budget-bytes, else the memory section's memory.budget_bytes / memory.fraction (memory_budget_bytes
 /// in dcp/planning.h). Throws CLI::ValidationError unless exactly one of --lengths/--workload is given, for an
 /// override outside the model, attention and memory sections and for a model.* override without --config;
-/// ConfigError for a bad override, and what the readers and models throw.
+/// ConfigError for a bad override, an unknown --workload or --cost-model name and a --static-sp that does not
+/// divide the world size and the heads; and what the readers and models throw.
 PlanningInputs make_planning_inputs(const PlanningArgs& a);
+
+/// planner_by_name(name), with an unknown name a usage error naming `option` (ConfigError, exit 2).
+Planner planner_of_option(const std::string& option, const std::string& name);
+
+/// The largest --num-samples: the generated lengths and the planners' tables grow with it (a typo such as
+/// 9223372036854775807 would allocate until memory runs out).
+inline constexpr int64_t kMaxNumSamples = 10'000'000;
 
 }  // namespace dcp

@@ -4,6 +4,7 @@
 #include <set>
 #include <sstream>
 
+#include "dcp/config.h"
 #include "dcp/dist.h"
 #include "dist/c10d_compat.h"
 #include "util/clock.h"
@@ -18,7 +19,7 @@ std::vector<int64_t> resolve_sp_sizes(const std::string& spec, int64_t world_siz
       if (world_size % s == 0 && (spec == "all" || pow2)) sizes.insert(s);
     }
   } else {
-    if (spec.empty()) throw std::invalid_argument("config key 'parallel.sp_sizes': empty value (allowed: pow2, all, or a comma list)");
+    if (spec.empty()) throw ConfigError("config key 'parallel.sp_sizes': empty value (allowed: pow2, all, or a comma list)");
     std::stringstream in(spec);
     for (std::string item; std::getline(in, item, ',');) {
       size_t used = 0;
@@ -29,7 +30,7 @@ std::vector<int64_t> resolve_sp_sizes(const std::string& spec, int64_t world_siz
         used = 0;
       }
       if (used == 0 || used != item.size() || s < 1 || world_size % s != 0) {
-        throw std::invalid_argument(fmt::format(
+        throw ConfigError(fmt::format(
             "config key 'parallel.sp_sizes': bad value '{}' (allowed: pow2, all, or a comma list of divisors of "
             "world_size {}; '{}' is not one)",
             spec, world_size, item));

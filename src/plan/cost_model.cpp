@@ -50,7 +50,14 @@ void ModelShape::validate() const {
 DeviceSpec DeviceSpec::named(const std::string& name) {
   if (name == "h200") return DeviceSpec{};
   std::error_code ec;
-  if (std::filesystem::is_regular_file(name, ec)) return from_profile(name);
+  const auto status = std::filesystem::status(name, ec);  // stat only: a FIFO is never opened
+  if (std::filesystem::is_regular_file(status)) return from_profile(name);
+  if (std::filesystem::exists(status)) {
+    throw std::invalid_argument(fmt::format("device profile '{}': is {}, not the JSON file `dcp profile` writes", name,
+                                            std::filesystem::is_directory(status) ? "a folder"
+                                                                                  : "not a regular file (a FIFO, "
+                                                                                    "device or socket)"));
+  }
   if (name.find('/') != std::string::npos || std::filesystem::path(name).extension() == ".json") {
     throw std::invalid_argument(fmt::format("device profile '{}': no such file", name));
   }
@@ -518,21 +525,24 @@ std::optional<int64_t> MemoryModel::min_recompute_layers(int64_t tokens, int64_t
 }
 
 int64_t MemoryModel::max_tokens(int64_t sp_size, int64_t recompute_layers) const {
+  // The answer is capped at kMax (1.1e15 tokens, more than any step holds): a huge budget (memory.budget_bytes
+  // 1e25) must neither overflow int64 in the closed form nor count up to its true capacity.
+  constexpr int64_t kMax = int64_t{1} << 50;
   // bytes() grows with tokens (linearly, or quadratically up to the longest sample): bisect on it.
   if (bytes(1, sp_size, recompute_layers) > budget_) return 0;
   if (c_.square_layer_bytes == 0 && c_.square_bytes == 0) {
     // Linear in tokens (the analytic model): closed form, guarded against rounding. Planners call this often.
     const double base = bytes(1, sp_size, recompute_layers);
     const double per_token = bytes(2, sp_size, recompute_layers) - base;
-    if (!(per_token > 0)) return int64_t{1} << 50;
-    // Capped like the bisection below: a huge budget (1e30) would overflow the cast.
-    auto n = static_cast<int64_t>(std::min(std::floor((budget_ - base) / per_token), 1125899906842624.0)) + 1;
+    if (!(per_token > 0)) return kMax;
+    const double closed = std::floor((budget_ - base) / per_token) + 1;  // in double: no overflow
+    if (closed >= static_cast<double>(kMax)) return kMax;
+    auto n = static_cast<int64_t>(closed);
     while (n > 1 && bytes(n, sp_size, recompute_layers) > budget_) --n;
-    while (bytes(n + 1, sp_size, recompute_layers) <= budget_) ++n;
+    while (n < kMax && bytes(n + 1, sp_size, recompute_layers) <= budget_) ++n;
     return n;
   }
   int64_t lo = 1, hi = 2;
-  constexpr int64_t kMax = int64_t{1} << 50;
   while (hi < kMax && bytes(hi, sp_size, recompute_layers) <= budget_) {
     lo = hi;
     hi *= 2;

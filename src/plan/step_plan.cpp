@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "dcp/plan.h"
 
@@ -84,6 +85,11 @@ void StepPlan::validate(int64_t world_size, const std::vector<Sample>& samples, 
   };
   std::vector<int> covered(static_cast<size_t>(world_size), 0);
   int64_t total = 0;
+  // Where each sample id was first seen: a sample trains at most once per step.
+  std::unordered_map<int64_t, std::pair<int64_t, size_t>> placed;  // id -> (group's first rank, micro-batch)
+  auto where = [](const std::pair<int64_t, size_t>& p) {
+    return fmt::format("micro_batch {} of the group at rank {}", p.second, p.first);
+  };
   for (const auto& g : groups) {
     if (g.sp_size < 1 || g.first_rank < 0 || g.first_rank + g.sp_size > world_size) {
       fail(fmt::format("group [{}, {}) is outside world_size {}", g.first_rank, g.first_rank + g.sp_size, world_size));
@@ -94,11 +100,17 @@ void StepPlan::validate(int64_t world_size, const std::vector<Sample>& samples, 
     for (int64_t r = g.first_rank; r < g.first_rank + g.sp_size; ++r) {
       if (covered[static_cast<size_t>(r)]++) fail(fmt::format("rank {} is in more than one group", r));
     }
-    for (const auto& mb : g.micro_batches) {
+    for (size_t m = 0; m < g.micro_batches.size(); ++m) {
+      const MicroBatch& mb = g.micro_batches[m];
       if (mb.sample_ids.empty()) fail("a micro_batch has no samples");
       int64_t tokens = 0;
       for (int64_t id : mb.sample_ids) {
         if (id < 0 || id >= static_cast<int64_t>(samples.size())) fail(fmt::format("unknown sample id {}", id));
+        const auto [it, first] = placed.emplace(id, std::pair{g.first_rank, m});
+        if (!first) {
+          fail(fmt::format("sample id {} is used twice: in {} and in {}", id, where(it->second),
+                           where({g.first_rank, m})));
+        }
         tokens += samples[static_cast<size_t>(id)].length;
       }
       if (tokens != mb.num_tokens) {

@@ -3,8 +3,14 @@
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
-#include <fstream>
+#include <cstring>
 #include <limits>
 
 #include "util/number_text.h"
@@ -22,6 +28,11 @@ struct RealRule {
 };
 using Choices = std::vector<std::string>;
 struct EmptyOrText {};  // a string whose empty value means "the default" (e.g. a folder resolved at run time)
+
+// The largest value of a key that torch converts to a float32 scalar (train.grad_clip, in clip_grad_norm_): above
+// FLT_MAX (3.4e38) it fails deep inside the run without naming the key. (model.rope_theta needs no bound: a
+// theta of 1e39 trains, its powers are taken in double.)
+constexpr double kFloatKeyMax = 1e30;
 
 // The one list of configuration keys. Each entry binds a key to its member and its rule; loading,
 // overrides, printing and validation all walk this list, so a key is declared exactly once.
@@ -62,7 +73,7 @@ void visit(C& c, F&& f) {
   f("train.weight_decay", c.train.weight_decay, RealRule{0.0, 10.0});
   f("train.beta1", c.train.beta1, RealRule{0.0, 0.999999});
   f("train.beta2", c.train.beta2, RealRule{0.0, 0.999999});
-  f("train.grad_clip", c.train.grad_clip, RealRule{0.0});
+  f("train.grad_clip", c.train.grad_clip, RealRule{0.0, kFloatKeyMax});
   f("train.checkpoint_every", c.train.checkpoint_every, IntRule{0});
   f("train.stop_after_steps", c.train.stop_after_steps, IntRule{0});
   f("train.threads", c.train.threads, IntRule{0, 1024});
@@ -133,7 +144,7 @@ std::string to_text(const std::string& v) { return v; }
 std::string to_text(double v) {
   for (int precision = 6; precision < 17; ++precision) {
     std::string s = fmt::format("{:.{}g}", v, precision);
-    if (std::stod(s) == v) return s;
+    if (parse_decimal(s) == v) return s;  // not std::stod, which throws out_of_range for a denormal (1e-320)
   }
   return fmt::format("{:.17g}", v);
 }
@@ -145,13 +156,20 @@ std::vector<std::string> known_keys() {
   return keys;
 }
 
-// Flattens a YAML mapping of sections into "section.key" -> scalar text.
+// Flattens a YAML mapping of sections into "section.key" -> scalar text. A key given twice in one mapping is
+// refused with both lines (yaml-cpp keeps both pairs, and the last would win silently).
 void flatten(const YAML::Node& node, const std::string& prefix, std::map<std::string, std::string>& out,
              const std::string& path) {
   if (!node.IsMap()) throw ConfigError(fmt::format("config file '{}': expected a mapping at '{}'", path, prefix));
+  std::map<std::string, int> line_of;  // key -> its 1-based line
   for (const auto& kv : node) {
     std::string key = kv.first.as<std::string>();
     std::string full = prefix.empty() ? key : prefix + "." + key;
+    const int line = kv.first.Mark().line + 1;
+    if (const auto [it, first] = line_of.emplace(key, line); !first) {
+      throw ConfigError(fmt::format("config file '{}': key '{}' is given twice (lines {} and {})", path, full,
+                                    it->second, line));
+    }
     if (kv.second.IsMap()) {
       flatten(kv.second, full, out, path);
     } else if (kv.second.IsScalar()) {
@@ -160,6 +178,47 @@ void flatten(const YAML::Node& node, const std::string& prefix, std::map<std::st
       throw ConfigError(fmt::format("config file '{}': key '{}' must be a scalar value", path, full));
     }
   }
+}
+
+// The text of config file `path`: a regular file, or a pipe (`--config <(cat x.yaml)`) that has something to
+// read (data or its end) within kPipeWaitMs. A FIFO no process writes to, a device or a folder is refused,
+// never waited on (ConfigError: the --config is a usage error), and so is a pipe that gives no data (another
+// process, e.g. a second rank, read it first).
+std::string read_config_file(const std::string& path) {
+  constexpr int kPipeWaitMs = 2000;
+  auto refuse = [&](const std::string& why) { return ConfigError(fmt::format("config file '{}' {}", path, why)); };
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw refuse(fmt::format("cannot be opened: {}", std::strerror(errno)));
+  if (S_ISDIR(st.st_mode)) throw refuse("is a folder, not a YAML file");
+  if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode)) {
+    throw refuse("is not a regular file (a device or a socket): give a YAML file");
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // a FIFO's open would wait for a writer
+  if (fd < 0) throw refuse(fmt::format("cannot be opened: {}", std::strerror(errno)));
+  std::string text;
+  try {
+    if (S_ISFIFO(st.st_mode)) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, kPipeWaitMs) <= 0) {
+        throw refuse(fmt::format("is a pipe with nothing to read after {} s (a FIFO that no process writes to?): "
+                                 "give a regular file",
+                                 kPipeWaitMs / 1000));
+      }
+    }
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    char buf[65536];
+    for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) != 0;) {
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw refuse(fmt::format("cannot be read: {}", std::strerror(errno)));
+      text.append(buf, static_cast<size_t>(n));
+    }
+    if (S_ISFIFO(st.st_mode) && text.empty()) throw refuse("is a pipe that gave no data");
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return text;
 }
 
 }  // namespace
@@ -208,11 +267,10 @@ void Config::validate() const {
 Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
   Config c;
   if (!path.empty()) {
-    std::ifstream in(path);
-    if (!in) throw std::runtime_error(fmt::format("config file '{}' cannot be opened", path));
+    const std::string text = read_config_file(path);
     YAML::Node root;
     try {
-      root = YAML::LoadFile(path);
+      root = YAML::Load(text);
     } catch (const YAML::Exception& e) {
       throw ConfigError(fmt::format("config file '{}' is not valid YAML: {}", path, e.what()));
     }

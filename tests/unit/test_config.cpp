@@ -2,6 +2,10 @@
 
 #include "unit/error_of.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 
@@ -92,4 +96,69 @@ TEST(Config, YamlRoundTrip) {
   Config d = Config::load(path, {});
   EXPECT_EQ(c.items(), d.items());
   EXPECT_NE(c.to_yaml().find("lr: 0.1\n"), std::string::npos) << c.to_yaml();
+}
+
+// Keys whose values reach float32 tensors are bounded below FLT_MAX: 1e39 passed and failed deep in the run.
+TEST(Config, FloatKeysAreBoundedBelowFloatMax) {
+  for (const char* key : {"train.grad_clip"}) {
+    const std::string msg = error_of([&] { Config::load("", {std::string("--") + key + "=1e39"}); });
+    EXPECT_NE(msg.find(std::string("config key '") + key + "': bad value '1e39' (allowed: a decimal number in ["),
+              std::string::npos)
+        << msg;
+    EXPECT_NO_THROW(Config::load("", {std::string("--") + key + "=1e30"}));
+  }
+}
+
+// A denormal is a number in range: 1e-320 parses, prints and reads back (std::stod threw out_of_range for it).
+TEST(Config, DenormalsParsePrintAndReadBack) {
+  const Config c = Config::load("", {"--train.lr=1e-320"});
+  EXPECT_GT(c.train.lr, 0);
+  EXPECT_LT(c.train.lr, 1e-300);
+  const Config d = Config::load(write_temp("dcp_cfg_denormal.yaml", c.to_yaml()), {});
+  EXPECT_EQ(d.train.lr, c.train.lr);
+}
+
+// yaml-cpp keeps both pairs of a key given twice and the last won silently; now it is refused with both lines.
+TEST(Config, DuplicateKeysNameTheKeyAndBothLines) {
+  auto path = write_temp("dcp_cfg_dup.yaml", "train:\n  max_steps: 2\n  max_steps: 3\n");
+  EXPECT_EQ(error_of([&] { Config::load(path, {}); }),
+            "config file '" + path + "': key 'train.max_steps' is given twice (lines 2 and 3)");
+  path = write_temp("dcp_cfg_dup_section.yaml", "train:\n  max_steps: 2\nmodel:\n  d_model: 64\ntrain:\n  lr: 0.1\n");
+  EXPECT_EQ(error_of([&] { Config::load(path, {}); }),
+            "config file '" + path + "': key 'train' is given twice (lines 1 and 5)");
+  EXPECT_THROW(Config::load(path, {}), ConfigError);
+}
+
+// A config file is a regular file or a pipe that has something to read: a FIFO nobody writes to is refused
+// after 2 s (opening it blocked forever), and so are a device, a folder and a pipe that gives no data.
+TEST(Config, FifosDevicesAndFoldersAreRefusedPipesWithDataRead) {
+  const auto dir = std::filesystem::temp_directory_path() / ("dcp_cfg_fifo_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string fifo = (dir / "f.yaml").string();
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const auto start = std::chrono::steady_clock::now();
+  std::string msg = error_of([&] { Config::load(fifo, {}); });
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
+  EXPECT_EQ(msg, "config file '" + fifo +
+                     "' is a pipe with nothing to read after 2 s (a FIFO that no process writes to?): give a "
+                     "regular file");
+  EXPECT_THROW(Config::load(fifo, {}), ConfigError);
+  EXPECT_EQ(error_of([] { Config::load("/dev/null", {}); }),
+            "config file '/dev/null' is not a regular file (a device or a socket): give a YAML file");
+  EXPECT_EQ(error_of([&] { Config::load(dir.string(), {}); }),
+            "config file '" + dir.string() + "' is a folder, not a YAML file");
+  // `--config <(cat x.yaml)`: a pipe with a writer is read.
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const std::string text = "train:\n  max_steps: 7\n";
+  ASSERT_EQ(write(fds[1], text.data(), text.size()), static_cast<ssize_t>(text.size()));
+  close(fds[1]);
+  const std::string piped = "/dev/fd/" + std::to_string(fds[0]);
+  EXPECT_EQ(Config::load(piped, {}).train.max_steps, 7);
+  // The pipe is drained now (as when another rank read it first): refused, not read as an empty config.
+  msg = error_of([&] { Config::load(piped, {}); });
+  EXPECT_EQ(msg.rfind("config file '" + piped + "' is a pipe ", 0), 0u) << msg;
+  close(fds[0]);
+  std::filesystem::remove_all(dir);
 }

@@ -4,6 +4,7 @@
 #include <random>
 
 #include "dcp/plan.h"
+#include "unit/error_of.h"
 
 using namespace dcp;
 
@@ -98,4 +99,30 @@ TEST(StepPlan, JsonRoundTripHashAndValidation) {
   EXPECT_THROW(unaligned.validate(3, samples, 4), std::invalid_argument);
   EXPECT_THROW(StepPlan::from_json("{\"epoch\": 0}"), std::invalid_argument);
   EXPECT_THROW(StepPlan::from_json("not json"), std::invalid_argument);
+}
+
+// A sample trains at most once per step: a repeat in one micro-batch or in two groups is refused, naming both places.
+TEST(StepPlan, ValidationRefusesASampleUsedTwice) {
+  const std::vector<Sample> samples = {{0, 10, "a"}, {1, 20, "b"}, {2, 30, "c"}};
+  auto plan = [](std::vector<int64_t> first, std::vector<int64_t> second, const std::vector<Sample>& s) {
+    auto mb = [&](const std::vector<int64_t>& ids) {
+      MicroBatch m{ids, 0, 0};
+      for (int64_t id : ids) m.num_tokens += s[static_cast<size_t>(id)].length;
+      return m;
+    };
+    StepPlan p;
+    p.groups = {GroupPlan{0, 1, {mb(first)}}, GroupPlan{1, 1, {mb({2})}}};
+    if (!second.empty()) p.groups[1].micro_batches.push_back(mb(second));
+    for (const auto& g : p.groups) {
+      for (const auto& m : g.micro_batches) p.global_num_tokens += m.num_tokens;
+    }
+    return p;
+  };
+  EXPECT_NO_THROW(plan({0}, {1}, samples).validate(2, samples, 4));
+  EXPECT_EQ(test::error_of([&] { plan({0, 1, 0}, {}, samples).validate(2, samples, 4); }),
+            "step plan (epoch 0, index 0): sample id 0 is used twice: in micro_batch 0 of the group at rank 0 and in "
+            "micro_batch 0 of the group at rank 0");
+  EXPECT_EQ(test::error_of([&] { plan({0, 1}, {0}, samples).validate(2, samples, 4); }),
+            "step plan (epoch 0, index 0): sample id 0 is used twice: in micro_batch 0 of the group at rank 0 and in "
+            "micro_batch 1 of the group at rank 1");
 }

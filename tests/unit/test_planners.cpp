@@ -550,3 +550,27 @@ TEST(Planner, DcpOptNotSlowerThanStaticLayoutsInItsOwnModel) {
   EXPECT_GE(compared, 100);
   std::printf("dcp-opt / static layouts, worst: %.3f over %d comparisons\n", worst, compared);
 }
+
+// memory.budget_bytes is any finite number >= 0: a budget of 1e25 or 1e300 bytes must neither overflow int64 in
+// max_tokens (it gave "memory model: tokens -9223372036854775806 ...") nor count up to its true capacity.
+TEST(Planner, HugeBudgetsNeitherOverflowNorHang) {
+  const CostModel cost(kShape, kH200);
+  const auto samples = random_samples(200, 300'000, 7);
+  for (double budget : {1e20, 1e21, 1e25, 1e300}) {
+    const MemoryModel memory = MemoryModel::analytic(kShape, budget);
+    const int64_t n = memory.max_tokens(1, 0);
+    ASSERT_GT(n, 0) << budget;
+    ASSERT_LE(n, int64_t{1} << 50) << budget;  // the cap: more than any step holds
+    EXPECT_LE(memory.bytes(n, 1, 0), budget);
+    if (n < (int64_t{1} << 50)) EXPECT_GT(memory.bytes(n + 1, 1, 0), budget);
+    if (budget >= 1e25) EXPECT_EQ(n, int64_t{1} << 50) << budget;
+    EXPECT_EQ(memory.min_recompute_layers(n, 1), std::optional<int64_t>(0));
+    PlannerOptions opt;
+    opt.tokens_per_step = 4 * 200'000;
+    for (const auto& name : planner_names()) {
+      const PlanSet set = planner_by_name(name)(samples, 4, cost, memory, opt);
+      EXPECT_TRUE(set.skipped_ids.empty()) << name << " " << budget;
+      for (const auto& step : set.steps) ASSERT_NO_THROW(step.validate(4, samples, kShape.layers)) << name;
+    }
+  }
+}

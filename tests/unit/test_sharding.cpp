@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "dcp/config.h"
 #include "dcp/dist.h"
 #include "dcp/model.h"
 
@@ -49,7 +50,7 @@ TEST(Sharding, SpSizesResolveForAnyWorldSize) {
   EXPECT_EQ(resolve_sp_sizes("pow2", 6), (std::vector<int64_t>{1, 2, 6}));
   EXPECT_EQ(resolve_sp_sizes("all", 6), (std::vector<int64_t>{1, 2, 3, 6}));
   EXPECT_EQ(resolve_sp_sizes("3", 6), (std::vector<int64_t>{1, 3, 6}));
-  EXPECT_THROW(resolve_sp_sizes("4", 6), std::invalid_argument);
-  EXPECT_THROW(resolve_sp_sizes("2,x", 6), std::invalid_argument);
-  EXPECT_THROW(resolve_sp_sizes("", 6), std::invalid_argument);
+  EXPECT_THROW(resolve_sp_sizes("4", 6), ConfigError);
+  EXPECT_THROW(resolve_sp_sizes("2,x", 6), ConfigError);
+  EXPECT_THROW(resolve_sp_sizes("", 6), ConfigError);
 }
