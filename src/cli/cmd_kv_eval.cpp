@@ -166,6 +166,7 @@ void run(const KvEvalCli& cli) {
   } else {
     fmt::print("{}", kv_eval_markdown(result, info));
   }
+  std::fflush(stdout);  // before the messages on stderr, so that one log of both never splits the report
   if (!cli.out.empty()) {
     const std::string csv = cli.out + ".csv", png = cli.out + ".png";
     write_text(cli.out + ".md", kv_eval_markdown(result, info));
