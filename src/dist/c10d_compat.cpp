@@ -5,8 +5,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <chrono>
-#include <thread>
 
 #include "dcp/dist.h"
 #include "dist/c10d_compat.h"
@@ -95,24 +95,30 @@ c10::intrusive_ptr<c10d::Store> make_tcp_store(const DistEnv& env, double timeou
         "rendezvous at {}:{} failed for rank {} of {} within {} s (is every rank started, and is the port free?): {}",
         env.master_addr, env.master_port, env.rank, env.world_size, timeout_s, error_message(e)));
   }
-  const std::string key = "dcp/ranks_joined";
-  int64_t joined = 0;
+  // One key per rank, and wait() for all of them: wait() is the store call that has a receive timeout, so a
+  // rank 0 that is stopped (SIGSTOP) cannot hold the others past the deadline; add() and check() would block.
+  std::vector<std::string> keys;
+  for (int64_t r = 0; r < env.world_size; ++r) keys.push_back(fmt::format("dcp/joined/{}", r));
   try {
-    store->add(key, 1);
-    while ((joined = store->add(key, 0)) < env.world_size && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    store->set(keys[static_cast<size_t>(env.rank)], std::vector<uint8_t>{1});
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    store->wait(keys, std::max(left, std::chrono::milliseconds(1)));
   } catch (const std::exception& e) {
-    throw std::runtime_error(fmt::format("rendezvous at {}:{} failed for rank {} of {} (the store on rank 0 did not "
-                                         "answer): {}",
-                                         env.master_addr, env.master_port, env.rank, env.world_size,
-                                         error_message(e)));
-  }
-  if (joined < env.world_size) {
+    std::string who;
+    if (env.rank == 0) {  // rank 0 serves the store itself, so asking it which keys exist cannot block
+      std::vector<int64_t> missing;
+      for (int64_t r = 0; r < env.world_size; ++r) {
+        if (!store->check({keys[static_cast<size_t>(r)]})) missing.push_back(r);
+      }
+      const int64_t joined = env.world_size - static_cast<int64_t>(missing.size());
+      who = fmt::format("only {} of {} ranks joined (missing: {})", joined, env.world_size, fmt::join(missing, ", "));
+    } else {
+      who = fmt::format("not all {} ranks joined (or rank 0, which serves the store, did not answer)", env.world_size);
+    }
     throw std::runtime_error(fmt::format(
-        "rendezvous at {}:{}: only {} of {} ranks joined within {} s (this is rank {}; is every rank started, with "
-        "the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?)",
-        env.master_addr, env.master_port, joined, env.world_size, timeout_s, env.rank));
+        "rendezvous at {}:{}: {} within {} s (this is rank {}; is every rank started, with the same MASTER_ADDR, "
+        "MASTER_PORT and WORLD_SIZE?): {}",
+        env.master_addr, env.master_port, who, timeout_s, env.rank, error_message(e)));
   }
   return store;
 }

@@ -1,8 +1,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <set>
 #include <sstream>
@@ -64,10 +64,11 @@ ProcessGroups::ProcessGroups(const DistEnv& env, double timeout_s, const std::ve
     // Chosen before the rendezvous, so that a bad GLOO_SOCKET_IFNAME or MASTER_ADDR fails at once.
     const GlooBinding binding = choose_gloo_binding(env.master_addr, std::getenv("GLOO_SOCKET_IFNAME"));
     if (env.local_rank == 0) {  // the same on every rank of a host
-      spdlog::info("rank {}: Gloo binds to {} ({})", env.rank,
-                   binding.interfaces.empty() ? "address " + binding.address
-                                              : fmt::format("interface(s) {}", fmt::join(binding.interfaces, ",")),
-                   binding.reason);
+      // stderr: the run's logger does not exist yet, and stdout may carry a command's JSON (verify-plan).
+      fmt::print(stderr, "dcp [rank {}]: Gloo binds to {} ({})\n", env.rank,
+                 binding.interfaces.empty() ? "address " + binding.address
+                                            : fmt::format("interface(s) {}", fmt::join(binding.interfaces, ",")),
+                 binding.reason);
     }
     auto devices = make_gloo_devices(binding);
     auto store = make_tcp_store(env, timeout_s);

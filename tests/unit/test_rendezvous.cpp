@@ -2,11 +2,17 @@
 // Measured around the ProcessGroups constructor alone, so that process start-up on a busy machine does not count.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
+#include <thread>
 
 #include "dcp/dist.h"
 #include "unit/error_of.h"
@@ -36,6 +42,39 @@ Attempt join_alone(int64_t rank, int port, double timeout_s) {
 int test_port() { return 30000 + static_cast<int>(getpid() % 20000); }
 
 }  // namespace
+
+// First, while this process has no threads yet (it forks): a rank 0 that listens but is stopped (SIGSTOP) must
+// not hold rank 1 past the timeout. Before the fix rank 1 blocked in the store's add() for ever.
+TEST(Rendezvous, StoppedRankZeroDoesNotHoldTheOthers) {
+  const int port = test_port() + 30;
+  pid_t rank0 = fork();
+  ASSERT_GE(rank0, 0);
+  if (rank0 == 0) {
+    join_alone(0, port, 60.0);
+    _exit(0);
+  }
+  // Until rank 0 listens: then stop it.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  bool listening = false;
+  while (!listening && std::chrono::steady_clock::now() < deadline) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    listening = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    close(fd);
+    if (!listening) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  kill(rank0, SIGSTOP);
+  Attempt a = listening ? join_alone(1, port, 2.0) : Attempt{-1, "rank 0 never listened"};
+  kill(rank0, SIGKILL);
+  waitpid(rank0, nullptr, 0);
+  ASSERT_TRUE(listening);
+  std::cerr << "rank 1 with rank 0 stopped, dist.timeout_s 2: failed after " << a.seconds << " s: " << a.error << "\n";
+  EXPECT_NE(a.error.find("rendezvous at 127.0.0.1:" + std::to_string(port)), std::string::npos) << a.error;
+  EXPECT_LT(a.seconds, 3.0);
+}
 
 // Before the fix rank 0 took 2 x the timeout (TCPStore's wait for workers gave up silently, then Gloo waited again).
 TEST(Rendezvous, RankZeroWithoutItsPeerFailsWithinTheTimeout) {
