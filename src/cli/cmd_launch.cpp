@@ -4,14 +4,30 @@
 namespace dcp {
 
 void add_launch_command(CLI::App& app) {
-  auto* sub = app.add_subcommand("launch", "Start N local ranks of a dcp command: dcp launch --nproc 2 -- train ...");
+  auto* sub = app.add_subcommand(
+      "launch",
+      "Start this node's ranks of a dcp command: dcp launch --nproc 2 -- train ... (several nodes: one launch per "
+      "node with --nnodes N --node-rank K --master-addr HOST --master-port P)");
   auto opt = std::make_shared<LaunchOptions>();
-  sub->add_option("--nproc", opt->nproc, "number of local processes (ranks)")->check(CLI::Range(1, 1024));
+  sub->add_option("--nproc", opt->nproc, "number of ranks on this node")->check(CLI::Range(1, 1024));
+  sub->add_option("--nnodes", opt->nnodes, "number of nodes, each running one dcp launch (default 1)")
+      ->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--node-rank", opt->node_rank, "this node, 0 .. nnodes-1; its ranks are node-rank*nproc + 0..nproc-1");
+  sub->add_option("--master-addr", opt->master_addr,
+                  "host of node 0, where rank 0 serves the rendezvous (default 127.0.0.1; required with --nnodes > 1)");
+  sub->add_option("--master-port", opt->master_port,
+                  "port of the rendezvous (default: a free port; required with --nnodes > 1)")
+      ->check(CLI::Range(1, 65535));
   sub->add_option("--grace", opt->grace_s, "seconds survivors get after SIGTERM before SIGKILL")
       ->check(finite_number_validator("seconds", 0, true, 3600));
   sub->add_option("command", opt->command, "the dcp subcommand (or program path) and its arguments, after --")
       ->required();
   sub->callback([opt] {
+    try {
+      validate_launch_options(*opt);
+    } catch (const std::invalid_argument& e) {
+      throw CLI::ValidationError(e.what());  // a usage error: exit 2
+    }
     int code = launch_local(*opt);
     if (code != 0) throw CLI::RuntimeError(code);
   });

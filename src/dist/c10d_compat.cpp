@@ -1,9 +1,11 @@
 // Every c10d call whose API differs between LibTorch 1.13 (Debian) and 2.x (CUDA machines) lives here.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <chrono>
 
 #include "dcp/dist.h"
@@ -75,28 +77,82 @@ void Communicator::barrier() const {
 }
 
 c10::intrusive_ptr<c10d::Store> make_tcp_store(const DistEnv& env, double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() + to_ms(timeout_s);
   c10d::TCPStoreOptions o;
   o.port = static_cast<uint16_t>(env.master_port);
   o.isServer = env.rank == 0;
   o.numWorkers = static_cast<size_t>(env.world_size);
-  o.waitWorkers = true;
+  // LibTorch 1.13's own wait for workers gives up silently on the server after the timeout, and the Gloo
+  // rendezvous then waits a second timeout for the missing peer (2 x timeout_s in all): count the ranks here,
+  // against one deadline, instead.
+  o.waitWorkers = false;
   o.timeout = to_ms(timeout_s);
+  c10::intrusive_ptr<c10d::Store> store;
   try {
-    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format(
         "rendezvous at {}:{} failed for rank {} of {} within {} s (is every rank started, and is the port free?): {}",
         env.master_addr, env.master_port, env.rank, env.world_size, timeout_s, error_message(e)));
   }
+  // One key per rank, and wait() for all of them: wait() is the store call that has a receive timeout, so a
+  // rank 0 that is stopped (SIGSTOP) cannot hold the others past the deadline; add() and check() would block.
+  std::vector<std::string> keys;
+  for (int64_t r = 0; r < env.world_size; ++r) keys.push_back(fmt::format("dcp/joined/{}", r));
+  try {
+    store->set(keys[static_cast<size_t>(env.rank)], std::vector<uint8_t>{1});
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    store->wait(keys, std::max(left, std::chrono::milliseconds(1)));
+  } catch (const std::exception& e) {
+    std::string who;
+    if (env.rank == 0) {  // rank 0 serves the store itself, so asking it which keys exist cannot block
+      std::vector<int64_t> missing;
+      for (int64_t r = 0; r < env.world_size; ++r) {
+        if (!store->check({keys[static_cast<size_t>(r)]})) missing.push_back(r);
+      }
+      const int64_t joined = env.world_size - static_cast<int64_t>(missing.size());
+      who = fmt::format("only {} of {} ranks joined (missing: {})", joined, env.world_size, fmt::join(missing, ", "));
+    } else {
+      who = fmt::format("not all {} ranks joined (or rank 0, which serves the store, did not answer)", env.world_size);
+    }
+    throw std::runtime_error(fmt::format(
+        "rendezvous at {}:{}: {} within {} s (this is rank {}; is every rank started, with the same MASTER_ADDR, "
+        "MASTER_PORT and WORLD_SIZE?): {}",
+        env.master_addr, env.master_port, who, timeout_s, env.rank, error_message(e)));
+  }
+  return store;
+}
+
+struct GlooDevices {
+  std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
+};
+
+std::shared_ptr<GlooDevices> make_gloo_devices(const GlooBinding& binding) {
+  auto out = std::make_shared<GlooDevices>();
+  const std::string what = binding.interfaces.empty() ? fmt::format("address {}", binding.address)
+                                                      : fmt::format("interface(s) {}", fmt::join(binding.interfaces, ","));
+  try {
+    for (const auto& name : binding.interfaces) {
+      out->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+    }
+    if (binding.interfaces.empty()) {
+      out->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(binding.address));
+    }
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("Gloo cannot bind to {} (chosen by {}): {}", what, binding.reason,
+                                         error_message(e)));
+  }
+  return out;
 }
 
 std::shared_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const std::shared_ptr<GlooDevices>& devices,
                                                      const std::string& name, int64_t rank, int64_t size,
                                                      double timeout_s) {
   if (size == 1) return std::make_shared<Communicator>(name, 0, 1, nullptr);
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
   auto opts = c10d::ProcessGroupGloo::Options::create(to_ms(timeout_s));
-  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  opts->devices = devices->devices;
   opts->threads = 1;
   auto impl = std::make_shared<Communicator::Impl>();
   try {

@@ -1,6 +1,9 @@
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <set>
 #include <sstream>
 
@@ -59,13 +62,24 @@ ProcessGroups::ProcessGroups(const DistEnv& env, double timeout_s, const std::ve
   if (env.world_size == 1) {
     world_ = std::make_shared<Communicator>("world", 0, 1, nullptr);
   } else {
+    // Chosen before the rendezvous, so that a bad GLOO_SOCKET_IFNAME or MASTER_ADDR fails at once.
+    const GlooBinding binding = choose_gloo_binding(env.master_addr, std::getenv("GLOO_SOCKET_IFNAME"));
+    if (env.local_rank == 0) {  // the same on every rank of a host
+      // stderr: the run's logger does not exist yet, and stdout may carry a command's JSON (verify-plan).
+      fmt::print(stderr, "dcp [rank {}]: Gloo binds to {} ({})\n", env.rank,
+                 binding.interfaces.empty() ? "address " + binding.address
+                                            : fmt::format("interface(s) {}", fmt::join(binding.interfaces, ",")),
+                 binding.reason);
+    }
+    auto devices = make_gloo_devices(binding);
     auto store = make_tcp_store(env, timeout_s);
-    world_ = make_gloo_communicator(store, "world", env.rank, env.world_size, timeout_s);
+    world_ = make_gloo_communicator(store, devices, "world", env.rank, env.world_size, timeout_s);
     // Every rank creates the groups in the same order; each joins only its own block.
     for (int64_t s : sp_sizes) {
       if (s == env.world_size || groups_.count(s)) continue;
       int64_t block = env.rank / s;
-      groups_[s] = make_gloo_communicator(store, fmt::format("sp{}_block{}", s, block), env.rank % s, s, timeout_s);
+      groups_[s] = make_gloo_communicator(store, devices, fmt::format("sp{}_block{}", s, block), env.rank % s, s,
+                                          timeout_s);
     }
   }
   groups_[env.world_size] = world_;

@@ -507,6 +507,118 @@ TEST(CliRuns, LauncherStopsAllRanksWhenOneFails) {
   fs::remove_all(dir);
 }
 
+namespace {
+
+// The pids of live processes whose command line is exactly `sleep <duration>`.
+std::vector<pid_t> sleeps_of(const std::string& duration) {
+  std::vector<pid_t> out;
+  const std::string wanted = std::string("sleep") + '\0' + duration + '\0';
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(entry.path() / "cmdline");
+    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (cmdline == wanted) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// Polls until no `sleep <duration>` is left or `seconds` pass; kills what is left (so that a failure leaves
+// nothing behind) and returns how many there were.
+size_t survivors_after(const std::string& duration, double seconds) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int>(seconds * 1000));
+  while (!sleeps_of(duration).empty() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  auto left = sleeps_of(duration);
+  for (pid_t p : left) kill(p, SIGKILL);
+  return left.size();
+}
+
+}  // namespace
+
+// R11: a rank's own children (the shell's background `sleep`) go down with it, whether a rank fails or the
+// launcher itself is killed with SIGKILL. Before the fix the launcher signalled only each rank's pid, so the
+// sleep stayed, re-parented to init.
+TEST(CliRuns, LauncherLeavesNoGrandchildBehind) {
+  fs::path dir = make_workdir("grandchild");
+  const std::string tag = std::to_string(getpid() % 100000);
+  {  // rank 1 fails; rank 0 is a shell waiting on a background sleep
+    const std::string duration = "77.5" + tag + "1";
+    std::string script = "if [ \"$RANK\" = 1 ]; then sleep 1; exit 3; fi; sleep " + duration + " & wait";
+    Child l = Child::spawn(launch(2, {"/bin/sh", "-c", script}), {}, (dir / "fail.log").string());
+    int status = l.wait(30);
+    ASSERT_NE(status, -1) << l.log();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << l.log();
+    EXPECT_EQ(survivors_after(duration, 2.0), 0u) << "a grandchild outlived a failed launch:\n" << l.log();
+  }
+  {  // the launcher gets SIGKILL while both ranks wait on their sleeps
+    const std::string duration = "77.5" + tag + "2";
+    Child l = Child::spawn(launch(2, {"/bin/sh", "-c", "sleep " + duration + " & wait"}), {},
+                           (dir / "kill.log").string());
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (sleeps_of(duration).size() < 2 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_EQ(sleeps_of(duration).size(), 2u) << l.log();
+    l.kill_now();
+    EXPECT_EQ(survivors_after(duration, 2.0), 0u) << "a grandchild outlived a launcher killed with SIGKILL";
+  }
+  {  // the launcher gets SIGTERM: it forwards it to the ranks' groups and exits 128 + 15
+    const std::string duration = "77.5" + tag + "3";
+    Child l = Child::spawn(launch(2, {"/bin/sh", "-c", "sleep " + duration + " & wait"}), {},
+                           (dir / "term.log").string());
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (sleeps_of(duration).size() < 2 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_EQ(sleeps_of(duration).size(), 2u) << l.log();
+    kill(l.pid, SIGTERM);
+    int status = l.wait(10);
+    EXPECT_TRUE(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 143) << l.log();
+    EXPECT_EQ(survivors_after(duration, 2.0), 0u) << "a grandchild outlived a launcher stopped with SIGTERM";
+  }
+  fs::remove_all(dir);
+}
+
+// Multi-node: each node's launcher numbers its ranks node_rank * nproc + local rank out of nnodes * nproc.
+TEST(CliRuns, LauncherSetsMultiNodeVariablesAndChecksItsOptions) {
+  fs::path dir = make_workdir("nodes");
+  const std::string print =
+      "echo \"R=$RANK W=$WORLD_SIZE L=$LOCAL_RANK LW=$LOCAL_WORLD_SIZE A=$MASTER_ADDR P=$MASTER_PORT\"";
+  Child l = Child::spawn({DCP_BINARY, "launch", "--nproc", "2", "--nnodes", "3", "--node-rank", "1", "--master-addr",
+                          "localhost", "--master-port", "29123", "--", "/bin/sh", "-c", print},
+                         {}, (dir / "vars.log").string());
+  ASSERT_TRUE(exited_ok(l.wait(30))) << l.log();
+  EXPECT_NE(l.log().find("R=2 W=6 L=0 LW=2 A=localhost P=29123"), std::string::npos) << l.log();
+  EXPECT_NE(l.log().find("R=3 W=6 L=1 LW=2 A=localhost P=29123"), std::string::npos) << l.log();
+
+  struct Case {
+    std::vector<std::string> args;
+    std::string expected;
+  };
+  std::vector<Case> cases = {
+      {{"--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "--master-port", "29123"},
+       "--node-rank 2: must be in [0, 2)"},
+      {{"--nnodes", "2", "--master-port", "29123"}, "--master-addr: required with --nnodes 2"},
+      {{"--nnodes", "2", "--master-addr", "127.0.0.1"}, "--master-port: required with --nnodes 2"},
+      {{"--nnodes", "2", "--master-addr", "no-such-host.invalid", "--master-port", "29123"},
+       "--master-addr 'no-such-host.invalid': does not resolve"},
+      {{"--master-port", "70000"}, "--master-port"},
+      {{"--nnodes", "0"}, "--nnodes"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> args = {DCP_BINARY, "launch", "--nproc", "1"};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    args.insert(args.end(), {"--", "/bin/true"});
+    Child bad = Child::spawn(args, {}, (dir / "bad.log").string());
+    int status = bad.wait(30);
+    EXPECT_TRUE(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 2) << c.expected << "\n" << bad.log();
+    EXPECT_NE(bad.log().find(c.expected), std::string::npos) << bad.log();
+  }
+  fs::remove_all(dir);
+}
+
 TEST(CliRuns, BadInputsGiveClearErrors) {
   fs::path dir = make_workdir("bad");
   struct Case {
