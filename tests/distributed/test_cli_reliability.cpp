@@ -2,7 +2,6 @@
 // binary: corrupt or hand-edited checkpoints, write errors, crash windows, a shared run dir, broken metrics,
 // appended logs, a changed corpus, what may change on resume.
 #include <gtest/gtest.h>
-#include <zlib.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -12,23 +11,19 @@
 
 #include "distributed/cli_run.h"
 #include "distributed/process.h"
+#include "unit/checkpoint_edit.h"
 
 namespace fs = std::filesystem;
 using dcp::test::Child;
 using dcp::test::exited_ok;
 using namespace dcp::test::cli;
 using nlohmann::json;
+using dcp::test::read_file;
+using dcp::test::replace_with_manifest;
+using dcp::test::write_file;
 
 namespace {
 
-std::string read(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-void write(const fs::path& p, const std::string& bytes) { std::ofstream(p, std::ios::binary) << bytes; }
 
 struct Outcome {
   int status = -1;
@@ -65,18 +60,6 @@ struct Workdir {
   }
 };
 
-// Replaces a checkpoint file and records its size and CRC32 in the manifest (a careful hand-edit).
-void replace_with_manifest(const fs::path& ckpt, const std::string& name, const std::string& bytes) {
-  write(ckpt / name, bytes);
-  json m = json::parse(read(ckpt / "manifest.json"));
-  char hex[9];
-  std::snprintf(hex, sizeof(hex), "%08x",
-                static_cast<unsigned>(crc32_z(crc32_z(0, nullptr, 0), reinterpret_cast<const Bytef*>(bytes.data()),
-                                              bytes.size())));
-  m["files"][name] = {{"bytes", bytes.size()}, {"crc32", hex}};
-  write(ckpt / "manifest.json", m.dump());
-}
-
 std::vector<int64_t> steps(const fs::path& metrics) {
   std::vector<int64_t> out;
   std::ifstream in(metrics);
@@ -90,9 +73,9 @@ std::vector<int64_t> steps(const fs::path& metrics) {
 TEST(CliReliability, CorruptOrHandEditedCheckpointsAreRefused) {
   const Workdir w("corrupt");
   const fs::path flip = w.copy("flip");
-  std::string model = read(flip / "checkpoint" / "model.pt");
+  std::string model = read_file(flip / "checkpoint" / "model.pt");
   model[model.size() / 2] = static_cast<char>(model[model.size() / 2] ^ 0xFF);
-  write(flip / "checkpoint" / "model.pt", model);
+  write_file(flip / "checkpoint" / "model.pt", model);
   const std::string named = "checkpoint file '" + (flip / "checkpoint" / "model.pt").string() + "' is corrupt";
   Outcome r = run(w.dir, w.resume(flip), "flip_resume.log");
   EXPECT_EQ(r.code(), 1) << r.log;
@@ -108,7 +91,7 @@ TEST(CliReliability, CorruptOrHandEditedCheckpointsAreRefused) {
   EXPECT_NE(r.log.find(named), std::string::npos) << r.log;
 
   const fs::path edited = w.copy("edited");
-  json state = json::parse(read(edited / "checkpoint" / "state.json"));
+  json state = json::parse(read_file(edited / "checkpoint" / "state.json"));
   state["index_in_epoch"] = -5;  // the probe's segmentation fault
   replace_with_manifest(edited / "checkpoint", "state.json", state.dump());
   r = run(w.dir, w.resume(edited), "edited.log");
@@ -121,7 +104,7 @@ TEST(CliReliability, CorruptOrHandEditedCheckpointsAreRefused) {
                         "wide.log");
   ASSERT_TRUE(exited_ok(other.status)) << other.log;
   const fs::path swapped = w.copy("swapped");
-  replace_with_manifest(swapped / "checkpoint", "optimizer.pt", read(w.dir / "wide" / "checkpoint" / "optimizer.pt"));
+  replace_with_manifest(swapped / "checkpoint", "optimizer.pt", read_file(w.dir / "wide" / "checkpoint" / "optimizer.pt"));
   r = run(w.dir, w.resume(swapped), "swapped.log");
   EXPECT_EQ(r.code(), 1) << r.log;
   EXPECT_NE(r.log.find("optimizer.pt' does not fit the model: AdamW exp_avg of parameter"), std::string::npos)
@@ -174,7 +157,7 @@ TEST(CliReliability, ACrashBetweenTheRenamesResumesFromTheOldCheckpoint) {
   ASSERT_TRUE(exited_ok(r.status)) << r.log;
   EXPECT_NE(r.log.find("resuming from " + (d / "checkpoint.old").string()), std::string::npos) << r.log;
   EXPECT_NE(r.log.find("resumed from " + (d / "checkpoint.old").string() + " at step 4"), std::string::npos) << r.log;
-  EXPECT_EQ(json::parse(read(d / "checkpoint" / "state.json")).at("step"), 5);
+  EXPECT_EQ(json::parse(read_file(d / "checkpoint" / "state.json")).at("step"), 5);
   EXPECT_FALSE(fs::exists(d / "checkpoint.old"));
   EXPECT_FALSE(fs::exists(d / "checkpoint.tmp"));
 }
@@ -218,16 +201,16 @@ TEST(CliReliability, ResumeDropsAPartialMetricsLineAndLogsAreAppended) {
   ASSERT_TRUE(exited_ok(r.status)) << r.log;
   EXPECT_NE(r.log.find("dropped its partial last line 5"), std::string::npos) << r.log;
   EXPECT_EQ(steps(d / "metrics.jsonl"), (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
-  const std::string log = read(d / "logs" / "rank0.log");
+  const std::string log = read_file(d / "logs" / "rank0.log");
   EXPECT_NE(log.find("[marker] the previous invocation's error"), std::string::npos);
   EXPECT_NE(log.find("==== dcp train begins: pid"), std::string::npos);
   EXPECT_NE(log.find("==== dcp train --resume begins: pid"), std::string::npos);
 
   // A bad line before the last one is not a crash's: refused naming the file and the line.
   const fs::path bad = w.copy("bad_line");
-  std::string metrics = read(bad / "metrics.jsonl");
+  std::string metrics = read_file(bad / "metrics.jsonl");
   metrics.insert(metrics.find('\n') + 1, "not json\n");
-  write(bad / "metrics.jsonl", metrics);
+  write_file(bad / "metrics.jsonl", metrics);
   r = run(w.dir, w.resume(bad), "bad_line.log");
   EXPECT_EQ(r.code(), 1) << r.log;
   EXPECT_NE(r.log.find("metrics.jsonl' line 2 is not JSON"), std::string::npos) << r.log;

@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <torch/optim/adamw.h>
-#include <zlib.h>
 
 #include <csignal>
 #include <filesystem>
@@ -14,11 +13,15 @@
 
 #include "train/checkpoint.h"
 #include "train/step_guard.h"
+#include "unit/checkpoint_edit.h"
 #include "unit/error_of.h"
 
 using namespace dcp;
 namespace fs = std::filesystem;
 using nlohmann::json;
+using test::read_file;
+using test::replace_with_manifest;
+using test::write_file;
 
 namespace {
 
@@ -38,14 +41,6 @@ fs::path scratch(const std::string& name) {
   return d;
 }
 
-std::string read(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-void write(const fs::path& p, const std::string& bytes) { std::ofstream(p, std::ios::binary) << bytes; }
 
 // Saves a checkpoint of a fresh small model at `step` (index and epoch 0) into `dir`.
 void save_at(const std::string& dir, int64_t step) {
@@ -64,18 +59,6 @@ int64_t loaded_step(const std::string& dir) {
   return load_checkpoint(dir, model, nullptr).step;
 }
 
-// Replaces a checkpoint file and records its new size and CRC in the manifest, as a careful hand-edit would:
-// what is left to catch it is the validation of the content.
-void replace_with_manifest(const fs::path& dir, const std::string& name, const std::string& bytes) {
-  write(dir / name, bytes);
-  json m = json::parse(read(dir / "manifest.json"));
-  const uint32_t crc = static_cast<uint32_t>(
-      crc32_z(crc32_z(0, nullptr, 0), reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
-  char hex[9];
-  std::snprintf(hex, sizeof(hex), "%08x", crc);
-  m["files"][name] = {{"bytes", bytes.size()}, {"crc32", hex}};
-  write(dir / "manifest.json", m.dump());
-}
 
 }  // namespace
 
@@ -110,21 +93,21 @@ TEST(Checkpoint, CorruptOrTruncatedFilesAreRefusedNamingTheFile) {
   const std::string dir = (root / "checkpoint").string();
   save_at(dir, 3);
   EXPECT_EQ(loaded_step(dir), 3);
-  const json manifest = json::parse(read(fs::path(dir) / "manifest.json"));
+  const json manifest = json::parse(read_file(fs::path(dir) / "manifest.json"));
   EXPECT_EQ(manifest["step"], 3);
   for (const char* f : {"model.pt", "optimizer.pt", "state.json", "config.yaml"}) {
     EXPECT_TRUE(manifest["files"].contains(f)) << f;
   }
 
-  std::string model = read(fs::path(dir) / "model.pt");
+  std::string model = read_file(fs::path(dir) / "model.pt");
   model[model.size() / 2] = static_cast<char>(model[model.size() / 2] ^ 0xFF);
-  write(fs::path(dir) / "model.pt", model);
+  write_file(fs::path(dir) / "model.pt", model);
   std::string e = test::error_of([&] { loaded_step(dir); });
   EXPECT_NE(e.find("checkpoint file '" + dir + "/model.pt' is corrupt: its CRC32 is"), std::string::npos) << e;
 
   save_at(dir, 3);
-  const std::string config = read(fs::path(dir) / "config.yaml");
-  write(fs::path(dir) / "config.yaml", config.substr(0, config.size() / 2));
+  const std::string config = read_file(fs::path(dir) / "config.yaml");
+  write_file(fs::path(dir) / "config.yaml", config.substr(0, config.size() / 2));
   e = test::error_of([&] { load_checkpoint_config(dir); });
   EXPECT_NE(e.find("config.yaml' is " + std::to_string(config.size() / 2) + " bytes but manifest.json records " +
                    std::to_string(config.size())),
@@ -172,7 +155,7 @@ TEST(Checkpoint, HandEditedStateIsRefusedNamingTheField) {
   };
   for (const auto& c : cases) {
     save_at(dir, 4);
-    json state = json::parse(read(fs::path(dir) / "state.json"));
+    json state = json::parse(read_file(fs::path(dir) / "state.json"));
     if (c.value.is_null()) {
       state.erase(c.key);
     } else {
