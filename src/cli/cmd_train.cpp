@@ -31,10 +31,11 @@ void add_train_command(CLI::App& app) {
   sub->add_option("--config", *config_path, "YAML config file (see configs/)")->check(CLI::ExistingFile);
   sub->add_option("--plan-file", *plan_file, "execute these StepPlans (JSON, docs/step_plan.md) instead of planning")
       ->check(CLI::ExistingFile);
-  sub->add_flag("--resume", options->resume, "continue from run_dir/checkpoint");
+  auto* resume = sub->add_flag("--resume", options->resume, "continue from run_dir/checkpoint");
   sub->add_flag("--allow-data-change", options->allow_data_change,
                 "with --resume: continue although the corpus under data.path changed (files added, removed or "
-                "resized since the checkpoint; the data order and held-out split then differ)");
+                "resized since the checkpoint; the data order and held-out split then differ)")
+      ->needs(resume);
   sub->allow_extras();
   sub->footer("Any config key can be overridden as --section.key=value, e.g. --train.max_steps=100.");
   sub->callback([sub, config_path, plan_file, options] {

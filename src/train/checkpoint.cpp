@@ -216,6 +216,11 @@ void check_optimizer_shapes(Transformer& model, torch::optim::Optimizer& optimiz
               file.string(), what, names[p.unsafeGetTensorImpl()], fmt::join(t.sizes(), ", "),
               fmt::join(p.sizes(), ", ")));
         }
+        if (t.defined() && !torch::isfinite(t).all().item<bool>()) {
+          throw std::runtime_error(fmt::format("checkpoint file '{}': AdamW {} of parameter '{}' holds NaN or "
+                                               "infinite values",
+                                               file.string(), what, names[p.unsafeGetTensorImpl()]));
+        }
       }
     }
   }
@@ -247,6 +252,14 @@ void check_resumable(const std::string& dir, const Config& current) {
 
 void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer& optimizer,
                      const TrainState& state, const Config& cfg) {
+  // A checkpoint of non-finite weights would replace the last good one with one no resume accepts.
+  for (const auto& p : model->named_parameters()) {
+    if (!torch::isfinite(p.value()).all().item<bool>()) {
+      throw std::runtime_error(fmt::format("not writing checkpoint '{}': parameter '{}' holds NaN or infinite "
+                                           "values (the previous checkpoint is kept)",
+                                           dir, p.key()));
+    }
+  }
   const fs::path tmp = dir + ".tmp", old = dir + ".old";
   json files = json::object();
   auto write = [&](const std::string& name, const std::string& bytes) {

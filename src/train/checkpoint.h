@@ -29,8 +29,8 @@ struct TrainState {
 /// bytes and CRC32, and the step), the folder synced; then installed by renames, `dir` -> `dir`.old (only when
 /// `dir` is complete, so an earlier crash's only good checkpoint `dir`.old is never removed first),
 /// `dir`.tmp -> `dir`, the parent synced, `dir`.old removed. A crash at any point leaves `dir` or `dir`.old
-/// loadable. Throws std::runtime_error naming the path and the OS error (a full disk: "No space left on device");
-/// the previous checkpoint is then left in place.
+/// loadable. Throws std::runtime_error naming the path and the OS error (a full disk: "No space left on device"),
+/// or naming a parameter that holds NaN or inf (nothing is written); the previous checkpoint is then left in place.
 void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer& optimizer,
                      const TrainState& state, const Config& cfg);
 
@@ -56,7 +56,7 @@ void check_resumable(const std::string& dir, const Config& current);
 /// or corrupt file (size or CRC32 differs from the manifest), a state.json field that is missing, not a whole
 /// number, negative, above 2^53 or inconsistent (index_in_epoch or epoch above step, a step other than the
 /// manifest's), a stored tensor whose shape differs from the one `model` was built with, optimizer moments whose
-/// shapes differ from their parameters', and weights that are not finite.
+/// shapes differ from their parameters', and weights or moments that are not finite.
 TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer* optimizer);
 
 }  // namespace dcp

@@ -43,6 +43,27 @@ void check_same_weights(Transformer& model, const Communicator& world) {
   }
 }
 
+// Ranks started with different configs (a node's file edited, an override on one host) would exchange tensors of
+// different shapes (Gloo aborts) or silently train different schedules; compare a hash of what must agree.
+void check_same_config(const Config& cfg, const Communicator& world) {
+  std::string text;
+  for (const auto& [key, value] : cfg.items()) {
+    if (key == "run.dir" || key == "run.log_level" || key == "train.threads" || key == "train.profile_dir") continue;
+    text += key + "=" + value + "\n";
+  }
+  const uint64_t h = fnv1a64(text);
+  const auto hi = static_cast<double>(h >> 32), lo = static_cast<double>(h & 0xffffffffu);  // exact in fp64
+  auto t = torch::tensor({hi, lo, -hi, -lo}, torch::kFloat64);
+  world.allreduce_max(t);  // max of x and of -x agree with this rank's only when every rank has the same x
+  if (t[0].item<double>() != hi || t[1].item<double>() != lo || -t[2].item<double>() != hi ||
+      -t[3].item<double>() != lo) {
+    throw std::runtime_error(fmt::format(
+        "rank {}'s config differs from a peer's (another --config file or override on some host): every key but "
+        "run.dir, run.log_level, train.threads and train.profile_dir must agree (this rank's hash {:016x})",
+        world.rank(), h));
+  }
+}
+
 // On resume, lines past the checkpoint belong to steps that will run again. A crash or a full disk can leave a
 // partial last line: it is dropped with a warning; a bad line before the last one is someone's edit and refused.
 void truncate_metrics(const fs::path& path, int64_t keep_through_step) {
@@ -219,6 +240,7 @@ void train(const Config& cfg, const ProcessGroups& groups, const TrainOptions& o
   if (ec) throw std::runtime_error(fmt::format("cannot create run.dir '{}': {}", run_dir.string(), ec.message()));
   const auto run_lock = lock_run_dir(run_dir.string(), world);
   init_logging(run_dir.string(), env.rank, cfg.run.log_level, resume ? "dcp train --resume" : "dcp train");
+  check_same_config(cfg, world);
 
   const int64_t threads = threads_per_rank(cfg.train, env);
   torch::set_num_threads(static_cast<int>(threads));

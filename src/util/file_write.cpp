@@ -80,10 +80,10 @@ void append_line_checked(const fs::path& path, std::string_view line) {
 void write_file_atomically(const std::filesystem::path& path, std::string_view data, std::string_view tag) {
   const std::filesystem::path tmp = fmt::format("{}.{}{}.tmp", path.string(), tag, getpid());
   write_file_checked(tmp, data);
-  std::error_code ec;
+  std::error_code ec, ignored;
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
-    std::filesystem::remove(tmp, ec);
+    std::filesystem::remove(tmp, ignored);
     throw std::runtime_error(fmt::format("cannot write '{}': {}", path.string(), ec.message()));
   }
 }

@@ -237,3 +237,25 @@ TEST(CliReliability, AChangedCorpusIsRefusedAndRecomputeMayChange) {
   EXPECT_TRUE(exited_ok(r.status)) << r.log;
   EXPECT_NE(r.log.find("resuming anyway (--allow-data-change)"), std::string::npos) << r.log;
 }
+
+// Ranks started with different configs (here train.lr on rank 1) are refused by every rank before training.
+TEST(CliReliability, RanksWithDifferentConfigsAreRefused) {
+  const fs::path dir = make_workdir("config_mismatch");
+  std::vector<Child> ranks;
+  const int port = 20000 + static_cast<int>(getpid() % 20000);
+  for (int r = 0; r < 2; ++r) {
+    auto args = train_args(dir, {"--train.max_steps=2", r == 1 ? "--train.lr=0.001" : "--train.lr=0.002"});
+    args.insert(args.begin(), DCP_BINARY);
+    ranks.push_back(Child::spawn(args,
+                                 {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(r)},
+                                  {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                                  {"MASTER_PORT", std::to_string(port)}},
+                                 (dir / ("r" + std::to_string(r) + ".log")).string()));
+  }
+  for (auto& c : ranks) {
+    const int status = c.wait(120);
+    EXPECT_TRUE(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 1) << c.log();
+    EXPECT_NE(c.log().find("config differs from a peer's"), std::string::npos) << c.log();
+  }
+  fs::remove_all(dir);
+}

@@ -187,9 +187,27 @@ TEST(Checkpoint, OptimizerStateOfAnotherShapeIsRefused) {
   const Config cfg = small_config();
   Transformer model(cfg.model, cfg.attention);
   torch::optim::AdamW optimizer(model->parameters());
-  const std::string e = test::error_of([&] { load_checkpoint(dir, model, &optimizer); });
+  std::string e = test::error_of([&] { load_checkpoint(dir, model, &optimizer); });
   EXPECT_NE(e.find("optimizer.pt' does not fit the model: AdamW exp_avg of parameter"), std::string::npos) << e;
   EXPECT_NE(e.find("is [96, 32] but the parameter is [64, 32]"), std::string::npos) << e;
+
+  // NaN moments of the right shape (a checkpoint without manifest, a memory fault before the save) are refused
+  // too; and a model with NaN weights is never written over the last good checkpoint.
+  torch::optim::AdamW nan_moments(model->parameters());
+  for (auto& p : model->parameters()) p.mutable_grad() = torch::full_like(p, std::nan(""));
+  nan_moments.step();
+  std::ostringstream nan_bytes;
+  torch::save(nan_moments, nan_bytes);
+  replace_with_manifest(dir, "optimizer.pt", nan_bytes.str());
+  Transformer fresh(cfg.model, cfg.attention);
+  torch::optim::AdamW reloaded(fresh->parameters());
+  e = test::error_of([&] { load_checkpoint(dir, fresh, &reloaded); });
+  EXPECT_NE(e.find("optimizer.pt': AdamW exp_avg of parameter"), std::string::npos) << e;
+  EXPECT_NE(e.find("holds NaN or infinite values"), std::string::npos) << e;
+  save_at(dir, 2);
+  e = test::error_of([&] { save_checkpoint(dir, model, nan_moments, TrainState{}, cfg); });  // model is NaN now
+  EXPECT_NE(e.find("not writing checkpoint '" + dir + "': parameter"), std::string::npos) << e;
+  EXPECT_EQ(loaded_step(dir), 2);
   fs::remove_all(root);
 }
 
