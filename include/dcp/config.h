@@ -98,6 +98,11 @@ struct ParallelConfig {
   /// recomputed layers there (model.recompute_layers is then not used), as packed and bucket size themselves.
   int64_t sp_size = 1;
   std::string sp_sizes = "pow2";    ///< SP sizes to create groups for: pow2 | all (every divisor) | "1,2,3"
+  /// How the static layout's groups split attention: ulysses | ring | ulysses-ring (SpMode, dcp/plan.h).
+  std::string sp_mode = "ulysses";
+  /// ulysses-ring: ranks per Ulysses subgroup (divides sp_size and model.n_heads, 1 < it < sp_size); 0 = the
+  /// largest such divisor. Other modes: must be 0.
+  int64_t ulysses_size = 0;
 };
 
 struct EvalConfig {

@@ -89,9 +89,13 @@ std::vector<StepPlan> plan_data_parallel(const std::vector<Sample>& samples, con
     plan.global_num_tokens = tokens;
     auto per_group = assign_lpt(samples, step_ids, n_groups);
     for (int64_t g = 0; g < n_groups; ++g) {
-      plan.groups.push_back(GroupPlan{g * opt.sp_size, opt.sp_size,
-                                      pack_first_fit(samples, per_group[static_cast<size_t>(g)], capacity,
-                                                     opt.recompute_layers)});
+      GroupPlan group{g * opt.sp_size, opt.sp_size,
+                      pack_first_fit(samples, per_group[static_cast<size_t>(g)], capacity, opt.recompute_layers)};
+      if (opt.sp_size > 1) {
+        group.sp_mode = opt.sp_mode;
+        group.ulysses_size = opt.sp_mode == SpMode::kUlyssesRing ? opt.ulysses_size : 0;
+      }
+      plan.groups.push_back(std::move(group));
     }
     plans.push_back(std::move(plan));
   }

@@ -1,5 +1,6 @@
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -22,7 +23,11 @@ json to_json_value(const StepPlan& p) {
                      {"num_tokens", mb.num_tokens},
                      {"recompute_layers", mb.recompute_layers}});
     }
-    groups.push_back({{"first_rank", g.first_rank}, {"sp_size", g.sp_size}, {"micro_batches", mbs}});
+    json jg = {{"first_rank", g.first_rank}, {"sp_size", g.sp_size}, {"micro_batches", mbs}};
+    // Absent = ulysses, so that plans written before ring modes keep their JSON and hash.
+    if (g.sp_mode != SpMode::kUlysses) jg["sp_mode"] = sp_mode_name(g.sp_mode);
+    if (g.sp_mode == SpMode::kUlyssesRing) jg["ulysses_size"] = g.ulysses_size;
+    groups.push_back(std::move(jg));
   }
   return {{"epoch", p.epoch}, {"index", p.index}, {"global_num_tokens", p.global_num_tokens}, {"groups", groups}};
 }
@@ -50,6 +55,16 @@ StepPlan from_json_value(const json& j) {
     g.first_rank = field<int64_t>(jg, "first_rank", where + " group");
     g.sp_size = field<int64_t>(jg, "sp_size", where + " group");
     std::string gwhere = fmt::format("{} group at rank {}", where, g.first_rank);
+    if (jg.contains("sp_mode")) {
+      const auto name = field<std::string>(jg, "sp_mode", gwhere);
+      try {
+        g.sp_mode = sp_mode_from_name(name);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(fmt::format("step plan: field 'sp_mode' in {}: {}", gwhere, e.what()));
+      }
+    }
+    // Read whenever present, so that validate() names one that does not belong to the mode.
+    if (jg.contains("ulysses_size")) g.ulysses_size = field<int64_t>(jg, "ulysses_size", gwhere);
     for (const auto& jm : field<json>(jg, "micro_batches", gwhere)) {
       MicroBatch mb;
       mb.sample_ids = field<std::vector<int64_t>>(jm, "sample_ids", gwhere + " micro_batch");
@@ -63,6 +78,66 @@ StepPlan from_json_value(const json& j) {
 }
 
 }  // namespace
+
+const char* sp_mode_name(SpMode mode) {
+  switch (mode) {
+    case SpMode::kUlysses: return "ulysses";
+    case SpMode::kRing: return "ring";
+    case SpMode::kUlyssesRing: return "ulysses-ring";
+  }
+  return "?";
+}
+
+SpMode sp_mode_from_name(const std::string& name) {
+  for (SpMode m : {SpMode::kUlysses, SpMode::kRing, SpMode::kUlyssesRing}) {
+    if (name == sp_mode_name(m)) return m;
+  }
+  throw std::invalid_argument(fmt::format("unknown sp_mode '{}' (allowed: ulysses, ring, ulysses-ring)", name));
+}
+
+std::vector<std::pair<int64_t, int64_t>> SpLayout::shard(int64_t padded, int64_t sp_rank) const {
+  if (sp_size < 1 || ulysses_size < 1 || sp_size % ulysses_size != 0) {
+    throw std::invalid_argument(fmt::format("SpLayout: ulysses_size {} does not divide sp_size {}", ulysses_size, sp_size));
+  }
+  if (padded < 1 || padded % pad_multiple() != 0) {
+    throw std::invalid_argument(fmt::format("SpLayout::shard: stream of {} tokens is not a positive multiple of {}",
+                                            padded, pad_multiple()));
+  }
+  if (sp_rank < 0 || sp_rank >= sp_size) {
+    throw std::invalid_argument(fmt::format("SpLayout::shard: sp_rank {} outside [0, sp_size {})", sp_rank, sp_size));
+  }
+  const int64_t local = padded / sp_size;
+  if (ring_size() == 1) return {{sp_rank * local, (sp_rank + 1) * local}};
+  const int64_t chunk = padded / (2 * ring_size()), j = sp_rank / ulysses_size;
+  // The subgroup's tokens: chunk j, then chunk 2 ring_size - 1 - j; this member's share starts at `from`.
+  const int64_t from = (sp_rank % ulysses_size) * local, to = from + local;
+  std::vector<std::pair<int64_t, int64_t>> out;
+  const std::pair<int64_t, int64_t> chunks[2] = {{j * chunk, (j + 1) * chunk},
+                                                 {(2 * ring_size() - 1 - j) * chunk, (2 * ring_size() - j) * chunk}};
+  for (int c = 0; c < 2; ++c) {
+    const int64_t lo = std::max(from, c * chunk), hi = std::min(to, (c + 1) * chunk);  // in the concatenation
+    if (lo < hi) out.emplace_back(chunks[c].first + lo - c * chunk, chunks[c].first + hi - c * chunk);
+  }
+  return out;
+}
+
+int64_t ulysses_ring_size(int64_t sp_size, int64_t requested, int64_t heads) {
+  auto fits = [&](int64_t u) { return u > 1 && u < sp_size && sp_size % u == 0 && heads % u == 0; };
+  if (requested != 0) return fits(requested) ? requested : 0;
+  for (int64_t u = sp_size - 1; u > 1; --u) {
+    if (fits(u)) return u;
+  }
+  return 0;
+}
+
+SpLayout GroupPlan::layout() const {
+  switch (sp_mode) {
+    case SpMode::kUlysses: return {sp_size, sp_size};
+    case SpMode::kRing: return {sp_size, 1};
+    case SpMode::kUlyssesRing: return {sp_size, ulysses_size};
+  }
+  return {sp_size, sp_size};
+}
 
 std::vector<int64_t> StepPlan::sample_ids() const {
   std::vector<int64_t> ids;
@@ -96,6 +171,16 @@ void StepPlan::validate(int64_t world_size, const std::vector<Sample>& samples, 
     }
     if (g.first_rank % g.sp_size != 0) {
       fail(fmt::format("group at rank {} with sp_size {} is not aligned", g.first_rank, g.sp_size));
+    }
+    const bool ulysses_ring = g.sp_mode == SpMode::kUlyssesRing;
+    if (ulysses_ring && (g.ulysses_size <= 1 || g.ulysses_size >= g.sp_size || g.sp_size % g.ulysses_size != 0)) {
+      fail(fmt::format("group at rank {}: sp_mode ulysses-ring with sp_size {} needs ulysses_size strictly between 1 "
+                       "and sp_size that divides it, not {} (use sp_mode ulysses or ring for the ends)",
+                       g.first_rank, g.sp_size, g.ulysses_size));
+    }
+    if (!ulysses_ring && g.ulysses_size != 0) {
+      fail(fmt::format("group at rank {}: ulysses_size {} is set but sp_mode is {} (only ulysses-ring has one)",
+                       g.first_rank, g.ulysses_size, sp_mode_name(g.sp_mode)));
     }
     for (int64_t r = g.first_rank; r < g.first_rank + g.sp_size; ++r) {
       if (covered[static_cast<size_t>(r)]++) fail(fmt::format("rank {} is in more than one group", r));

@@ -284,11 +284,18 @@ void train(const Config& cfg, const ProcessGroups& groups, const TrainOptions& o
                                            : fmt::format("memory.fraction {} x {:.1f} GB", cfg.memory.fraction,
                                                          device.memory_bytes / 1e9),
                memory.source(), MemoryMeter::install());
-  const std::vector<int64_t> sp_sizes = usable_sp_sizes(cfg.parallel.sp_sizes, env.world_size, cfg.model.n_heads);
+  // A ring shards the sequence without sharding heads, so every size of parallel.sp_sizes serves it.
+  const SpMode sp_mode = sp_mode_from_name(cfg.parallel.sp_mode);
+  const std::vector<int64_t> sp_sizes =
+      sp_mode == SpMode::kRing ? resolve_sp_sizes(cfg.parallel.sp_sizes, env.world_size)
+                               : usable_sp_sizes(cfg.parallel.sp_sizes, env.world_size, cfg.model.n_heads);
   const std::vector<LengthNeed> needs = memory_needs(memory, sp_sizes, lengths.max);
   spdlog::info("memory: one sample of {}", describe_memory_needs(needs));
   DataParallelOptions dp{env.world_size, cfg.train.global_batch_tokens, cfg.train.micro_batch_tokens,
-                         cfg.model.recompute_layers, cfg.parallel.sp_size};
+                         cfg.model.recompute_layers, cfg.parallel.sp_size, sp_mode,
+                         sp_mode == SpMode::kUlyssesRing
+                             ? ulysses_ring_size(cfg.parallel.sp_size, cfg.parallel.ulysses_size, cfg.model.n_heads)
+                             : 0};
   int64_t static_max_sample_tokens = std::numeric_limits<int64_t>::max();  // static: longer samples skipped
   if (cfg.train.planner == "static" && cfg.parallel.sp_size == 0) {
     const StaticSizing sizing = size_static_planner(dp, memory, sp_sizes, train_lengths);

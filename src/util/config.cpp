@@ -1,4 +1,5 @@
 #include "dcp/config.h"
+#include "dcp/plan.h"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -85,6 +86,8 @@ void visit(C& c, F&& f) {
   f("train.profile_dir", c.train.profile_dir, EmptyOrText{});
   f("parallel.sp_size", c.parallel.sp_size, IntRule{0, 1 << 20});
   f("parallel.sp_sizes", c.parallel.sp_sizes, Choices{});
+  f("parallel.sp_mode", c.parallel.sp_mode, Choices{"ulysses", "ring", "ulysses-ring"});
+  f("parallel.ulysses_size", c.parallel.ulysses_size, IntRule{0, 1 << 20});
   f("eval.max_tokens", c.eval.max_tokens, IntRule{0});
   f("dist.timeout_s", c.dist.timeout_s, RealRule{0.1, 86400.0});
   f("kv.chunk_tokens", c.kv.chunk_tokens, IntRule{1, 1 << 24});
@@ -247,10 +250,35 @@ void Config::validate() const {
         "embeddings; d_model={})",
         model.n_heads, model.d_model));
   }
-  if (parallel.sp_size > 0 && model.n_heads % parallel.sp_size != 0) {
+  if (parallel.sp_mode == "ulysses" && parallel.sp_size > 0 && model.n_heads % parallel.sp_size != 0) {
     throw ConfigError(fmt::format(
-        "config key 'parallel.sp_size': bad value '{}' (allowed: a divisor of model.n_heads={}; Ulysses shards heads)",
+        "config key 'parallel.sp_size': bad value '{}' (allowed: a divisor of model.n_heads={}; Ulysses shards heads; "
+        "parallel.sp_mode ring has no such bound)",
         parallel.sp_size, model.n_heads));
+  }
+  if (parallel.sp_mode != "ulysses" && attention.backend != "softmax") {
+    throw ConfigError(fmt::format(
+        "config key 'parallel.sp_mode': bad value '{}' with attention.backend {} (allowed: ulysses; ring modes merge "
+        "partial softmax results by their logsumexps, so they need attention.backend softmax)",
+        parallel.sp_mode, attention.backend));
+  }
+  if (parallel.sp_mode != "ulysses-ring" && parallel.ulysses_size != 0) {
+    throw ConfigError(fmt::format("config key 'parallel.ulysses_size': bad value '{}' (allowed: 0 unless "
+                                  "parallel.sp_mode is ulysses-ring; it is {})",
+                                  parallel.ulysses_size, parallel.sp_mode));
+  }
+  if (parallel.sp_mode == "ulysses-ring") {
+    if (parallel.sp_size < 1) {
+      throw ConfigError("config key 'parallel.sp_size': bad value '0' (allowed: >= 4 with parallel.sp_mode "
+                        "ulysses-ring, which needs a fixed size to split)");
+    }
+    const int64_t u = ulysses_ring_size(parallel.sp_size, parallel.ulysses_size, model.n_heads);
+    if (u == 0) {
+      throw ConfigError(fmt::format(
+          "config key 'parallel.ulysses_size': bad value '{}' with parallel.sp_size {} and model.n_heads {} "
+          "(allowed: a divisor of both, strictly between 1 and sp_size; 0 picks the largest)",
+          parallel.ulysses_size, parallel.sp_size, model.n_heads));
+    }
   }
   if (model.recompute_layers > model.n_layers) {
     throw ConfigError(fmt::format("config key 'model.recompute_layers': bad value '{}' (allowed: 0..model.n_layers={})",
