@@ -138,19 +138,23 @@ struct Packed {
   torch::Tensor tokens, positions, targets, cu_seqlens;
 };
 
-// Tokens [begin, end) of the stream of `ids` (BOS then the bytes; target = the next byte); padding has target -100.
+// This rank's pieces of the stream of `ids` (BOS then the bytes; target = the next byte); padding has target -100.
 Packed pack(const std::vector<std::string>& samples, const std::vector<int64_t>& ids, const dcp::ShardRange& shard) {
-  const int64_t n = shard.end - shard.begin;
+  const int64_t n = shard.num_tokens();
   Packed p{torch::zeros({n}, torch::kInt64), torch::zeros({n}, torch::kInt64), torch::full({n}, -100, torch::kInt64),
            torch::tensor(shard.cu_seqlens, torch::kInt64)};
-  for (size_t i = 0; i < ids.size(); ++i) {
-    const std::string& s = samples[static_cast<size_t>(ids[i])];
-    for (int64_t t = std::max(shard.cu_seqlens[i], shard.begin); t < std::min(shard.cu_seqlens[i + 1], shard.end); ++t) {
-      const int64_t at = t - shard.cu_seqlens[i];
-      p.tokens[t - shard.begin] = at == 0 ? kBos : static_cast<unsigned char>(s[static_cast<size_t>(at - 1)]);
-      p.positions[t - shard.begin] = at;
-      p.targets[t - shard.begin] = static_cast<unsigned char>(s[static_cast<size_t>(at)]);
+  int64_t local = 0;  // where the current piece starts among this rank's tokens
+  for (const auto& [begin, end] : shard.pieces) {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const std::string& s = samples[static_cast<size_t>(ids[i])];
+      for (int64_t t = std::max(shard.cu_seqlens[i], begin); t < std::min(shard.cu_seqlens[i + 1], end); ++t) {
+        const int64_t at = t - shard.cu_seqlens[i], l = local + t - begin;
+        p.tokens[l] = at == 0 ? kBos : static_cast<unsigned char>(s[static_cast<size_t>(at - 1)]);
+        p.positions[l] = at;
+        p.targets[l] = static_cast<unsigned char>(s[static_cast<size_t>(at)]);
+      }
     }
+    local += end - begin;
   }
   return p;
 }
@@ -196,7 +200,7 @@ int check(dcp::Runtime& dcp, Gpt& model, const std::vector<std::string>& samples
     std::vector<int64_t> l;
     for (int64_t id : planned.sample_ids()) l.push_back(lengths[static_cast<size_t>(id)]);
     return l;
-  }(), 0, 1);
+  }(), 0, dcp::SpLayout{});
   Packed all = pack(samples, planned.sample_ids(), whole);
   (model->loss_sum(all.tokens, all.positions, all.targets, all.cu_seqlens) / planned.global_num_tokens).backward();
   std::vector<torch::Tensor> reference;

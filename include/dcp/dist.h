@@ -48,6 +48,27 @@ class Communicator {
   at::Tensor all_to_all(const at::Tensor& input) const;
   void barrier() const;
 
+  /// A point-to-point exchange in flight (see exchange()).
+  class Exchange {
+   public:
+    struct State;
+    Exchange() = default;
+    explicit Exchange(std::shared_ptr<State> state) : state_(std::move(state)) {}
+    /// Waits for the send and the receive (each at most the group's timeout) and returns the tensor received.
+    /// Throws std::runtime_error naming the group when a peer died or did not answer in time, std::logic_error
+    /// when nothing is in flight (an empty Exchange, or wait() called twice).
+    at::Tensor wait();
+
+   private:
+    std::shared_ptr<State> state_;
+  };
+  /// Sends `send` to member `to` and receives a tensor of the same shape and dtype from member `from`, both in
+  /// the background (Gloo's transport threads move the bytes while the caller computes: ring attention hides
+  /// a block's transfer behind the previous block's attention); any dtype, bf16 bit for bit. Every member must
+  /// call exchange() in the same order: the messages are tagged by a per-group counter. With one member, `to`
+  /// and `from` are 0 and the result is a copy. Throws std::invalid_argument for a member outside [0, size).
+  Exchange exchange(const at::Tensor& send, int64_t to, int64_t from) const;
+
  private:
   std::string name_;
   int64_t rank_, size_;

@@ -14,6 +14,7 @@
 #include "dcp/attention_kernels.h"
 #include "dcp/config.h"
 #include "dcp/data.h"
+#include "dcp/plan.h"
 #include "dcp/precision.h"
 
 namespace dcp {
@@ -21,9 +22,10 @@ namespace dcp {
 class AttentionWrapper;
 
 /// Several samples packed as one flat token stream; sample i occupies [cu_seqlens[i], cu_seqlens[i+1]).
-/// Under sequence parallelism a rank holds one contiguous shard of the stream: T_local = T_padded / sp_size
-/// tokens, while cu_seqlens still describes the whole padded stream (padding is one extra segment at the end,
-/// fewer than sp_size tokens, with target -100 so it never reaches the loss).
+/// Under sequence parallelism a rank holds the pieces SpLayout::shard gives it (one contiguous shard under
+/// Ulysses, two zigzag chunks under a ring): T_local = T_padded / sp_size tokens, while cu_seqlens still
+/// describes the whole padded stream (padding is one extra segment at the end, fewer than
+/// SpLayout::pad_multiple() tokens, with target -100 so it never reaches the loss).
 struct PackedBatch {
   torch::Tensor tokens;      ///< [T_local] int64 input token ids
   torch::Tensor targets;     ///< [T_local] int64 next-token targets; -100 = padding, ignored by the loss
@@ -41,10 +43,13 @@ struct PackedBatch {
 /// std::out_of_range for an id outside corpus.samples().
 PackedBatch make_batch(const Corpus& corpus, const std::vector<int64_t>& sample_ids);
 
-/// Shard `sp_rank` of `sp_size` of the packed stream of `sample_ids`: the stream is padded to a multiple of
-/// sp_size and this rank reads only its own tokens from the corpus; make_batch is make_shard(..., 0, 1).
-/// Throws std::invalid_argument for empty ids or sp_rank outside [0, sp_size), std::out_of_range for an
-/// unknown id.
+/// Member `sp_rank`'s tokens of the packed stream of `sample_ids` under `layout`: the stream is padded to a
+/// multiple of layout.pad_multiple(), the rank's pieces (SpLayout::shard) follow each other in its tokens, and
+/// it reads only those from the corpus; make_batch is make_shard(..., 0, 1). Throws std::invalid_argument for
+/// empty ids or sp_rank outside [0, sp_size), std::out_of_range for an unknown id.
+PackedBatch make_shard(const Corpus& corpus, const std::vector<int64_t>& sample_ids, int64_t sp_rank,
+                       const SpLayout& layout);
+/// The Ulysses layout: make_shard(corpus, sample_ids, sp_rank, SpLayout{sp_size, sp_size}), one contiguous shard.
 PackedBatch make_shard(const Corpus& corpus, const std::vector<int64_t>& sample_ids, int64_t sp_rank,
                        int64_t sp_size);
 

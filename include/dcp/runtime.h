@@ -45,17 +45,25 @@ struct MicroBatchContext {
   int64_t sp_size = 1;
   int64_t sp_rank = 0;
   int64_t recompute_layers = 0;  ///< layers with index < this recompute their activations in backward
+  /// How the group splits attention; dcp::attention serves Ulysses only (ring modes run in dcp's trainer, whose
+  /// softmax attention they need, so a Runtime plans with Ulysses unless told otherwise)
+  SpMode sp_mode = SpMode::kUlysses;
 };
 
 /// This rank's tokens of a packed micro-batch: the samples' streams are concatenated in order and padded to a
-/// multiple of sp_size; the rank holds tokens [begin, end) of that stream.
+/// multiple of SpLayout::pad_multiple(); the rank holds the pieces of that stream SpLayout::shard names (one
+/// contiguous piece under Ulysses).
 struct ShardRange {
-  int64_t begin = 0, end = 0;       ///< tokens, end - begin = padded total / sp_size
+  /// [begin, end) pieces of the stream, tokens, in the order of this rank's local tokens; they add up to the
+  /// padded total / sp_size
+  std::vector<std::pair<int64_t, int64_t>> pieces;
   std::vector<int64_t> cu_seqlens;  ///< cumulative lengths of the whole padded stream; the padding, if any, is
                                     ///< a segment of its own so nothing attends across it
+  int64_t num_tokens() const;       ///< tokens this rank holds
 };
+
 /// Throws std::invalid_argument for empty or non-positive lengths or sp_rank outside [0, sp_size).
-ShardRange shard_range(const std::vector<int64_t>& lengths, int64_t sp_rank, int64_t sp_size);
+ShardRange shard_range(const std::vector<int64_t>& lengths, int64_t sp_rank, const SpLayout& layout);
 
 /// One micro-batch of this rank's group.
 struct MicroBatchWork {
@@ -94,7 +102,8 @@ const MicroBatchContext& current_micro_batch();
 /// ShardRange (the whole stream). Calls fn(q, k, v, cu_seqlens) with the whole stream's tokens: directly when
 /// the current micro-batch has no sequence parallelism, else inside Ulysses all-to-alls over the SP group
 /// (fn then sees heads / sp_size heads and the whole padded stream; Jacobs et al. 2023, DeepSpeed-Ulysses).
-/// Returns [T_local, heads, head_dim]. Throws std::invalid_argument when heads is not divisible by sp_size.
+/// Returns [T_local, heads, head_dim]. Throws std::invalid_argument when heads is not divisible by sp_size, and
+/// for a micro-batch of a ring mode (fn is an arbitrary function, and a ring needs the logsumexp of softmax).
 using AttentionFn = std::function<at::Tensor(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                              const at::Tensor& cu_seqlens)>;
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
@@ -110,8 +119,9 @@ at::Tensor layer(int64_t index, const std::function<at::Tensor(const at::Tensor&
 void check_same_plan(const StepPlan& plan, const Communicator& world);
 
 /// The micro-batches of `plan` that this rank's group runs, with their shards and contexts. `lengths`: tokens of
-/// every sample id the plan names. Throws std::invalid_argument when the plan has no tokens, an sp_size does not
-/// divide `heads`, or an id has no length; std::out_of_range when no process group of an sp_size exists.
+/// every sample id the plan names. Throws std::invalid_argument when the plan has no tokens, a group's Ulysses
+/// part (sp_size under ulysses, ulysses_size under ulysses-ring) does not divide `heads`, or an id has no
+/// length; std::out_of_range when no process group of an sp_size exists.
 std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::vector<int64_t>& lengths,
                                                const ProcessGroups& groups, int64_t heads);
 

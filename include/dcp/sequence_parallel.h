@@ -1,5 +1,6 @@
-// Ulysses sequence parallelism (Jacobs et al. 2023, DeepSpeed-Ulysses): around attention, an all-to-all turns
-// sequence shards into head shards and back.
+// Sequence parallelism around attention: Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses: an all-to-all turns
+// sequence shards into head shards and back), ring attention (Li et al. 2021, Ring Self-Attention; Liu et al.
+// 2023, arXiv 2310.01889: key/value blocks travel around the group) and the two combined (USP, arXiv 2405.07719).
 #pragma once
 
 #include <memory>
@@ -40,5 +41,43 @@ class SequenceParallelAttention : public AttentionWrapper {
   std::shared_ptr<const AttentionBackend> inner_;
   const Communicator& group_;
 };
+
+/// Ring attention of a group's zigzag shards (SpMode kRing and kUlyssesRing, dcp/plan.h; docs/sequence_parallel.md
+/// "Ring attention"), around a block's softmax backend. q, k, v [T_local, heads, head_dim] hold this rank's
+/// pieces of the padded stream as SpLayout::shard gives them; cu_seqlens describes the whole stream.
+/// 1. With ulysses_size u > 1, an all-to-all inside the subgroup of u consecutive ranks gives each member the
+///    subgroup's 2 zigzag chunks (2c = u T_local tokens, in stream order) for heads / u of the heads.
+/// 2. Ring of r = sp_size / u steps over the members u apart: at step i the rank holds the key/value block of
+///    ring position (j - i) mod r, sends it on to position j + 1 and receives the next from j - 1 in the
+///    background (Communicator::exchange) while it attends its queries to the block it holds
+///    (tiled_attention_forward on the rows ring_block names); partial results merge exactly by their
+///    logsumexps (merge_attention, in fp32).
+/// 3. Backward (FlashAttention-2 Algorithm 2 per block with the merged out and lse, which gives each block's
+///    exact share): the key/value blocks travel the ring again with a dK/dV accumulator beside them; after the
+///    last step each accumulator makes one more hop to its owner.
+/// The result goes back through the all-to-all. Causal inside each segment of cu_seqlens, nothing across.
+/// Throws std::invalid_argument when the block's backend is not SoftmaxAttention, when heads is not divisible
+/// by u, or when the shapes do not match the layout; std::runtime_error when a peer fails.
+class RingAttention : public AttentionWrapper {
+ public:
+  /// `group`: the group's sp_size members; `ulysses`: the aligned subgroup of layout.ulysses_size consecutive
+  /// members that holds this rank (a group of one for a plain ring). Both must outlive every forward and
+  /// backward. Throws std::invalid_argument when their sizes do not match `layout` or the layout has no ring.
+  RingAttention(const Communicator& group, const Communicator& ulysses, SpLayout layout);
+
+  torch::Tensor forward(const AttentionBackend& inner, int64_t layer, const torch::Tensor& q,
+                        const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& cu_seqlens) const override;
+
+ private:
+  const Communicator& group_;
+  const Communicator& ulysses_;
+  SpLayout layout_;
+};
+
+/// The attention wrapper of a group: none for sp_size 1, SequenceParallelAttention for Ulysses, RingAttention
+/// for the ring modes (the subgroup from groups.group(ulysses_size)). Throws std::out_of_range when a needed
+/// process group was not created.
+std::shared_ptr<const AttentionWrapper> group_attention(const GroupPlan& group, const ProcessGroups& groups);
 
 }  // namespace dcp

@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <fmt/chrono.h>
 #include <fmt/format.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -12,6 +13,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -56,6 +58,10 @@ std::string own_command_line() {
     out += (i ? " " : "") + a;
   }
   return out;
+}
+
+std::string utc_now(const std::string& format) {
+  return fmt::format(fmt::runtime("{:" + format + "}"), fmt::gmtime(std::time(nullptr)));
 }
 
 double load_average_1min() {

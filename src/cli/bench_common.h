@@ -11,6 +11,9 @@ namespace dcp {
 /// The exact command line of this process, shell-quoted where needed, with argv[0] as given.
 std::string own_command_line();
 
+/// The current UTC time in a strftime `format`, e.g. "%Y-%m-%d %H:%M".
+std::string utc_now(const std::string& format);
+
 /// The 1-minute load average of /proc/loadavg; -1 when it cannot be read.
 double load_average_1min();
 

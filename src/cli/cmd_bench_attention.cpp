@@ -101,11 +101,6 @@ double physical_memory_bytes() {
   return static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
 }
 
-// The current UTC time in strftime `format`.
-std::string utc_now(const std::string& format) {
-  return fmt::format(fmt::runtime("{:" + format + "}"), fmt::gmtime(std::time(nullptr)));
-}
-
 std::string report_markdown(const BenchAttentionOptions& cli, const AttentionBenchOptions& o,
                             const std::vector<AttentionBenchPoint>& points, const MatmulPeak& peak, int64_t threads,
                             double load_start, double load_end, double wall_s, const std::string& date,

@@ -57,6 +57,15 @@ void verify_as_rank(const VerifyArgs& a, const std::vector<std::string>& overrid
                            for (const auto& g : plan.groups) s.push_back(g.sp_size);
                            return s;
                          }()},
+                        {"sp_modes", [&] {
+                           std::vector<std::string> s;
+                           for (const auto& g : plan.groups) {
+                             std::string m = g.sp_size == 1 ? "none" : sp_mode_name(g.sp_mode);
+                             if (g.sp_mode == SpMode::kUlyssesRing) m += fmt::format(" {}", g.ulysses_size);
+                             s.push_back(m);
+                           }
+                           return s;
+                         }()},
                         {"global_num_tokens", plan.global_num_tokens},
                         {"precision", precision_name(Precision::kFp32)},
                         {"loss_parallel", r.loss},

@@ -19,6 +19,7 @@ void add_plan_command(CLI::App& app);
 void add_profile_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_bench_attention_command(CLI::App& app);
+void add_bench_sp_attention_command(CLI::App& app);
 void add_distill_command(CLI::App& app);
 void add_kv_eval_command(CLI::App& app);
 

@@ -78,6 +78,7 @@ int main(int argc, char** argv) {
   dcp::add_profile_command(app);
   dcp::add_bench_command(app);
   dcp::add_bench_attention_command(app);
+  dcp::add_bench_sp_attention_command(app);
   dcp::add_distill_command(app);
   dcp::add_kv_eval_command(app);
   if (argc > 1 && argv[1][0] != '-') {

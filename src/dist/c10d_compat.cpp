@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 
 #include "dcp/dist.h"
@@ -16,6 +17,15 @@ namespace dcp {
 
 struct Communicator::Impl {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  double timeout_s = 0;
+  mutable std::atomic<uint32_t> next_tag{0};  // the same sequence on every member: see exchange()
+};
+
+struct Communicator::Exchange::State {
+  const Communicator* group = nullptr;
+  at::Tensor sent, received;  // the Works keep their own references too
+  bool bf16 = false;
+  c10::intrusive_ptr<c10d::Work> send, recv;
 };
 
 namespace {
@@ -69,6 +79,57 @@ at::Tensor Communicator::all_to_all(const at::Tensor& input) const {
   std::vector<int64_t> splits;  // empty = equal splits
   wait(*this, impl_->pg->alltoall_base(out, in, splits, splits), "all_to_all");
   return bf16 ? out.view(at::kBFloat16) : out;
+}
+
+Communicator::Exchange Communicator::exchange(const at::Tensor& send, int64_t to, int64_t from) const {
+  if (to < 0 || to >= size_ || from < 0 || from >= size_) {
+    throw std::invalid_argument(fmt::format("exchange on '{}': member {} or {} outside [0, {})", name_, to, from,
+                                            size_));
+  }
+  auto state = std::make_shared<Exchange::State>();
+  state->group = this;
+  if (!impl_) {
+    state->received = send.clone();
+    return Exchange(std::move(state));
+  }
+  // Gloo of LibTorch 1.13 has no bf16; the bytes travel as fp16 (as in all_to_all).
+  state->bf16 = send.scalar_type() == at::kBFloat16;
+  state->sent = state->bf16 ? send.contiguous().view(at::kHalf) : send.contiguous();
+  state->received = at::empty_like(state->sent);
+  // Tags stay below 2^31 (c10d takes an int); members wrap at the same call.
+  const int tag = static_cast<int>(impl_->next_tag.fetch_add(1) & 0x7fffffffu);
+  std::vector<at::Tensor> out{state->sent}, in{state->received};
+  try {
+    state->recv = impl_->pg->recv(in, static_cast<int>(from), tag);
+    state->send = impl_->pg->send(out, static_cast<int>(to), tag);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("exchange on process group '{}' (rank {} of {}, to {}, from {}) failed: {}",
+                                         name_, rank_, size_, to, from, error_message(e)));
+  }
+  return Exchange(std::move(state));
+}
+
+at::Tensor Communicator::Exchange::wait() {
+  if (!state_) throw std::logic_error("Communicator::Exchange::wait: nothing in flight");
+  auto state = std::move(state_);
+  if (state->send) {
+    const auto timeout = to_ms(state->group->impl_->timeout_s);
+    for (auto* work : {&state->send, &state->recv}) {
+      std::string why;
+      try {
+        if (!(*work)->wait(timeout)) why = "aborted";
+      } catch (const std::exception& e) {
+        why = error_message(e);
+      }
+      if (!why.empty()) {
+        throw std::runtime_error(fmt::format(
+            "{} on process group '{}' (rank {} of {}) failed: a peer died or did not answer within the timeout ({})",
+            work == &state->send ? "send" : "receive", state->group->name(), state->group->rank(),
+            state->group->size(), why));
+      }
+    }
+  }
+  return state->bf16 ? state->received.view(at::kBFloat16) : state->received;
 }
 
 void Communicator::barrier() const {
@@ -155,6 +216,7 @@ std::shared_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c1
   opts->devices = devices->devices;
   opts->threads = 1;
   auto impl = std::make_shared<Communicator::Impl>();
+  impl->timeout_s = timeout_s;
   try {
     impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(rank), static_cast<int>(size),
                                                            opts);

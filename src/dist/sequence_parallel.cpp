@@ -1,5 +1,7 @@
 #include "dcp/sequence_parallel.h"
 
+#include "dist/ulysses_exchange.h"
+
 #include <fmt/format.h>
 
 namespace dcp {
@@ -44,25 +46,37 @@ torch::Tensor SequenceParallelAttention::forward(const torch::Tensor& q, const t
   return forward(*inner_, 0, q, k, v, cu_seqlens);
 }
 
-torch::Tensor SequenceParallelAttention::forward(const AttentionBackend& inner, int64_t /*layer*/,
-                                                 const torch::Tensor& q, const torch::Tensor& k,
-                                                 const torch::Tensor& v, const torch::Tensor& cu_seqlens) const {
-  const int64_t sp = group_.size(), local = q.size(0), heads = q.size(1), head_dim = q.size(2);
+std::array<torch::Tensor, 3> ulysses_to_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                              const Communicator& group) {
+  const int64_t sp = group.size(), local = q.size(0), heads = q.size(1), head_dim = q.size(2);
   if (heads % sp != 0) {
     throw std::invalid_argument(fmt::format(
-        "sequence parallelism: n_heads {} is not divisible by sp_size {} (Ulysses shards attention by heads)", heads,
-        sp));
+        "sequence parallelism: n_heads {} is not divisible by the Ulysses group size {} (Ulysses shards attention "
+        "by heads; sp_mode ring does not)",
+        heads, sp));
   }
   const int64_t part = heads / sp;
   // [T_local, 3, sp, H/sp, D] -> [sp, T_local, 3, H/sp, D]: chunk j holds the heads member j attends over.
   auto qkv = torch::stack({q, k, v}, 1).view({local, 3, sp, part, head_dim}).permute({2, 0, 1, 3, 4});
-  // Received chunk j is member j's shard of the sequence, so the result is the whole stream in order.
-  auto full = all_to_all(qkv.contiguous(), group_).view({sp * local, 3, part, head_dim}).unbind(1);
+  // Received chunk j is member j's shard of the sequence, so the result is the group's tokens in order.
+  auto full = all_to_all(qkv.contiguous(), group).view({sp * local, 3, part, head_dim}).unbind(1);
+  return {full[0], full[1], full[2]};
+}
+
+torch::Tensor ulysses_to_tokens(const torch::Tensor& out, const Communicator& group) {
+  const int64_t sp = group.size(), local = out.size(0) / sp, part = out.size(1), head_dim = out.size(2);
+  // Chunk j = member j's tokens; received chunk i = head slice i of this rank's tokens.
+  auto back = all_to_all(out.contiguous(), group).view({sp, local, part, head_dim});
+  return back.permute({1, 0, 2, 3}).reshape({local, sp * part, head_dim});
+}
+
+torch::Tensor SequenceParallelAttention::forward(const AttentionBackend& inner, int64_t /*layer*/,
+                                                 const torch::Tensor& q, const torch::Tensor& k,
+                                                 const torch::Tensor& v, const torch::Tensor& cu_seqlens) const {
+  auto [qh, kh, vh] = ulysses_to_heads(q, k, v, group_);
   // This rank received head chunk `rank` from every member: heads [rank * part, (rank + 1) * part).
-  auto out = inner.forward_heads(full[0], full[1], full[2], cu_seqlens, group_.rank() * part);  // [T_pad, H/sp, D]
-  // Back: chunk j = member j's tokens; received chunk i = head slice i of this rank's tokens.
-  auto back = all_to_all(out.contiguous(), group_).view({sp, local, part, head_dim});
-  return back.permute({1, 0, 2, 3}).reshape({local, heads, head_dim});
+  auto out = inner.forward_heads(qh, kh, vh, cu_seqlens, group_.rank() * qh.size(1));  // [T_pad, H/sp, D]
+  return ulysses_to_tokens(out, group_);
 }
 
 }  // namespace dcp

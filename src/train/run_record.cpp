@@ -85,9 +85,12 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
 
   // What the plan decided, per group.
   std::vector<int64_t> sp_sizes, group_micro_batches, rank_recompute(static_cast<size_t>(world_size_), 0);
+  std::vector<std::string> sp_modes;
   double step_flops = 0;
   for (const auto& g : plan.groups) {
     sp_sizes.push_back(g.sp_size);
+    sp_modes.push_back(g.sp_size > 1 ? sp_mode_name(g.sp_mode) : "none");
+    if (g.sp_size > 1) ++sp_groups_by_mode_[sp_mode_name(g.sp_mode)];
     group_micro_batches.push_back(static_cast<int64_t>(g.micro_batches.size()));
     ++groups_by_sp_[g.sp_size];
     micro_batches_per_group_.push_back(static_cast<double>(g.micro_batches.size()));
@@ -138,6 +141,7 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
           {"rank_recompute_layers", rank_recompute},
           {"imbalance", max_busy > 0 ? 1.0 - mean_busy / max_busy : 0.0},
           {"sp_sizes", sp_sizes},
+          {"sp_modes", sp_modes},
           {"group_micro_batches", group_micro_batches},
           {"model_flops", step_flops},
           {"predicted_step_s", predicted},
@@ -146,6 +150,7 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
 
 json RunRecord::summary() const {
   json plans = {{"groups_by_sp_size", counts(groups_by_sp_)},
+                {"sp_groups_by_mode", sp_groups_by_mode_},
                 {"steps_mixed_sp", steps_mixed_sp_},
                 {"micro_batches_by_recompute_layers", counts(micro_batches_by_recompute_)},
                 {"micro_batches_per_group_mean",

@@ -50,6 +50,7 @@ class RunRecord {
   double flops_ = 0, seconds_ = 0, predicted_s_ = 0;
   int64_t steps_ = 0, steps_mixed_sp_ = 0;
   std::map<int64_t, int64_t> groups_by_sp_, micro_batches_by_recompute_;
+  std::map<std::string, int64_t> sp_groups_by_mode_;  // groups of sp_size > 1 by sp_mode
   std::vector<double> micro_batches_per_group_;
 };
 

@@ -31,10 +31,17 @@ class FunctionAttention : public AttentionBackend {
 
 }  // namespace
 
-ShardRange shard_range(const std::vector<int64_t>& lengths, int64_t sp_rank, int64_t sp_size) {
+int64_t ShardRange::num_tokens() const {
+  int64_t n = 0;
+  for (const auto& [begin, end] : pieces) n += end - begin;
+  return n;
+}
+
+ShardRange shard_range(const std::vector<int64_t>& lengths, int64_t sp_rank, const SpLayout& layout) {
   if (lengths.empty()) throw std::invalid_argument("shard_range: empty list of sample lengths");
-  if (sp_size < 1 || sp_rank < 0 || sp_rank >= sp_size) {
-    throw std::invalid_argument(fmt::format("shard_range: sp_rank {} outside [0, sp_size {})", sp_rank, sp_size));
+  if (layout.sp_size < 1 || sp_rank < 0 || sp_rank >= layout.sp_size) {
+    throw std::invalid_argument(
+        fmt::format("shard_range: sp_rank {} outside [0, sp_size {})", sp_rank, layout.sp_size));
   }
   ShardRange r;
   r.cu_seqlens.reserve(lengths.size() + 2);
@@ -44,11 +51,9 @@ ShardRange shard_range(const std::vector<int64_t>& lengths, int64_t sp_rank, int
     r.cu_seqlens.push_back(r.cu_seqlens.back() + len);
   }
   const int64_t total = r.cu_seqlens.back();
-  const int64_t padded = (total + sp_size - 1) / sp_size * sp_size;
+  const int64_t padded = layout.padded_length(total);
   if (padded > total) r.cu_seqlens.push_back(padded);
-  const int64_t local = padded / sp_size;
-  r.begin = sp_rank * local;
-  r.end = r.begin + local;
+  r.pieces = layout.shard(padded, sp_rank);
   return r;
 }
 
@@ -63,6 +68,13 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                         const torch::Tensor& cu_seqlens, const AttentionFn& fn) {
   const MicroBatchContext& ctx = current_context;
   if (ctx.sp_group == nullptr || ctx.sp_size == 1) return fn(q, k, v, cu_seqlens);
+  if (ctx.sp_mode != SpMode::kUlysses) {
+    throw std::invalid_argument(fmt::format(
+        "dcp::attention: the micro-batch's group uses sp_mode {}, which dcp::attention does not serve (a ring merges "
+        "softmax results by their logsumexps, which a user's attention function does not return); plan with "
+        "Ulysses groups only",
+        sp_mode_name(ctx.sp_mode)));
+  }
   SequenceParallelAttention ulysses(std::make_shared<FunctionAttention>(fn), *ctx.sp_group);
   return ulysses.forward(q, k, v, cu_seqlens);
 }
@@ -98,11 +110,13 @@ std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::
     throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}) has no tokens", plan.epoch, plan.index));
   }
   for (const auto& g : plan.groups) {  // checked on every rank before any work, so all ranks fail alike
-    if (heads % g.sp_size != 0) {
-      throw std::invalid_argument(fmt::format(
-          "step plan (epoch {}, index {}): sp_size {} does not divide model.n_heads {} (Ulysses shards heads)",
-          plan.epoch, plan.index, g.sp_size, heads));
-    }
+    if (layout_fits_heads(g.layout(), heads)) continue;
+    const bool ring = g.sp_mode == SpMode::kUlyssesRing;
+    throw std::invalid_argument(fmt::format(
+        "step plan (epoch {}, index {}): {} {} does not divide model.n_heads {} (the group at rank {}: Ulysses shards "
+        "heads; sp_mode ring does not)",
+        plan.epoch, plan.index, ring ? "ulysses_size" : "sp_size", ring ? g.ulysses_size : g.sp_size, heads,
+        g.first_rank));
   }
   const GroupPlan& group = plan.group_of(groups.world().rank());
   const Communicator& sp_group = groups.group(group.sp_size);
@@ -118,9 +132,9 @@ std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::
     }
     MicroBatchWork w;
     w.sample_ids = mb.sample_ids;
-    w.shard = shard_range(mb_lengths, sp_group.rank(), group.sp_size);
+    w.shard = shard_range(mb_lengths, sp_group.rank(), group.layout());
     w.context = MicroBatchContext{group.sp_size > 1 ? &sp_group : nullptr, group.sp_size, sp_group.rank(),
-                                  mb.recompute_layers};
+                                  mb.recompute_layers, group.sp_mode};
     out.push_back(std::move(w));
   }
   return out;

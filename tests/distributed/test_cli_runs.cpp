@@ -94,6 +94,33 @@ TEST(CliRuns, PlannerChoiceDoesNotChangeTheLosses) {
   fs::remove_all(dir);
 }
 
+TEST(CliRuns, RingSpTwoTrainsLikeUlyssesSpTwoAndOneRank) {
+  // The static layout with parallel.sp_mode ring: the same steps as Ulysses sp 2 and as two data-parallel ranks,
+  // so the step-1 loss (same weights) agrees to float summation order, and the later ones stay together.
+  fs::path dir = make_workdir("ring");
+  std::map<std::string, std::vector<double>> curves;
+  const std::vector<std::pair<std::string, std::vector<std::string>>> runs = {
+      {"sp1", {"--parallel.sp_size=1"}},
+      {"ulysses2", {"--parallel.sp_size=2"}},
+      {"ring2", {"--parallel.sp_size=2", "--parallel.sp_mode=ring"}}};
+  for (const auto& [name, extra] : runs) {
+    std::vector<std::string> args = {"--train.max_steps=3", "--train.precision=fp32", "--train.planner=static",
+                                     "--run.dir=" + (dir / name).string()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Child c = Child::spawn(launch(2, train_args(dir, args)), {}, (dir / (name + ".log")).string());
+    ASSERT_TRUE(exited_ok(c.wait(240))) << c.log();
+    curves[name] = losses(dir / name / "metrics.jsonl");
+    ASSERT_EQ(curves[name].size(), 3u) << name;
+  }
+  for (const auto& [name, curve] : curves) {
+    EXPECT_NEAR(curve[0], curves["sp1"][0], 1e-5 * curves["sp1"][0]) << name << " step 1";
+    for (size_t i = 1; i < curve.size(); ++i) {
+      EXPECT_NEAR(curve[i], curves["sp1"][i], 1e-4 * curves["sp1"][i]) << name << " step " << i + 1;
+    }
+  }
+  fs::remove_all(dir);
+}
+
 TEST(CliRuns, Bf16TrainingTrainsLikeFp32AndRecordsItsPrecision) {
   // Two ranks in one SP group (q, k, v cross the all-to-all in bf16), one layer recomputed, a few steps.
   fs::path dir = make_workdir("bf16");

@@ -154,3 +154,110 @@ TEST(SequenceParallel, HeadsNotDivisibleBySpSizeIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("sp_size 4 does not divide model.n_heads 2"), std::string::npos) << e.what();
   }
 }
+
+// ---------------------------------------------------------------------------------------------- ring modes
+
+namespace {
+
+GroupPlan ring_group(int64_t first, int64_t sp, std::vector<MicroBatch> mbs, SpMode mode, int64_t ulysses = 0) {
+  GroupPlan g{first, sp, std::move(mbs)};
+  g.sp_mode = mode;
+  g.ulysses_size = ulysses;
+  return g;
+}
+
+}  // namespace
+
+TEST(RingAttention, ForwardLogitsEqualSingleRankForEveryLayout) {
+  Config cfg = tiny_config();
+  Corpus corpus = tiny_corpus(cfg);
+  const std::vector<int64_t> ids = {1, 5, 0, 2, 9};  // 20, 72, 7, 33, 124 tokens: 256 = no padding at 8 chunks
+  Transformer model = fresh_model(cfg);
+  torch::NoGradGuard no_grad;
+  torch::Tensor full = model->forward(make_batch(corpus, ids));
+  for (const SpLayout layout : {SpLayout{2, 1}, SpLayout{4, 1}, SpLayout{4, 2}}) {
+    SCOPED_TRACE("sp " + std::to_string(layout.sp_size) + " ulysses " + std::to_string(layout.ulysses_size));
+    const Communicator& group = groups().group(layout.sp_size);
+    PackedBatch shard = make_shard(corpus, ids, group.rank(), layout);
+    shard.attention = std::make_shared<RingAttention>(group, groups().group(layout.ulysses_size), layout);
+    torch::Tensor local = model->forward(shard);
+    std::vector<torch::Tensor> want;
+    for (const auto& [b, e] : layout.shard(layout.padded_length(full.size(0)), group.rank())) {
+      want.push_back(full.slice(0, std::min(b, full.size(0)), std::min(e, full.size(0))));
+    }
+    torch::Tensor expected = torch::cat(want);
+    ASSERT_GT(expected.size(0), 0);
+    EXPECT_TRUE(torch::allclose(local.slice(0, 0, expected.size(0)), expected, 1e-5, 1e-5));
+  }
+}
+
+TEST(RingAttention, RingAndUlyssesRingGradientsEqualSingleProcess) {
+  Config cfg = tiny_config();
+  Corpus corpus = tiny_corpus(cfg);
+  // Sample 0 (7 tokens) is shorter than the 8 zigzag chunks of a ring of 4; streams are packed and padded.
+  const std::vector<StepPlan> plans{
+      make_plan({ring_group(0, 4, {micro_batch(corpus, {1, 2, 3}, 2), micro_batch(corpus, {0}, 0)}, SpMode::kRing)}),
+      make_plan({ring_group(0, 4, {micro_batch(corpus, {10, 0}, 1), micro_batch(corpus, {5, 6}, 3)},
+                            SpMode::kUlyssesRing, 2)}),
+      // Mixed modes in one step: a ring pair next to a Ulysses pair, then a ring pair next to two single ranks.
+      make_plan({ring_group(0, 2, {micro_batch(corpus, {0, 3}, 1), micro_batch(corpus, {6}, 3)}, SpMode::kRing),
+                 ring_group(2, 2, {micro_batch(corpus, {2, 1}, 0)}, SpMode::kUlysses)}),
+      make_plan({GroupPlan{0, 1, {micro_batch(corpus, {4}, 2)}}, GroupPlan{1, 1, {micro_batch(corpus, {8}, 0)}},
+                 ring_group(2, 2, {micro_batch(corpus, {9, 0}, 2), micro_batch(corpus, {7}, 0)}, SpMode::kRing)}),
+  };
+  for (size_t i = 0; i < plans.size(); ++i) {
+    SCOPED_TRACE("plan " + std::to_string(i));
+    plans[i].validate(4, corpus.samples(), cfg.model.n_layers);
+    expect_step_matches_reference(cfg, corpus, plans[i]);
+  }
+}
+
+TEST(RingAttention, RingGoesBeyondTheHeadCount) {
+  // Two heads: Ulysses stops at sp 2, a ring of 4 does not, and ulysses-ring 2 x 2 fits.
+  Config cfg = tiny_config({"--model.n_heads=2"});
+  Corpus corpus = tiny_corpus(cfg);
+  for (const StepPlan& plan :
+       {make_plan({ring_group(0, 4, {micro_batch(corpus, {11, 0}, 1)}, SpMode::kRing)}),
+        make_plan({ring_group(0, 4, {micro_batch(corpus, {3, 4}, 0)}, SpMode::kUlyssesRing, 2)})}) {
+    expect_step_matches_reference(cfg, corpus, plan);
+  }
+}
+
+TEST(RingAttention, Bf16RingErrsNoMoreThanOneProcessInBf16) {
+  // bf16 rounds each block's probabilities and partial outputs (the merge is fp32), so the ring's bf16 gradient
+  // differs from the fp32 one; it must not differ more than the one-process bf16 gradient does (x 1.5 + 1e-3:
+  // the two round at different places).
+  Config cfg = tiny_config();
+  Corpus corpus = tiny_corpus(cfg);
+  StepPlan plan = make_plan({ring_group(0, 4, {micro_batch(corpus, {1, 2, 3}, 1)}, SpMode::kRing)});
+  auto run = [&](bool ring, Precision precision) {
+    Transformer model = fresh_model(cfg);
+    model->precision = precision;
+    if (ring) {
+      compute_step_gradients(model, corpus, plan, groups());
+    } else {
+      reference_step_gradients(model, corpus, plan);
+    }
+    return model;
+  };
+  Transformer fp32 = run(false, Precision::kFp32), one = run(false, Precision::kBf16), ring = run(true, Precision::kBf16);
+  const double one_err = compare_gradients(one, fp32).max_rel_err, ring_err = compare_gradients(ring, fp32).max_rel_err;
+  EXPECT_GT(one_err, 0.0);
+  EXPECT_LT(ring_err, 1.5 * one_err + 1e-3) << "one-process bf16 " << one_err;
+}
+
+TEST(RingAttention, RingModesNeedTheSoftmaxBackendAndSayWhy) {
+  Config cfg = tiny_config(kFlexformerVariants[0]);
+  Corpus corpus = tiny_corpus(cfg);
+  StepPlan plan = make_plan({ring_group(0, 4, {micro_batch(corpus, {1}, 0)}, SpMode::kRing)});
+  Transformer model = fresh_model(cfg);
+  try {
+    compute_step_gradients(model, corpus, plan, groups());
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("sp_mode ring, which needs attention.backend softmax"), std::string::npos)
+        << e.what();
+  }
+  StepPlan odd = make_plan({ring_group(0, 4, {micro_batch(corpus, {1}, 0)}, SpMode::kUlyssesRing, 4)});
+  EXPECT_THROW(odd.validate(4, corpus.samples(), 3), std::invalid_argument);  // ulysses_size must be < sp_size
+}
