@@ -168,6 +168,24 @@ GroupPlan ring_group(int64_t first, int64_t sp, std::vector<MicroBatch> mbs, SpM
 
 }  // namespace
 
+TEST(RingAttention, ExchangeMovesEveryBf16BitPatternAlongTheRing) {
+  // Shifts by 1 and by 2 of a ring of 4, two exchanges in flight at once (as the ring's backward has), bf16 bit
+  // for bit (Gloo has no bf16: the bytes travel as fp16).
+  const Communicator& group = groups().group(4);
+  const int64_t me = group.rank();
+  const auto bits = torch::arange(-32768, 32768, torch::kInt32).to(torch::kInt16);
+  auto mine = (bits + static_cast<int16_t>(me)).view(torch::kBFloat16);
+  auto by_one = group.exchange(mine, (me + 1) % 4, (me + 3) % 4);
+  auto by_two = group.exchange(mine.to(torch::kFloat), (me + 2) % 4, (me + 2) % 4);
+  const torch::Tensor one = by_one.wait(), two = by_two.wait();
+  EXPECT_EQ(one.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(one.view(torch::kInt16), bits + static_cast<int16_t>((me + 3) % 4)));
+  const auto theirs = (bits + static_cast<int16_t>((me + 2) % 4)).view(torch::kBFloat16).to(torch::kFloat);
+  EXPECT_TRUE(torch::equal(two.view(torch::kInt32), theirs.view(torch::kInt32)));  // bit for bit, NaNs included
+  EXPECT_THROW(by_one.wait(), std::logic_error);
+  EXPECT_THROW(group.exchange(mine, 4, 0), std::invalid_argument);
+}
+
 TEST(RingAttention, ForwardLogitsEqualSingleRankForEveryLayout) {
   Config cfg = tiny_config();
   Corpus corpus = tiny_corpus(cfg);

@@ -162,3 +162,26 @@ TEST(Config, FifosDevicesAndFoldersAreRefusedPipesWithDataRead) {
   close(fds[0]);
   std::filesystem::remove_all(dir);
 }
+
+TEST(Config, SpModesLiftTheHeadBoundAndNeedSoftmax) {
+  // Ulysses: sp_size must divide the heads; a ring need not; ulysses-ring's subgroup must.
+  EXPECT_NE(error_of([] { Config::load("", {"--model.n_heads=4", "--parallel.sp_size=8"}); }).find("parallel.sp_size"),
+            std::string::npos);
+  EXPECT_NO_THROW(Config::load("", {"--model.n_heads=4", "--parallel.sp_size=8", "--parallel.sp_mode=ring"}));
+  EXPECT_NO_THROW(Config::load("", {"--model.n_heads=4", "--parallel.sp_size=8", "--parallel.sp_mode=ulysses-ring"}));
+  EXPECT_NO_THROW(Config::load("", {"--model.n_heads=4", "--parallel.sp_size=8", "--parallel.sp_mode=ulysses-ring",
+                                    "--parallel.ulysses_size=2"}));
+  std::string msg = error_of([] {
+    Config::load("", {"--model.n_heads=4", "--parallel.sp_size=8", "--parallel.sp_mode=ulysses-ring",
+                      "--parallel.ulysses_size=8"});
+  });
+  EXPECT_NE(msg.find("'parallel.ulysses_size': bad value '8'"), std::string::npos) << msg;
+  msg = error_of([] { Config::load("", {"--parallel.sp_size=4", "--parallel.ulysses_size=2"}); });
+  EXPECT_NE(msg.find("unless parallel.sp_mode is ulysses-ring"), std::string::npos) << msg;
+  msg = error_of([] { Config::load("", {"--parallel.sp_mode=ulysses-ring", "--parallel.sp_size=0"}); });
+  EXPECT_NE(msg.find("parallel.sp_size"), std::string::npos) << msg;
+  msg = error_of([] { Config::load("", {"--parallel.sp_mode=ring", "--attention.backend=flexformer"}); });
+  EXPECT_NE(msg.find("need attention.backend softmax"), std::string::npos) << msg;
+  msg = error_of([] { Config::load("", {"--parallel.sp_mode=star"}); });
+  EXPECT_NE(msg.find("ulysses, ring, ulysses-ring"), std::string::npos) << msg;
+}

@@ -126,3 +126,43 @@ TEST(StepPlan, ValidationRefusesASampleUsedTwice) {
             "step plan (epoch 0, index 0): sample id 0 is used twice: in micro_batch 0 of the group at rank 0 and in "
             "micro_batch 1 of the group at rank 1");
 }
+
+// sp_mode and ulysses_size: omitted for Ulysses (old plans keep their JSON and hash), round-tripped otherwise,
+// and validated against the mode.
+TEST(StepPlan, SpModesRoundTripAndAreValidated) {
+  const std::vector<Sample> samples = {{0, 10, "a"}, {1, 20, "b"}};
+  StepPlan p;
+  p.groups = {GroupPlan{0, 4, {MicroBatch{{0, 1}, 30, 0}}}};
+  p.global_num_tokens = 30;
+  const std::string ulysses_json = p.to_json();
+  EXPECT_EQ(ulysses_json.find("sp_mode"), std::string::npos);
+  for (auto [mode, u] : std::vector<std::pair<SpMode, int64_t>>{{SpMode::kRing, 0}, {SpMode::kUlyssesRing, 2}}) {
+    StepPlan q = p;
+    q.groups[0].sp_mode = mode;
+    q.groups[0].ulysses_size = u;
+    EXPECT_NO_THROW(q.validate(4, samples, 2));
+    const StepPlan back = StepPlan::from_json(q.to_json());
+    EXPECT_EQ(back.groups[0].sp_mode, mode);
+    EXPECT_EQ(back.groups[0].ulysses_size, u);
+    EXPECT_EQ(back.to_json(), q.to_json());
+    EXPECT_NE(q.hash(), p.hash());
+    EXPECT_EQ(q.groups[0].layout().ring_size(), mode == SpMode::kRing ? 4 : 2);
+  }
+  StepPlan bad = p;
+  bad.groups[0].sp_mode = SpMode::kUlyssesRing;  // ulysses_size 0
+  EXPECT_NE(test::error_of([&] { bad.validate(4, samples, 2); }).find("needs ulysses_size strictly between 1 and sp_size"),
+            std::string::npos);
+  bad.groups[0].ulysses_size = 3;  // does not divide 4
+  EXPECT_THROW(bad.validate(4, samples, 2), std::invalid_argument);
+  bad.groups[0].sp_mode = SpMode::kRing;  // a size that belongs to no ring
+  EXPECT_NE(test::error_of([&] { bad.validate(4, samples, 2); }).find("ulysses_size 3 is set but sp_mode is ring"),
+            std::string::npos);
+  std::string unknown = ulysses_json;
+  unknown.replace(unknown.find("\"sp_size\""), 0, "\"sp_mode\":\"star\",");
+  EXPECT_NE(test::error_of([&] { StepPlan::from_json(unknown); }).find("unknown sp_mode 'star'"), std::string::npos);
+  EXPECT_EQ(sp_mode_from_name("ulysses-ring"), SpMode::kUlyssesRing);
+  EXPECT_EQ(ulysses_ring_size(8, 0, 4), 4);   // the largest divisor of both below 8
+  EXPECT_EQ(ulysses_ring_size(8, 0, 2), 2);
+  EXPECT_EQ(ulysses_ring_size(4, 0, 3), 0);   // nothing divides 3 and 4 strictly between 1 and 4
+  EXPECT_EQ(ulysses_ring_size(8, 4, 2), 0);   // 4 does not divide the 2 heads
+}
