@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "dcp/plan.h"
+
 namespace dcp {
 
 /// The attention operator of every layer, as the cost and memory models see it.
@@ -31,6 +33,12 @@ struct ModelShape {
   int64_t hidden = 2048;
   int64_t layers = 24;
   int64_t heads = 16;
+  /// Key/value heads (grouped-query attention, Ainslie et al. 2023, arXiv 2305.13245); 0 = heads. The cost
+  /// model's only: the dcp Transformer has no GQA, so this feeds `dcp simulate` / `dcp plan` (--kv-heads) and
+  /// the planners' mode choice: d_kv = kv_heads x head_dim sets the K, V widths (their projections, the
+  /// Ulysses and ring volumes), and a Ulysses degree must divide kv_heads (KV is not replicated; Megatron-Bridge
+  /// HCP note, anchors-parallel-training.md section 2.3). Must divide heads.
+  int64_t kv_heads = 0;
   int64_t ffn = 8192;            ///< MLP inner width
   int64_t mlp_matrices = 2;      ///< 2 for GELU (fc1, fc2), 3 for SwiGLU (gate, up, down)
   int64_t vocab = 50304;
@@ -45,14 +53,20 @@ struct ModelShape {
   /// quadratic reference form). Linear only.
   int64_t chunk_size = 0;
 
-  /// Weight parameters of one layer: 4*h^2 (Q, K, V, O) + mlp_matrices*h*ffn; biases and norms neglected.
+  /// Weight parameters of one layer: 2*h^2 (Q, O) + 2*h*d_kv (K, V; 4*h^2 in all without GQA) +
+  /// mlp_matrices*h*ffn; biases and norms neglected.
   double params_per_layer() const;
   /// All parameters: layers * params_per_layer + vocab * hidden (tied input/output embedding).
   double params() const;
   /// hidden / heads, the per-head width D.
   double head_dim() const { return static_cast<double>(hidden) / static_cast<double>(heads); }
+  /// kv_heads, or heads when it is 0: the head count that bounds a Ulysses degree.
+  int64_t kv_head_count() const { return kv_heads > 0 ? kv_heads : heads; }
+  /// d_kv = kv_head_count() * head_dim(), the width of K and of V per token, elements.
+  double kv_dim() const { return static_cast<double>(kv_head_count()) * head_dim(); }
   /// Throws std::invalid_argument naming the first non-positive field (for linear attention: a non-positive
-  /// feature_dim or a negative feature_projections or chunk_size).
+  /// feature_dim or a negative feature_projections or chunk_size; a negative kv_heads or one that does not
+  /// divide heads).
   void validate() const;
 };
 
@@ -81,11 +95,23 @@ struct DeviceSpec {
   double inter_node_bw = 50e9;        ///< InfiniBand NDR 400 Gb/s per GPU, bytes/s
   int64_t gpus_per_node = 8;
   double collective_latency_s = 10e-6;   ///< fixed latency of one all-to-all / all-reduce, seconds
+  /// Rate of attention split into a ring's blocks relative to whole-sequence attention (ring and ulysses-ring
+  /// groups). ring-flash-attention's zigzag ring reaches 90.2 % of FlashAttention's fwd+bwd on 8xH800
+  /// (Llama-3.1-8B attention, 8K tokens per GPU, transfers on NVLink hidden; anchors-parallel-training.md
+  /// section 1.4): what is left is the split kernels and the logsumexp merges, so the h200 model takes 0.9. A
+  /// profile may set it ("ring_block_efficiency"; absent: 0.9, `dcp profile` does not measure ring attention).
+  double ring_block_efficiency = 0.9;
   double micro_batch_overhead_s = 2e-3;  ///< kernel launches, data loading, loss: seconds per micro-batch
   /// Measured all-to-alls by SP size (a profile's "sequence_parallel" fits). An SP size listed here uses its
   /// latency_s and bytes_per_s instead of collective_latency_s and intra_node_bw / inter_node_bw, and adds its
   /// overhead_s_per_byte.
   std::map<int64_t, CommFit> all_to_all;
+  /// Measured ring exchanges by SP size (a profile's "sequence_parallel" "ring_fits"): one step of a ring over
+  /// the aligned group of sp_size ranks, every rank sending a block to the next and receiving one from the
+  /// previous, takes latency_s + block_bytes / bytes_per_s (overhead_s_per_byte is 0: not fitted). An SP size
+  /// listed here uses them for its ring steps (ring and ulysses-ring groups of that size) instead of
+  /// collective_latency_s and intra_node_bw / inter_node_bw.
+  std::map<int64_t, CommFit> ring;
 
   /// attention_mfu, or mfu when attention_mfu is 0.
   double effective_attention_mfu() const { return attention_mfu > 0 ? attention_mfu : mfu; }
@@ -97,10 +123,13 @@ struct DeviceSpec {
 
   /// Reads the "device" object of a JSON file written by `dcp profile` (write_profile in dcp/profiler.h): the
   /// string name and the numbers memory_bytes, peak_flops, mfu, attention_mfu, intra_node_bw, inter_node_bw, gpus_per_node,
-  /// collective_latency_s and micro_batch_overhead_s, all required; and all_to_all from the optional
+  /// collective_latency_s and micro_batch_overhead_s, all required; the optional ring_block_efficiency; and
+  /// all_to_all from the optional
   /// "sequence_parallel" object (absent in single-process profiles and in those written before SP was profiled):
   /// its array "fits" of objects with the integer sp_size (>= 2, each once) and the numbers latency_s (>= 0),
-  /// bytes_per_s (> 0) and overhead_s_per_byte (>= 0). Throws std::runtime_error naming the file when it cannot
+  /// bytes_per_s (> 0) and overhead_s_per_byte (>= 0); and ring from its optional array "ring_fits" (absent in
+  /// profiles written before the ring was profiled) of objects with sp_size, latency_s and bytes_per_s, checked
+  /// alike. Throws std::runtime_error naming the file when it cannot
   /// be read or is not JSON, std::invalid_argument naming the file and the field (e.g.
   /// 'sequence_parallel.fits[0].bytes_per_s') when a field is missing, has the wrong type or an impossible value.
   static DeviceSpec from_profile(const std::string& path);
@@ -109,8 +138,8 @@ struct DeviceSpec {
   /// (a hand-edited profile with peak_flops 1e-300 or an overhead of 1e300 s would otherwise make them 0 or inf):
   /// peak_flops x mfu (and x attention_mfu when set) in [1e3, 1e21] FLOP/s, mfu in (0, 10], attention_mfu in
   /// [0, 1e6], bandwidths (intra, inter and each all-to-all fit's) in [1e3, 1e15] B/s, gpus_per_node in
-  /// [1, 1e6], latencies and micro_batch_overhead_s in [0, 3600] s, overhead_s_per_byte in [0, 1] s, memory_bytes
-  /// in (0, 1e18]; all-to-all fits for sp_size >= 2. Throws std::invalid_argument naming the device, the field
+  /// [1, 1e6], ring_block_efficiency in (0, 1], latencies and micro_batch_overhead_s in [0, 3600] s, overhead_s_per_byte in [0, 1] s, memory_bytes
+  /// in (0, 1e18]; all-to-all and ring fits for sp_size >= 2. Throws std::invalid_argument naming the device, the field
   /// and the value.
   void validate() const;
 };
@@ -121,7 +150,8 @@ struct FlopCount {
   double attention = 0;  ///< the attention operator (s^2 terms for softmax, linear ones for linear), FLOPs
 };
 
-/// Predicted seconds of micro-batches and steps (Ulysses sequence parallelism, FlashAttention-style kernels).
+/// Predicted seconds of micro-batches and steps (Ulysses, ring and ulysses-ring sequence parallelism,
+/// FlashAttention-style kernels).
 ///
 /// A micro-batch holds packed samples of lengths s_1..s_n (tokens, T = sum s_j, no attention across samples),
 /// runs on a group of `sp` ranks, and recomputes the activations of `r` of the L layers in backward. Its time is
@@ -153,13 +183,14 @@ struct FlopCount {
 ///   The chunks run over the packed stream, so A is exactly linear in s whatever the sample boundaries. With
 ///   C = 0 (quadratic form) A(s) = H (2 s^2 (F + D') + 4 P D s). The Omega parameters (H P D per layer) are
 ///   not counted in params_per_layer (0.8 % of a layer of the 1.3B decoder at m = 64).
-///   comm = (8 L + 4 r) * (s / sp) * h * b * ((sp - 1) / sp / bw(sp) + overhead(sp))
+///   comm = (2 L + r) * 2 (h + d_kv) * (s / sp) * b * ((sp - 1) / sp / bw(sp) + overhead(sp))
 ///     - the calls SequenceParallelAttention makes (src/dist/sequence_parallel.cpp): per layer forward, one
-///       all-to-all of q, k and v stacked (3 h elements per local token) and one of the output (h); backward
-///       runs the same two exchanges on their gradients (the all-to-all is its own transpose); a recomputed
-///       layer repeats its forward's two. So 4 L + 2 r calls per micro-batch, moving (8 L + 4 r) h elements
-///       per local token. (DeepSpeed-Ulysses sends q, k and v in separate calls; the 12 L + 4 r calls of its
-///       count are not what this implementation runs.)
+///       all-to-all of q, k and v stacked (h + 2 d_kv elements per local token, d_kv = ModelShape::kv_dim(),
+///       = h without GQA) and one of the output (h); backward runs the same two exchanges on their gradients
+///       (the all-to-all is its own transpose); a recomputed layer repeats its forward's two. So 4 L + 2 r calls
+///       per micro-batch, moving (2 L + r) 2 (h + d_kv) elements per local token ((8 L + 4 r) h without GQA;
+///       spec section 2.3's 2 B c (2 h + 2 d_kv)). (DeepSpeed-Ulysses sends q, k and v in separate calls; the
+///       12 L + 4 r calls of its count are not what this implementation runs.)
 ///     - of a rank's s/sp local tokens' bytes in a call, (sp - 1)/sp leave the rank (its own chunk stays);
 ///     - bw(sp), latency(sp), overhead(sp): the fitted CommFit of device.all_to_all for sp when present (`dcp
 ///       profile` under `dcp launch` measures them on the real group; overhead is its overhead_s_per_byte, the
@@ -167,6 +198,35 @@ struct FlopCount {
 ///       aligned group fits in a node (sp <= gpus_per_node), inter_node_bw otherwise, latency =
 ///       collective_latency_s and overhead 0.
 ///     comm is not overlapped with compute (conservative; the implementation does not overlap it either).
+/// Ring modes (an SpLayout with R = ring_size() > 1 subgroups of u = ulysses_size ranks; u = 1 is the pure
+/// ring, docs/sequence_parallel.md) change comm and fixed; compute keeps its FLOPs (zigzag balances the causal
+/// work over the ranks, anchors-parallel-training.md section 1.4) with attention at ring_block_efficiency:
+///   - the Ulysses part runs inside each subgroup: the comm above with u in place of sp in (u - 1) / u, bw(u),
+///     latency(u) and overhead(u), still over the s / sp tokens a rank holds; none when u = 1.
+///   - the ring: in each of R - 1 steps a rank sends its current K, V block to the next ring position while it
+///     computes attention against the block it holds (Liu et al., arXiv 2310.01889; Megatron-LM
+///     context_parallel.rst). A block is the keys and values of s / sp tokens for d_kv / u of the widths
+///     (a subgroup's s / R tokens split over u ranks by heads), so block_bytes = 2 (s / sp) d_kv b whatever u.
+///     Per step and layer forward, the block's attention takes t_c = A(s) / (sp R peak attention_mfu e) with
+///     A(s) = 2 h s^2 the forward attention FLOPs above (zigzag: each of the R steps does 1/R of a rank's
+///     work; e = ring_block_efficiency, which also divides the attention term of compute for these groups),
+///     and its transfer t_x = block_bytes / bw_ring(sp). A step takes max(t_c, t_x): the transfer
+///     hides behind the block's compute when that is long enough (the overlap condition of section 2.3), and
+///     the last block's compute hides nothing. So a layer's forward exposes (R - 1) max(0, t_x - t_c); its
+///     backward passes K, V and the dK, dV accumulators (twice the bytes) against twice the compute in each of
+///     R - 1 steps, then one more dK, dV hop home that nothing hides: 2 (R - 1) max(0, t_x - t_c) + t_x; a
+///     recomputed layer repeats its forward. Per sample:
+///       ring_exposed = (3 L + r) (R - 1) max(0, t_x - t_c) + L t_x.
+///     bw_ring(sp): the fitted device.ring[sp] when present (`dcp profile`: a timed ring exchange on the real
+///     group), else intra_node_bw when the aligned group fits in a node, inter_node_bw otherwise (a ring over
+///     more than gpus_per_node ranks has a hop across nodes, or all of them with u = gpus_per_node, and every
+///     step waits for its slowest hop; each GPU has its own NIC).
+///   - fixed adds latency_ring(sp) (device.ring[sp] or collective_latency_s) per ring step of the micro-batch,
+///     ring_steps = (L + r) (R - 1) + L R, not hidden (conservative by at most that sum).
+///   Samples are priced one by one, as for Ulysses: the runtime rings a micro-batch's packed stream, so one
+///   sample's compute can hide another's transfer and the per-sample sum of exposed times is an upper bound on
+///   that stream's (max(0, sum x - sum c) <= sum max(0, x - c)); it keeps time additive over samples, which
+///   the planners need. Ring modes need softmax attention (kSoftmax, kSoftmaxReference).
 /// A step adds step_seconds: the data-parallel gradient all-reduce of 2 (W-1)/W * params * b bytes per rank
 /// (ring all-reduce) plus 2 collective latencies; the optimizer update is neglected.
 class CostModel {
@@ -188,6 +248,29 @@ class CostModel {
   FlopCount flops(const std::vector<int64_t>& lengths, int64_t recompute_layers) const;
   /// The part of seconds() that does not depend on the samples, seconds.
   double fixed_seconds(int64_t sp_size, int64_t recompute_layers) const;
+  /// seconds, work_seconds and fixed_seconds of a group of `layout` (the overloads above are Ulysses,
+  /// SpLayout{sp, sp}, and do not check the heads). Throw like them and when the layout is invalid (ulysses_size not dividing sp_size) or
+  /// does not run on the shape (supports()).
+  double seconds(const std::vector<int64_t>& lengths, const SpLayout& layout, int64_t recompute_layers) const;
+  double work_seconds(int64_t length, const SpLayout& layout, int64_t recompute_layers) const;
+  double fixed_seconds(const SpLayout& layout, int64_t recompute_layers) const;
+  /// Whether a group of `layout` runs on the shape: its Ulysses part (ulysses_size, when > 1) divides the KV
+  /// heads (ModelShape::kv_head_count), and with a ring (ring_size() > 1) attention is softmax.
+  bool supports(const SpLayout& layout) const;
+  /// Bytes of one K, V block a rank sends per ring step for a micro-batch of `tokens` tokens: 2 (tokens / sp)
+  /// d_kv b; 0 without a ring (ring_size() 1).
+  double ring_block_bytes(int64_t tokens, const SpLayout& layout) const;
+  /// Ring steps of one micro-batch with r recomputed layers: (L + r)(R - 1) + L R, 0 without a ring.
+  int64_t ring_steps(const SpLayout& layout, int64_t recompute_layers) const;
+  /// The seconds of ring transfer a sample of `length` tokens leaves exposed (not hidden behind its blocks'
+  /// compute): (3 L + r)(R - 1) max(0, t_x - t_c) + L t_x (class comment); 0 without a ring.
+  double ring_exposed_seconds(int64_t length, const SpLayout& layout, int64_t recompute_layers) const;
+  /// Bytes per second of a ring step in an aligned group of sp ranks: the fitted device().ring[sp] when
+  /// present, else NVLink inside a node, InfiniBand across.
+  double ring_bandwidth(int64_t sp_size) const;
+  /// Seconds per ring step in an aligned group of sp ranks: device().ring[sp] when present, else
+  /// collective_latency_s.
+  double ring_latency(int64_t sp_size) const;
   /// Per global step: gradient all-reduce over `world_size` ranks, seconds (0 for one rank).
   double step_seconds(int64_t world_size) const;
   /// Bytes leaving a rank per second in an all-to-all of an aligned group of sp ranks: the fitted
@@ -200,12 +283,19 @@ class CostModel {
   /// Throws std::invalid_argument when sp is not positive or r is outside [0, L].
   int64_t all_to_all_calls(int64_t sp_size, int64_t recompute_layers) const;
   /// Bytes a rank exchanges in the all-to-alls of one micro-batch of `tokens` tokens (sent, its own chunk
-  /// included): (8 L + 4 r) * (tokens / sp) * hidden * bytes_per_element when sp > 1, else 0. Throws like
-  /// all_to_all_calls.
+  /// included): (2 L + r) * 2 (hidden + d_kv) * (tokens / sp) * bytes_per_element when sp > 1, else 0. Throws
+  /// like all_to_all_calls.
   double all_to_all_bytes(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const;
 
  private:
   void check(int64_t sp_size, int64_t recompute_layers) const;
+  void check(const SpLayout& layout, int64_t recompute_layers) const;
+  // The same with the all-to-alls inside subgroups of layout.ulysses_size.
+  double all_to_all_bytes(int64_t tokens, const SpLayout& layout, int64_t recompute_layers) const;
+  // Unchecked cores of ring_exposed_seconds, work_seconds and fixed_seconds (sp and r checked by the caller).
+  double ring_exposed(int64_t length, const SpLayout& layout, int64_t recompute_layers) const;
+  double work(int64_t length, const SpLayout& layout, int64_t recompute_layers) const;
+  double fixed(const SpLayout& layout, int64_t recompute_layers) const;
 
   ModelShape shape_;
   DeviceSpec device_;

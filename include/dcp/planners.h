@@ -34,6 +34,9 @@ struct PlannerOptions {
   /// Iterations then differ from the other planners' steps in size and number: for `dcp simulate` only, to
   /// compare with the reference as it runs (its optimizer steps are not ours).
   bool native_iterations = false;
+  /// `dcp-opt` only: the modes its groups may take (it chooses per group, sp_layouts_allowed); empty = every
+  /// mode the attention runs (sp_modes_allowed). The other planners give their groups Ulysses.
+  std::vector<SpMode> sp_modes;
 };
 
 /// A planner's output: the steps of one epoch, and the samples it could not place (no allowed SP size holds
@@ -50,8 +53,22 @@ using Planner = std::function<PlanSet(const std::vector<Sample>& samples, int64_
 /// Throws std::invalid_argument when a sample's id is not its index or both step sizes are non-positive.
 std::vector<std::vector<int64_t>> split_steps(const std::vector<Sample>& samples, const PlannerOptions& options);
 
-/// SP sizes a group may have: s <= world_size with heads % s == 0 (Ulysses splits the heads over the group).
+/// SP sizes a Ulysses group may have: s <= world_size with kv_head_count % s == 0 (Ulysses splits the heads over
+/// the group, and KV heads are not replicated).
 std::vector<int64_t> sp_sizes_allowed(int64_t world_size, const ModelShape& shape);
+
+/// `modes`, or when it is empty every mode the shape's attention runs: ulysses, ring and ulysses-ring for
+/// softmax, ulysses alone for linear attention (a ring merges softmax partial results by their logsumexps).
+std::vector<SpMode> sp_modes_allowed(const ModelShape& shape, const std::vector<SpMode>& modes);
+
+/// The group layouts a mode-choosing planner may use on up to world_size ranks with sp_modes_allowed(shape,
+/// modes), by SP size ascending and, within a size, Ulysses, ring, ulysses-ring: size 1 once ({1, 1}); for each
+/// s >= 2, Ulysses {s, s} when it runs (CostModel::supports: s divides the KV heads); ring {s, 1}; ulysses-ring
+/// {s, u} for u = ulysses_ring_size(s, 0, kv heads) (the largest subgroup) and, when different, the largest
+/// such u <= gpus_per_node (the Ulysses part inside a node, the ring across: USP's placement, arXiv
+/// 2405.07719). A size with no layout is left out. Throws std::invalid_argument when world_size < 1 or a
+/// mode in `modes` does not run on the attention (a ring mode with linear attention).
+std::vector<SpLayout> sp_layouts_allowed(int64_t world_size, const CostModel& cost, const std::vector<SpMode>& modes);
 
 /// `packed`: one static SP size for the epoch, the smallest allowed divisor of world_size at which the longest
 /// sample fits memory with full recompute, and one static recompute count, the fewest layers with which that
@@ -177,13 +194,15 @@ struct StepCost {
   double step_s = 0;        ///< makespan_s + CostModel::step_seconds(world_size)
   double peak_bytes = 0;    ///< largest MemoryModel::bytes over the micro-batches
 };
+/// A group's time uses its layout (GroupPlan::layout()), its memory the SP size alone (MemoryModel).
 StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples, int64_t world_size,
                        const CostModel& cost, const MemoryModel& memory);
 
-/// Lower bound on the seconds of any plan of these samples as one step on world_size ranks with SP sizes from
-/// sp_sizes_allowed:  max( sum_i g_i / world_size, max_i f_i ) + step_seconds(world_size), where
-///   g_i = min over feasible s of s * (work_seconds(len_i, s, r_i(s)) + overhead * len_i / c(s)),
-///   f_i = min over feasible s of seconds({len_i}, s, r_i(s)),
+/// Lower bound on the seconds of any plan of these samples as one step on world_size ranks with the group
+/// layouts of sp_layouts_allowed(world_size, cost, modes) (empty modes: every mode the attention runs, so the
+/// bound holds for every planner):  max( sum_i g_i / world_size, max_i f_i ) + step_seconds(world_size), where
+///   g_i = min over feasible layouts l of s * (work_seconds(len_i, l, r_i(s)) + overhead * len_i / c(s)),
+///   f_i = min over feasible l of seconds({len_i}, l, r_i(s)), s = l.sp_size,
 /// r_i(s) = MemoryModel::min_recompute_layers, overhead = DeviceSpec::micro_batch_overhead_s and
 /// c(s) = MemoryModel::max_tokens(s, layers), the most tokens any micro-batch on s ranks holds (so a group
 /// pays at least one overhead per c(s) of its tokens). It holds because time is additive over the samples of
@@ -191,7 +210,7 @@ StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples,
 /// spends s * t GPU-seconds, at most world_size * makespan in all.
 /// Samples that fit no size are left out. Throws std::invalid_argument for an unknown id.
 double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, int64_t world_size,
-                        const CostModel& cost, const MemoryModel& memory);
+                        const CostModel& cost, const MemoryModel& memory, const std::vector<SpMode>& modes = {});
 
 /// Built-in workloads, lengths in tokens.
 struct WorkloadOptions {

@@ -128,6 +128,12 @@ struct ProfileResult {
   std::string memory_method;               ///< MemoryMeter::method(): counting-allocator or the fallback
   /// One per SP size above 1 of the process groups, ascending; empty in one process.
   std::vector<SpProfile> sequence_parallel;
+  /// The ring exchanges per SP size above 1, ascending: one ring step (every rank sends a K, V block of
+  /// 2 x local_tokens x d_kv elements to the next member and receives one from the previous) timed on the real
+  /// group and fitted like the all-to-alls (fit_all_to_all: latency_s + bytes_leaving_rank / bytes_per_s, the
+  /// whole block leaving the rank; overhead_s_per_byte 0). Read back into DeviceSpec::ring. Empty in one
+  /// process, and until the timing (Communicator::exchange) is wired.
+  std::vector<SpProfile> ring;
   std::vector<ValidationPoint> validation;  ///< by SP size, then length, then recompute; empty in one process
   int64_t world_size = 1;            ///< ranks that measured concurrently
   int64_t threads = 0;               ///< intra-op threads per rank
@@ -210,7 +216,9 @@ ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, cons
 /// validation_heldout_max_rel_error, validation_fit_median_rel_error and its "grid" of local_tokens, width,
 /// bytes_leaving_rank, measured_s, predicted_s, held_out; "validation": per point sp_size, sample_length,
 /// samples, recompute_layers, measured_s, predicted_s, rel_error, measured_peak_bytes, predicted_peak_bytes,
-/// held_out), "world_size", "threads", "repeats",
+/// held_out; "ring_fits", when the result has ring fits: per SP size sp_size, latency_s, bytes_per_s (read back
+/// into DeviceSpec::ring), bandwidth_fitted, the three relative errors and its "grid" of local_tokens,
+/// bytes_leaving_rank (the block), measured_s, predicted_s, held_out), "world_size", "threads", "repeats",
 /// "max_rss_bytes", "wall_s" and "notes" (what is assumed rather than measured). Throws std::runtime_error
 /// naming the path when it cannot be written.
 void write_profile(const ProfileResult& result, const std::string& path);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <map>
 #include <set>
+#include <tuple>
 #include <stdexcept>
 #include <nlohmann/json.hpp>
 
@@ -20,7 +21,15 @@ struct SimulateArgs : PlanningArgs {
   bool native_iterations = false;
 };
 
-// What a planner's groups of one SP size ran over the epoch.
+// A group's SP size and mode: (sp_size, mode name, ulysses_size of ulysses-ring else 0); mode "-" for sp 1.
+using SizeMode = std::tuple<int64_t, std::string, int64_t>;
+
+SizeMode size_mode_of(const GroupPlan& g) {
+  if (g.sp_size == 1) return {1, "-", 0};
+  return {g.sp_size, sp_mode_name(g.sp_mode), g.sp_mode == SpMode::kUlyssesRing ? g.ulysses_size : 0};
+}
+
+// What a planner's groups of one SP size and mode ran over the epoch.
 struct SizeUse {
   int64_t groups = 0, micro_batches = 0, samples = 0, tokens = 0, recompute_layers = 0;  // recompute: summed over mbs
 };
@@ -30,7 +39,7 @@ struct Row {
   double epoch_s = 0, lower_bound_s = 0, mean_imbalance = 0, plan_ms_per_step = 0, peak_gb = 0;
   int64_t steps = 0, trained = 0, skipped = 0;
   std::set<int64_t> sp_sizes;  // of groups that ran micro-batches
-  std::map<int64_t, SizeUse> by_sp_size;
+  std::map<SizeMode, SizeUse> by_sp_size;
 };
 
 std::vector<std::string> split_names(const std::string& list) {
@@ -65,7 +74,7 @@ Row simulate(const std::string& name, const std::vector<Sample>& samples, int64_
     for (const auto& g : step.groups) {
       if (g.micro_batches.empty()) continue;
       row.sp_sizes.insert(g.sp_size);
-      SizeUse& use = row.by_sp_size[g.sp_size];
+      SizeUse& use = row.by_sp_size[size_mode_of(g)];
       ++use.groups;
       for (const auto& mb : g.micro_batches) {
         ++use.micro_batches;
@@ -81,7 +90,7 @@ Row simulate(const std::string& name, const std::vector<Sample>& samples, int64_
                                            name, step.index, c.peak_bytes / 1e9, memory.budget_bytes() / 1e9));
     }
     row.epoch_s += c.step_s;
-    row.lower_bound_s += step_lower_bound(ids, samples, world, cost, memory);
+    row.lower_bound_s += step_lower_bound(ids, samples, world, cost, memory, opt.sp_modes);
     row.peak_gb = std::max(row.peak_gb, c.peak_bytes / 1e9);
     imbalance += c.makespan_s > 0 ? 1.0 - c.mean_rank_s / c.makespan_s : 0.0;
   }
@@ -146,8 +155,9 @@ void run_simulate(const SimulateArgs& a) {
                      {"sp_sizes", r.sp_sizes}});
       if (a.by_sp_size) {
         nlohmann::json uses = nlohmann::json::array();
-        for (const auto& [sp, u] : r.by_sp_size) {
-          uses.push_back({{"sp_size", sp}, {"groups", u.groups}, {"micro_batches", u.micro_batches},
+        for (const auto& [key, u] : r.by_sp_size) {
+          const auto& [sp, mode, ulysses] = key;
+          uses.push_back({{"sp_size", sp}, {"sp_mode", mode}, {"ulysses_size", ulysses}, {"groups", u.groups}, {"micro_batches", u.micro_batches},
                           {"samples", u.samples}, {"tokens", u.tokens},
                           {"mean_recompute_layers", static_cast<double>(u.recompute_layers) / u.micro_batches}});
         }
@@ -174,11 +184,14 @@ void run_simulate(const SimulateArgs& a) {
                r.trained, r.skipped, r.steps, r.peak_gb, fmt::join(r.sp_sizes, ","));
   }
   if (!a.by_sp_size) return;
-  fmt::print("\n| planner | sp_size | groups | micro_batches | samples | tokens | token_share | mean_recompute_layers |\n");
-  fmt::print("|---|---|---|---|---|---|---|---|\n");
+  fmt::print("\n| planner | sp_size | sp_mode | ulysses_size | groups | micro_batches | samples | tokens | token_share | "
+             "mean_recompute_layers |\n");
+  fmt::print("|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& r : rows) {
-    for (const auto& [sp, u] : r.by_sp_size) {
-      fmt::print("| {} | {} | {} | {} | {} | {} | {:.3f} | {:.2f} |\n", r.planner, sp, u.groups, u.micro_batches,
+    for (const auto& [key, u] : r.by_sp_size) {
+      const auto& [sp, mode, ulysses] = key;
+      fmt::print("| {} | {} | {} | {} | {} | {} | {} | {} | {:.3f} | {:.2f} |\n", r.planner, sp, mode,
+                 ulysses > 0 ? std::to_string(ulysses) : "-", u.groups, u.micro_batches,
                  u.samples, u.tokens, static_cast<double>(u.tokens) / static_cast<double>(tokens),
                  static_cast<double>(u.recompute_layers) / static_cast<double>(u.micro_batches));
     }
@@ -196,7 +209,8 @@ void add_simulate_command(CLI::App& app) {
                 "dcp-intra, dcp-inter and dcp-inter-pac form their own iterations as the reference does (their "
                 "steps column counts them) instead of planning the common steps; see PlannerOptions");
   sub->add_flag("--by-sp-size", a->by_sp_size,
-                "also report, per planner and SP size, the groups, micro-batches, samples, tokens and mean "
+                "also report, per planner, SP size and SP mode (ulysses, ring, ulysses-ring with its "
+                "ulysses_size; '-' for sp 1), the groups, micro-batches, samples, tokens and mean "
                 "recompute_layers of its plans");
   sub->footer("Config overrides --attention.KEY=VALUE (e.g. --attention.backend=flexformer), --memory.KEY=VALUE "
               "and, with --config, --model.KEY=VALUE set the planned model. "

@@ -39,6 +39,15 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a) {
                   "SP size of bucket and packed (0: the smallest at which the longest sample fits)")
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--mfu", a.mfu, "achieved fraction of the device's peak FLOP/s (default: the device model's own)")->check(finite_number_validator("", 1e-3, false, 1.0));
+  sub->add_option("--heads", a.heads, "attention heads of the planned shape (0: its own; hidden must divide)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--kv-heads", a.kv_heads,
+                  "key/value heads of the planned shape for the cost model (grouped-query attention; 0 = heads, "
+                  "default: the shape's own; the trained model has no GQA)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--sp-modes", a.sp_modes,
+                  "SP modes dcp-opt may choose per group: 'auto' (ulysses, ring and ulysses-ring for softmax "
+                  "attention, ulysses for linear) or a comma-separated list of ulysses, ring, ulysses-ring");
   sub->add_option("--seed", a.seed, "seed of the epoch order and of the generated workload");
   sub->add_flag("--json", a.json, "print JSON");
   sub->allow_extras();
@@ -105,6 +114,29 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
     if (profiled) in.shape = *profiled;
     if (sets_attention || !profiled) in.shape = with_attention(in.shape, cfg.attention);
   }
+  if (a.heads > 0) {
+    if (in.shape.hidden % a.heads != 0) {
+      throw ConfigError(fmt::format("--heads {}: must divide the hidden size {}", a.heads, in.shape.hidden));
+    }
+    in.shape.heads = a.heads;
+  }
+  if (a.kv_heads >= 0) in.shape.kv_heads = a.kv_heads;
+  try {
+    in.shape.validate();
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(fmt::format("--heads / --kv-heads: {}", e.what()));
+  }
+  if (a.sp_modes != "auto") {
+    for (size_t start = 0; start <= a.sp_modes.size();) {
+      const size_t comma = std::min(a.sp_modes.find(',', start), a.sp_modes.size());
+      try {
+        in.options.sp_modes.push_back(sp_mode_from_name(a.sp_modes.substr(start, comma - start)));
+      } catch (const std::invalid_argument& e) {
+        throw ConfigError(fmt::format("--sp-modes '{}': {}", a.sp_modes, e.what()));
+      }
+      start = comma + 1;
+    }
+  }
   if (a.static_sp > 0) {
     const std::vector<int64_t> allowed = sp_sizes_allowed(a.world_size, in.shape);
     if (a.world_size % a.static_sp != 0 || std::find(allowed.begin(), allowed.end(), a.static_sp) == allowed.end()) {
@@ -114,6 +146,11 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
   }
   if (a.memory_budget_bytes > 0) memory.budget_bytes = a.memory_budget_bytes;
   in.cost = std::make_unique<CostModel>(in.shape, device);
+  try {
+    sp_layouts_allowed(a.world_size, *in.cost, in.options.sp_modes);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(fmt::format("--sp-modes '{}': {}", a.sp_modes, e.what()));
+  }
   const int64_t longest = in.lengths.empty() ? 0 : *std::max_element(in.lengths.begin(), in.lengths.end());
   in.memory = std::make_unique<MemoryModel>(memory_model_for(a.cost_model, in.shape, device, memory, longest));
   in.options.seed = a.seed;

@@ -16,6 +16,8 @@ struct PlanningArgs {
   int64_t world_size = 0, samples_per_step = 0, tokens_per_step = 0, num_samples = 8000, static_sp = 0;
   uint64_t seed = 1234;
   double mfu = 0;  // 0 = the device model's own
+  int64_t heads = 0, kv_heads = -1;  // 0 / -1 = the shape's own
+  std::string sp_modes = "auto";     // PlannerOptions::sp_modes: "auto" or a comma-separated list
   double memory_budget_bytes = 0;  // 0 = the --config's memory section (default 0.9 x device memory)
   bool json = false;
   std::vector<std::string> overrides;  // --section.key=value for the model, attention and memory sections
@@ -33,7 +35,7 @@ struct PlanningInputs {
 };
 
 /// Registers --lengths/--workload, --world-size, --cost-model, --config, step sizes, --static-sp, --mfu,
-/// --seed and --json on `sub`, and lets it take config overrides (the command stores config_overrides(*sub)
+/// --heads, --kv-heads, --sp-modes, --seed and --json on `sub`, and lets it take config overrides (the command stores config_overrides(*sub)
 /// in `overrides`). Every number option is bounded (--num-samples by kMaxNumSamples).
 void add_planning_options(CLI::App* sub, PlanningArgs& a);
 
@@ -45,7 +47,8 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a);
 /// --config, attention.* overrides set the attention of the default or profiled shape (with_attention), e.g.
 /// --attention.backend=flexformer plans the 1.3B decoder with Flexformer attention. The per-rank budget is
 /// --memory-budget-bytes, else the memory section's memory.budget_bytes / memory.fraction (memory_budget_bytes
-/// in dcp/planning.h). Throws CLI::ValidationError unless exactly one of --lengths/--workload is given, for an
+/// in dcp/planning.h). --heads and --kv-heads then set the shape's heads and ModelShape::kv_heads (the cost
+/// model's GQA; the trained model has none); --sp-modes the modes dcp-opt may choose. Throws CLI::ValidationError unless exactly one of --lengths/--workload is given, for an
 /// override outside the model, attention and memory sections and for a model.* override without --config;
 /// ConfigError for a bad override, an unknown --workload or --cost-model name and a --static-sp that does not
 /// divide the world size and the heads; and what the readers and models throw.

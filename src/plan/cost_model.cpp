@@ -16,7 +16,7 @@ namespace dcp {
 
 double ModelShape::params_per_layer() const {
   const double h = static_cast<double>(hidden);
-  return 4.0 * h * h + static_cast<double>(mlp_matrices) * h * static_cast<double>(ffn);
+  return 2.0 * h * h + 2.0 * h * kv_dim() + static_cast<double>(mlp_matrices) * h * static_cast<double>(ffn);
 }
 
 double ModelShape::params() const {
@@ -39,6 +39,10 @@ void ModelShape::validate() const {
                                                     {"bytes_per_element", bytes_per_element}};
   for (const auto& [name, value] : fields) {
     if (value < 1) throw std::invalid_argument(fmt::format("model shape: {} = {} must be positive", name, value));
+  }
+  if (kv_heads < 0 || (kv_heads > 0 && heads % kv_heads != 0)) {
+    throw std::invalid_argument(
+        fmt::format("model shape: kv_heads = {} must be 0 (= heads) or divide heads = {}", kv_heads, heads));
   }
   if (attention == AttentionKind::kLinear && (feature_dim < 1 || feature_projections < 0 || chunk_size < 0)) {
     throw std::invalid_argument(fmt::format("model shape: linear attention needs feature_dim >= 1 (got {}), "
@@ -67,8 +71,11 @@ DeviceSpec DeviceSpec::named(const std::string& name) {
 
 namespace {
 
-// The optional "sequence_parallel" object of a profile (DeviceSpec::from_profile): its per-SP-size fits.
-std::map<int64_t, CommFit> read_all_to_all_fits(const nlohmann::json& doc, const std::string& path) {
+// An array of per-SP-size fits in the "sequence_parallel" object of a profile (DeviceSpec::from_profile): "fits"
+// (the all-to-alls, required when the object is there, with overhead_s_per_byte) or "ring_fits" (optional,
+// without it).
+std::map<int64_t, CommFit> read_comm_fits(const nlohmann::json& doc, const std::string& path, const char* key,
+                                          bool with_overhead) {
   std::map<int64_t, CommFit> fits;
   if (!doc.contains("sequence_parallel")) return fits;
   auto bad = [&](const std::string& field, const std::string& what) {
@@ -76,13 +83,15 @@ std::map<int64_t, CommFit> read_all_to_all_fits(const nlohmann::json& doc, const
   };
   const nlohmann::json& sp = doc["sequence_parallel"];
   if (!sp.is_object()) throw bad("sequence_parallel", "must be an object, got " + sp.dump());
-  if (!sp.contains("fits") || !sp["fits"].is_array()) {
-    throw bad("sequence_parallel.fits", sp.contains("fits") ? "must be an array, got " + sp["fits"].dump()
-                                                            : "is missing (an array of per-SP-size fits)");
+  const std::string name = std::string("sequence_parallel.") + key;
+  if (!with_overhead && !sp.contains(key)) return fits;  // profiles written before the ring was profiled
+  if (!sp.contains(key) || !sp[key].is_array()) {
+    throw bad(name, sp.contains(key) ? "must be an array, got " + sp[key].dump()
+                                     : "is missing (an array of per-SP-size fits)");
   }
-  const nlohmann::json& list = sp["fits"];
+  const nlohmann::json& list = sp[key];
   for (size_t i = 0; i < list.size(); ++i) {
-    const std::string at = fmt::format("sequence_parallel.fits[{}]", i);
+    const std::string at = fmt::format("{}[{}]", name, i);
     const nlohmann::json& f = list[i];
     if (!f.is_object()) throw bad(at, "must be an object, got " + f.dump());
     auto number = [&](const char* key) {
@@ -100,7 +109,7 @@ std::map<int64_t, CommFit> read_all_to_all_fits(const nlohmann::json& doc, const
     CommFit fit;
     fit.latency_s = number("latency_s");
     fit.bytes_per_s = number("bytes_per_s");
-    fit.overhead_s_per_byte = number("overhead_s_per_byte");
+    if (with_overhead) fit.overhead_s_per_byte = number("overhead_s_per_byte");
     for (const auto& [key, value] : {std::pair<const char*, double>{"latency_s", fit.latency_s},
                                      {"overhead_s_per_byte", fit.overhead_s_per_byte}}) {
       if (!(value >= 0) || !std::isfinite(value)) {
@@ -160,7 +169,9 @@ DeviceSpec DeviceSpec::from_profile(const std::string& path) {
   spec.gpus_per_node = gpus.get<int64_t>();
   spec.collective_latency_s = field("collective_latency_s").get<double>();
   spec.micro_batch_overhead_s = field("micro_batch_overhead_s").get<double>();
-  spec.all_to_all = read_all_to_all_fits(doc, path);
+  if (d.contains("ring_block_efficiency")) spec.ring_block_efficiency = field("ring_block_efficiency").get<double>();
+  spec.all_to_all = read_comm_fits(doc, path, "fits", true);
+  spec.ring = read_comm_fits(doc, path, "ring_fits", false);
   try {
     spec.validate();
   } catch (const std::invalid_argument& e) {
@@ -189,12 +200,16 @@ void DeviceSpec::validate() const {
   check("gpus_per_node", static_cast<double>(gpus_per_node), 1, 1e6);
   check("collective_latency_s", collective_latency_s, 0, 3600);
   check("micro_batch_overhead_s", micro_batch_overhead_s, 0, 3600);
-  for (const auto& [sp, fit] : all_to_all) {
-    const std::string f = fmt::format("all_to_all[sp {}].", sp);
-    check(f + "sp_size", static_cast<double>(sp), 2, 1e9);
-    check(f + "latency_s", fit.latency_s, 0, 3600);
-    check(f + "bytes_per_s", fit.bytes_per_s, 1e3, 1e15);
-    check(f + "overhead_s_per_byte", fit.overhead_s_per_byte, 0, 1);
+  check("ring_block_efficiency", ring_block_efficiency, 0, 1, true);
+  for (const auto& [fits, what] : {std::pair<const std::map<int64_t, CommFit>*, const char*>{&all_to_all, "all_to_all"},
+                                    {&ring, "ring"}}) {
+    for (const auto& [sp, fit] : *fits) {
+      const std::string f = fmt::format("{}[sp {}].", what, sp);
+      check(f + "sp_size", static_cast<double>(sp), 2, 1e9);
+      check(f + "latency_s", fit.latency_s, 0, 3600);
+      check(f + "bytes_per_s", fit.bytes_per_s, 1e3, 1e15);
+      check(f + "overhead_s_per_byte", fit.overhead_s_per_byte, 0, 1);
+    }
   }
 }
 
@@ -229,12 +244,59 @@ int64_t CostModel::all_to_all_calls(int64_t sp_size, int64_t recompute_layers) c
 
 double CostModel::all_to_all_bytes(int64_t tokens, int64_t sp_size, int64_t recompute_layers) const {
   check(sp_size, recompute_layers);
-  if (sp_size == 1) return 0.0;
-  // Per local token (class comment): 3 h + h elements per layer forward and backward, per recomputed layer once
-  // more.
+  return all_to_all_bytes(tokens, SpLayout{sp_size, sp_size}, recompute_layers);
+}
+
+double CostModel::all_to_all_bytes(int64_t tokens, const SpLayout& layout, int64_t recompute_layers) const {
+  if (layout.ulysses_size == 1) return 0.0;
+  // Per local token (class comment): h + 2 d_kv (q, k, v) and h (output) elements per layer forward and
+  // backward, per recomputed layer once more.
   const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
-  return (8.0 * L + 4.0 * r) * static_cast<double>(tokens) / static_cast<double>(sp_size) *
-         static_cast<double>(shape_.hidden * shape_.bytes_per_element);
+  return (2.0 * L + r) * 2.0 * (static_cast<double>(shape_.hidden) + shape_.kv_dim()) * static_cast<double>(tokens) /
+         static_cast<double>(layout.sp_size) * static_cast<double>(shape_.bytes_per_element);
+}
+
+bool CostModel::supports(const SpLayout& layout) const {
+  if (layout.ulysses_size > 1 && !layout_fits_heads(layout, shape_.kv_head_count())) return false;
+  return layout.ring_size() == 1 || shape_.attention != AttentionKind::kLinear;
+}
+
+void CostModel::check(const SpLayout& layout, int64_t recompute_layers) const {
+  check(layout.sp_size, recompute_layers);
+  if (layout.ulysses_size < 1 || layout.sp_size % layout.ulysses_size != 0) {
+    throw std::invalid_argument(fmt::format("cost model: ulysses_size {} must divide sp_size {}",
+                                            layout.ulysses_size, layout.sp_size));
+  }
+  if (!supports(layout)) {
+    throw std::invalid_argument(fmt::format(
+        "cost model: a group of sp_size {} with ulysses_size {} does not run on {} KV heads with {} attention "
+        "(the Ulysses part must divide the KV heads; a ring needs softmax attention)",
+        layout.sp_size, layout.ulysses_size, shape_.kv_head_count(), attention_kind_name(shape_.attention)));
+  }
+}
+
+double CostModel::ring_bandwidth(int64_t sp_size) const {
+  const auto fit = device_.ring.find(sp_size);
+  if (fit != device_.ring.end()) return fit->second.bytes_per_s;
+  return sp_size <= device_.gpus_per_node ? device_.intra_node_bw : device_.inter_node_bw;
+}
+
+double CostModel::ring_latency(int64_t sp_size) const {
+  const auto fit = device_.ring.find(sp_size);
+  return fit != device_.ring.end() ? fit->second.latency_s : device_.collective_latency_s;
+}
+
+double CostModel::ring_block_bytes(int64_t tokens, const SpLayout& layout) const {
+  if (layout.ring_size() == 1) return 0.0;
+  return 2.0 * static_cast<double>(tokens) / static_cast<double>(layout.sp_size) * shape_.kv_dim() *
+         static_cast<double>(shape_.bytes_per_element);
+}
+
+int64_t CostModel::ring_steps(const SpLayout& layout, int64_t recompute_layers) const {
+  const int64_t R = layout.ring_size();
+  if (R == 1) return 0;
+  // Forward (and a recomputed layer's): R - 1 K, V hops; backward: R - 1 K, V + dK, dV hops, one dK, dV home.
+  return (shape_.layers + recompute_layers) * (R - 1) + shape_.layers * R;
 }
 
 namespace {
@@ -277,29 +339,85 @@ FlopCount CostModel::flops(const std::vector<int64_t>& lengths, int64_t recomput
   return total;
 }
 
+double CostModel::ring_exposed_seconds(int64_t length, const SpLayout& layout, int64_t recompute_layers) const {
+  check(layout, recompute_layers);
+  if (length < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", length));
+  return ring_exposed(length, layout, recompute_layers);
+}
+
+double CostModel::ring_exposed(int64_t length, const SpLayout& layout, int64_t recompute_layers) const {
+  const int64_t R = layout.ring_size();
+  if (R == 1) return 0.0;
+  // Per layer forward (class comment): a step's block attention t_c against its block's transfer t_x.
+  const double t_c = attention_forward_flops(shape_, static_cast<double>(length)) /
+                     (static_cast<double>(layout.sp_size * R) * device_.peak_flops *
+                      device_.effective_attention_mfu() * device_.ring_block_efficiency);
+  const double t_x = ring_block_bytes(length, layout) / ring_bandwidth(layout.sp_size);
+  const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
+  return (3.0 * L + r) * static_cast<double>(R - 1) * std::max(0.0, t_x - t_c) + L * t_x;
+}
+
+double CostModel::work(int64_t length, const SpLayout& layout, int64_t recompute_layers) const {
+  if (length < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", length));
+  const double sp = static_cast<double>(layout.sp_size);
+  const FlopCount f = sample_flops(shape_, length, recompute_layers);
+  const double attention_rate =
+      device_.effective_attention_mfu() * (layout.ring_size() > 1 ? device_.ring_block_efficiency : 1.0);
+  const double compute = (f.linear / device_.mfu + f.attention / attention_rate) / (sp * device_.peak_flops);
+  // The all-to-alls run inside subgroups of u ranks (all of the group for Ulysses).
+  const int64_t u = layout.ulysses_size;
+  const auto fit = device_.all_to_all.find(u);
+  const double overhead = fit != device_.all_to_all.end() ? fit->second.overhead_s_per_byte : 0.0;
+  const double leaving = static_cast<double>(u - 1) / static_cast<double>(u);
+  const double comm = all_to_all_bytes(length, layout, recompute_layers) *
+                      (leaving / all_to_all_bandwidth(u) + overhead);
+  return compute + comm + ring_exposed(length, layout, recompute_layers);
+}
+
+double CostModel::fixed(const SpLayout& layout, int64_t recompute_layers) const {
+  return device_.micro_batch_overhead_s +
+         static_cast<double>(all_to_all_calls(layout.ulysses_size, recompute_layers)) *
+             all_to_all_latency(layout.ulysses_size) +
+         static_cast<double>(ring_steps(layout, recompute_layers)) * ring_latency(layout.sp_size);
+}
+
+double CostModel::work_seconds(int64_t length, const SpLayout& layout, int64_t recompute_layers) const {
+  check(layout, recompute_layers);
+  return work(length, layout, recompute_layers);
+}
+
+double CostModel::fixed_seconds(const SpLayout& layout, int64_t recompute_layers) const {
+  check(layout, recompute_layers);
+  return fixed(layout, recompute_layers);
+}
+
+double CostModel::seconds(const std::vector<int64_t>& lengths, const SpLayout& layout,
+                          int64_t recompute_layers) const {
+  if (lengths.empty()) throw std::invalid_argument("cost model: a micro-batch needs at least one sample");
+  check(layout, recompute_layers);
+  double t = fixed(layout, recompute_layers);
+  for (int64_t len : lengths) t += work(len, layout, recompute_layers);
+  return t;
+}
+
+// The Ulysses overloads, SpLayout{sp, sp}: they check sp and r only, not the heads (profiles and callers that
+// predate the layouts price Ulysses groups of any size).
 double CostModel::work_seconds(int64_t length, int64_t sp_size, int64_t recompute_layers) const {
   check(sp_size, recompute_layers);
-  if (length < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", length));
-  const double sp = static_cast<double>(sp_size);
-  const FlopCount f = sample_flops(shape_, length, recompute_layers);
-  const double compute = (f.linear / device_.mfu + f.attention / device_.effective_attention_mfu()) /
-                         (sp * device_.peak_flops);
-  const auto fit = device_.all_to_all.find(sp_size);
-  const double overhead = fit != device_.all_to_all.end() ? fit->second.overhead_s_per_byte : 0.0;
-  const double comm = all_to_all_bytes(length, sp_size, recompute_layers) *
-                      ((sp - 1.0) / sp / all_to_all_bandwidth(sp_size) + overhead);
-  return compute + comm;
+  return work(length, SpLayout{sp_size, sp_size}, recompute_layers);
 }
 
 double CostModel::fixed_seconds(int64_t sp_size, int64_t recompute_layers) const {
-  return device_.micro_batch_overhead_s +
-         static_cast<double>(all_to_all_calls(sp_size, recompute_layers)) * all_to_all_latency(sp_size);
+  check(sp_size, recompute_layers);
+  return fixed(SpLayout{sp_size, sp_size}, recompute_layers);
 }
 
 double CostModel::seconds(const std::vector<int64_t>& lengths, int64_t sp_size, int64_t recompute_layers) const {
   if (lengths.empty()) throw std::invalid_argument("cost model: a micro-batch needs at least one sample");
-  double t = fixed_seconds(sp_size, recompute_layers);
-  for (int64_t len : lengths) t += work_seconds(len, sp_size, recompute_layers);
+  check(sp_size, recompute_layers);
+  const SpLayout layout{sp_size, sp_size};
+  double t = fixed(layout, recompute_layers);
+  for (int64_t len : lengths) t += work(len, layout, recompute_layers);
   return t;
 }
 

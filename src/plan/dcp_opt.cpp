@@ -55,13 +55,17 @@ constexpr double kStaticGap = 0.01;
 // One step of dcp-opt: the samples' times at every power-of-two size and the search over group layouts.
 class OptStep {
  public:
-  OptStep(const std::vector<Sample>& samples, std::vector<int64_t> ids, const std::vector<int64_t>& sizes,
+  // `layouts`: the candidate group layouts, by SP size ascending (several modes may share a size); the step
+  // keeps those of a size that are fastest for one of its samples at least (prune).
+  OptStep(const std::vector<Sample>& samples, std::vector<int64_t> ids, const std::vector<SpLayout>& layouts,
           int64_t world_size, const CostModel& cost, const MemoryModel& memory)
-      : samples_(samples), ids_(std::move(ids)), sizes_(sizes), world_(world_size), cost_(cost), memory_(memory) {
+      : samples_(samples), ids_(std::move(ids)), layouts_(layouts), world_(world_size), cost_(cost), memory_(memory) {
+    for (const SpLayout& l : layouts_) sizes_.push_back(l.sp_size);
     // Samples numbered longest first (ties keep the step's order). A sample's time at a size grows with its
     // length, so this is also their order by time at every size where they fit: fill walks the samples in
     // index order (no per-size sort) and reads the tables below sequentially.
-    const size_t n = ids_.size(), K = sizes_.size();
+    const size_t n = ids_.size();
+    size_t K = sizes_.size();
     {
       std::vector<std::pair<int64_t, size_t>> keyed(n);  // (-length, position): a plain sort is stable here
       for (size_t i = 0; i < n; ++i) keyed[i] = {-length_of(samples_, ids_[i]), i};
@@ -73,7 +77,6 @@ class OptStep {
     t_.assign(n * K, kInf);
     recompute_.assign(n * K, -1);
     work_.assign(n * K, kInf);
-    by_cost_.resize(n * K);
     // The cost model's layer count is the memory model's (both come from one ModelShape, as in every caller).
     layers_ = cost_.shape().layers;
     const size_t row = static_cast<size_t>(layers_ + 1);
@@ -89,7 +92,6 @@ class OptStep {
         std::copy_n(&t_[(i - 1) * K], K, &t_[i * K]);
         std::copy_n(&recompute_[(i - 1) * K], K, &recompute_[i * K]);
         std::copy_n(&work_[(i - 1) * K], K, &work_[i * K]);
-        std::copy_n(&by_cost_[(i - 1) * K], K, &by_cost_[i * K]);
         continue;
       }
       for (size_t k = 0; k < K; ++k) {
@@ -98,9 +100,14 @@ class OptStep {
         const double cap0 = static_cast<double>(max_tokens_[k * row]);
         const double share = cap0 > 0 ? std::min(1.0, static_cast<double>(len) / cap0) : 1.0;
         recompute_[i * K + k] = *r;
-        work_[i * K + k] = cost_.work_seconds(len, sizes_[k], *r);
-        t_[i * K + k] = work_[i * K + k] + cost_.fixed_seconds(sizes_[k], *r) * share;
+        work_[i * K + k] = cost_.work_seconds(len, layouts_[k], *r);
+        t_[i * K + k] = work_[i * K + k] + cost_.fixed_seconds(layouts_[k], *r) * share;
       }
+    }
+    prune();
+    K = sizes_.size();
+    by_cost_.resize(n * K);
+    for (size_t i = 0; i < n; ++i) {
       // Sizes by GPU-seconds s * t(s), ascending (ties: smaller size). It does not depend on the target, so
       // fill finds a sample's preferred size and its cheapest open group without scanning every size.
       auto* o = &by_cost_[i * K];
@@ -123,6 +130,7 @@ class OptStep {
     bool best_dense = false;
     double best_target = 0, best_lo = 0, bound = kInf;  // bound: the least floor bound, floor 0's, over all sizes
     for (size_t floor = 0; floor < K; ++floor) {
+      if (floor > 0 && sizes_[floor - 1] == sizes_[floor]) continue;  // a floor takes every layout of its size
       const double cap = best.groups.empty() ? kInf : best.makespan() * (1 - 2 * kTargetTolerance);
       const double floor_lo = floor_bound(floor, cap);
       bound = std::min(bound, floor_lo);
@@ -176,6 +184,52 @@ class OptStep {
     std::vector<size_t> order, group_of;
     double makespan() const { return loads.empty() ? kInf : *std::max_element(loads.begin(), loads.end()); }
   };
+
+  // Keeps, of the layouts of one SP size, those that are the fastest for one sample at least (the first on
+  // ties): at one size, GPU-seconds order like times, so no sample prefers another one, and fewer layouts keep
+  // the search as fast as with Ulysses alone. The tables shrink to the layouts kept.
+  void prune() {
+    const size_t n = ids_.size(), K = sizes_.size();
+    std::vector<char> keep(K, 0);
+    for (size_t a = 0; a < K;) {  // the layouts [a, b) of one size
+      size_t b = a;
+      while (b < K && sizes_[b] == sizes_[a]) ++b;
+      for (size_t i = 0; i < n; ++i) {
+        size_t best = a;
+        for (size_t k = a + 1; k < b; ++k) {
+          if (t(i, k) < t(i, best)) best = k;
+        }
+        if (t(i, best) < kInf) keep[best] = 1;
+      }
+      if (std::find(keep.begin() + static_cast<std::ptrdiff_t>(a), keep.begin() + static_cast<std::ptrdiff_t>(b),
+                    1) == keep.begin() + static_cast<std::ptrdiff_t>(b)) {
+        keep[a] = 1;  // no sample fits this size: one layout stands for it
+      }
+      a = b;
+    }
+    if (std::all_of(keep.begin(), keep.end(), [](char c) { return c != 0; })) return;
+    std::vector<size_t> kept;
+    for (size_t k = 0; k < K; ++k) {
+      if (keep[k]) kept.push_back(k);
+    }
+    const size_t row = static_cast<size_t>(layers_ + 1), K2 = kept.size();
+    std::vector<double> t2(n * K2), work2(n * K2);
+    std::vector<int64_t> recompute2(n * K2), max_tokens2(K2 * row);
+    std::vector<SpLayout> layouts2;
+    std::vector<int64_t> sizes2;
+    for (size_t j = 0; j < K2; ++j) {
+      const size_t k = kept[j];
+      layouts2.push_back(layouts_[k]);
+      sizes2.push_back(sizes_[k]);
+      std::copy_n(&max_tokens_[k * row], row, &max_tokens2[j * row]);
+      for (size_t i = 0; i < n; ++i) {
+        t2[i * K2 + j] = t_[i * K + k], work2[i * K2 + j] = work_[i * K + k];
+        recompute2[i * K2 + j] = recompute_[i * K + k];
+      }
+    }
+    t_ = std::move(t2), work_ = std::move(work2), recompute_ = std::move(recompute2);
+    max_tokens_ = std::move(max_tokens2), layouts_ = std::move(layouts2), sizes_ = std::move(sizes2);
+  }
 
   // Predicted seconds of sample i at size index k (inf when it does not fit), and its GPU-seconds there.
   double t(size_t i, size_t k) const { return t_[i * sizes_.size() + k]; }
@@ -526,7 +580,7 @@ class OptStep {
         }
       }
       makespan = std::max(makespan, seconds);
-      out.push_back(GroupPlan{first, sizes_[k], std::move(bins)});
+      out.push_back(group_of_layout(first, layouts_[k], std::move(bins)));
       first += sizes_[k];
     }
     return {std::move(out), makespan};
@@ -546,8 +600,8 @@ class OptStep {
       work += work_[i * K + k], r_min = std::min(r_min, recompute_[i * K + k]);
     }
     const double groups = static_cast<double>(world_ / sizes_[k]);
-    const double longest = work_[k] + cost_.fixed_seconds(sizes_[k], recompute_[k]);  // ids_ are longest first
-    return std::max(longest, work / groups + cost_.fixed_seconds(sizes_[k], r_min));
+    const double longest = work_[k] + cost_.fixed_seconds(layouts_[k], recompute_[k]);  // ids_ are longest first
+    return std::max(longest, work / groups + cost_.fixed_seconds(layouts_[k], r_min));
   }
 
   // Every sample at size index k on world / size groups, longest first onto the least loaded (LPT in t): the
@@ -584,7 +638,7 @@ class OptStep {
   std::pair<std::vector<MicroBatch>, double> pack_group(const std::vector<size_t>& members, size_t k,
                                                         int64_t r_cap) const {
     const size_t K = sizes_.size();
-    const int64_t sp = sizes_[k];
+    const SpLayout& sp = layouts_[k];
     struct Bin {
       MicroBatch mb;
       std::vector<int64_t> lengths;
@@ -637,7 +691,8 @@ class OptStep {
 
   const std::vector<Sample>& samples_;
   std::vector<int64_t> ids_;
-  const std::vector<int64_t>& sizes_;
+  std::vector<SpLayout> layouts_;  // by size index: the group layout (SP size and mode)
+  std::vector<int64_t> sizes_;     // by size index: layouts_[k].sp_size, ascending (equal for modes of a size)
   int64_t world_;
   const CostModel& cost_;
   const MemoryModel& memory_;
@@ -656,20 +711,20 @@ PlanSet plan_dcp_opt(const std::vector<Sample>& samples, int64_t world_size, con
                      const MemoryModel& memory, const PlannerOptions& options) {
   check_world(world_size);
   const auto steps = split_steps(samples, options);
-  std::vector<int64_t> sizes;
-  for (int64_t s : sp_sizes_allowed(world_size, cost.shape())) {
-    if ((s & (s - 1)) == 0) sizes.push_back(s);
+  std::vector<SpLayout> layouts;
+  for (const SpLayout& l : sp_layouts_allowed(world_size, cost, options.sp_modes)) {
+    if ((l.sp_size & (l.sp_size - 1)) == 0) layouts.push_back(l);
   }
   std::vector<char> skipped(samples.size(), 0);
   for (const auto& s : samples) {
-    if (!memory.min_recompute_layers(s.length, sizes.back())) skipped[static_cast<size_t>(s.id)] = 1;
+    if (!memory.min_recompute_layers(s.length, layouts.back().sp_size)) skipped[static_cast<size_t>(s.id)] = 1;
   }
   PlanSet out;
   out.skipped_ids = skipped_ids(skipped);
   for (const auto& step : steps) {
     auto ids = kept(step, skipped);
     if (ids.empty()) continue;
-    OptStep opt(samples, std::move(ids), sizes, world_size, cost, memory);
+    OptStep opt(samples, std::move(ids), layouts, world_size, cost, memory);
     out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), opt.plan()));
   }
   return out;

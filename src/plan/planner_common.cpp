@@ -70,6 +70,20 @@ std::vector<int64_t> kept(const std::vector<int64_t>& ids, const std::vector<cha
   return out;
 }
 
+GroupPlan group_of_layout(int64_t first_rank, const SpLayout& layout, std::vector<MicroBatch> micro_batches) {
+  GroupPlan g;
+  g.first_rank = first_rank;
+  g.sp_size = layout.sp_size;
+  g.micro_batches = std::move(micro_batches);
+  if (layout.ulysses_size == 1 && layout.sp_size > 1) {
+    g.sp_mode = SpMode::kRing;
+  } else if (layout.ulysses_size < layout.sp_size) {
+    g.sp_mode = SpMode::kUlyssesRing;
+    g.ulysses_size = layout.ulysses_size;
+  }
+  return g;
+}
+
 StepPlan make_step(const PlannerOptions& opt, int64_t index, std::vector<GroupPlan> groups) {
   StepPlan p;
   p.epoch = opt.epoch;
@@ -167,8 +181,44 @@ std::vector<std::vector<int64_t>> split_steps(const std::vector<Sample>& samples
 
 std::vector<int64_t> sp_sizes_allowed(int64_t world_size, const ModelShape& shape) {
   std::vector<int64_t> out;
-  for (int64_t s = 1; s <= std::min(world_size, shape.heads); ++s) {
-    if (shape.heads % s == 0) out.push_back(s);
+  const int64_t heads = shape.kv_head_count();
+  for (int64_t s = 1; s <= std::min(world_size, heads); ++s) {
+    if (heads % s == 0) out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<SpMode> sp_modes_allowed(const ModelShape& shape, const std::vector<SpMode>& modes) {
+  if (!modes.empty()) return modes;
+  if (shape.attention == AttentionKind::kLinear) return {SpMode::kUlysses};
+  return {SpMode::kUlysses, SpMode::kRing, SpMode::kUlyssesRing};
+}
+
+std::vector<SpLayout> sp_layouts_allowed(int64_t world_size, const CostModel& cost, const std::vector<SpMode>& modes) {
+  check_world(world_size);
+  const std::vector<SpMode> allowed = sp_modes_allowed(cost.shape(), modes);
+  for (SpMode m : allowed) {
+    if (m != SpMode::kUlysses && !cost.supports(SpLayout{2, 1})) {
+      throw std::invalid_argument(fmt::format("planner: sp mode {} needs softmax attention, not {}", sp_mode_name(m),
+                                              attention_kind_name(cost.shape().attention)));
+    }
+  }
+  auto has = [&](SpMode m) { return std::find(allowed.begin(), allowed.end(), m) != allowed.end(); };
+  const int64_t heads = cost.shape().kv_head_count(), node = cost.device().gpus_per_node;
+  std::vector<SpLayout> out{SpLayout{1, 1}};
+  for (int64_t s = 2; s <= world_size; ++s) {
+    if (has(SpMode::kUlysses) && cost.supports(SpLayout{s, s})) out.push_back(SpLayout{s, s});
+    if (has(SpMode::kRing)) out.push_back(SpLayout{s, 1});
+    if (!has(SpMode::kUlyssesRing)) continue;
+    const int64_t largest = ulysses_ring_size(s, 0, heads);
+    if (largest == 0) continue;
+    out.push_back(SpLayout{s, largest});
+    for (int64_t u = largest > node ? node : 1; u > 1; --u) {  // the largest that stays inside a node
+      if (s % u == 0 && heads % u == 0) {
+        out.push_back(SpLayout{s, u});
+        break;
+      }
+    }
   }
   return out;
 }

@@ -37,6 +37,9 @@ std::vector<int64_t> skipped_ids(const std::vector<char>& skipped);
 std::vector<int64_t> epoch_ids(const std::vector<std::vector<int64_t>>& steps);
 /// The step's ids without the skipped ones.
 std::vector<int64_t> kept(const std::vector<int64_t>& ids, const std::vector<char>& skipped);
+/// A group of `layout`: sp_mode kUlysses when ulysses_size is sp_size (or sp_size is 1), kRing when it is 1,
+/// else kUlyssesRing with that ulysses_size.
+GroupPlan group_of_layout(int64_t first_rank, const SpLayout& layout, std::vector<MicroBatch> micro_batches);
 /// A StepPlan of these groups, sorted by first rank, with its global token count.
 StepPlan make_step(const PlannerOptions& opt, int64_t index, std::vector<GroupPlan> groups);
 

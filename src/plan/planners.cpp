@@ -36,7 +36,7 @@ StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples,
     for (const auto& mb : g.micro_batches) {
       std::vector<int64_t> lengths;
       for (int64_t id : mb.sample_ids) lengths.push_back(samples.at(static_cast<size_t>(id)).length);
-      t += cost.seconds(lengths, g.sp_size, mb.recompute_layers);
+      t += cost.seconds(lengths, g.layout(), mb.recompute_layers);
       c.peak_bytes = std::max(c.peak_bytes, memory.bytes(mb.num_tokens, g.sp_size, mb.recompute_layers));
     }
     c.makespan_s = std::max(c.makespan_s, t);
@@ -48,21 +48,22 @@ StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples,
 }
 
 double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, int64_t world_size,
-                        const CostModel& cost, const MemoryModel& memory) {
+                        const CostModel& cost, const MemoryModel& memory, const std::vector<SpMode>& modes) {
   check_world(world_size);
-  const auto sizes = sp_sizes_allowed(world_size, cost.shape());
+  const auto layouts = sp_layouts_allowed(world_size, cost, modes);
   const int64_t L = cost.shape().layers;
   const double overhead = cost.device().micro_batch_overhead_s;
   double sum_gpu_s = 0, longest = 0;
   for (int64_t id : ids) {
     const int64_t len = samples.at(static_cast<size_t>(id)).length;
     double g = kInf, f = kInf;
-    for (int64_t s : sizes) {
+    for (const SpLayout& l : layouts) {
+      const int64_t s = l.sp_size;
       auto r = memory.min_recompute_layers(len, s);
       if (!r) continue;
       const double per_mb = overhead * static_cast<double>(len) / static_cast<double>(memory.max_tokens(s, L));
-      g = std::min(g, static_cast<double>(s) * (cost.work_seconds(len, s, *r) + per_mb));
-      f = std::min(f, cost.seconds({len}, s, *r));
+      g = std::min(g, static_cast<double>(s) * (cost.work_seconds(len, l, *r) + per_mb));
+      f = std::min(f, cost.seconds({len}, l, *r));
     }
     if (g == kInf) continue;
     sum_gpu_s += g;

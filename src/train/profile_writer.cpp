@@ -9,6 +9,27 @@ namespace dcp {
 
 namespace {
 
+// A ring fit of sequence_parallel.ring_fits (ProfileResult::ring): what DeviceSpec::from_profile reads, the
+// fit's errors and its points.
+nlohmann::json ring_fit_json(const SpProfile& c) {
+  nlohmann::json grid = nlohmann::json::array();
+  for (const CommPoint& p : c.points) {
+    grid.push_back({{"local_tokens", p.local_tokens},
+                    {"bytes_leaving_rank", p.bytes_leaving_rank},
+                    {"measured_s", p.measured_s},
+                    {"predicted_s", p.predicted_s},
+                    {"held_out", p.held_out}});
+  }
+  return {{"sp_size", c.sp_size},
+          {"latency_s", c.fit.latency_s},
+          {"bytes_per_s", c.fit.bytes_per_s},
+          {"bandwidth_fitted", c.bandwidth_fitted},
+          {"heldout_median_rel_error", c.heldout_median_error},
+          {"heldout_max_rel_error", c.heldout_max_error},
+          {"fit_median_rel_error", c.fit_median_error},
+          {"grid", grid}};
+}
+
 nlohmann::json sequence_parallel_json(const ProfileResult& r) {
   nlohmann::json fits = nlohmann::json::array();
   for (const SpProfile& c : r.sequence_parallel) {
@@ -47,7 +68,8 @@ nlohmann::json sequence_parallel_json(const ProfileResult& r) {
                           {"predicted_peak_bytes", p.predicted_peak_bytes},
                           {"held_out", p.held_out}});
   }
-  return {{"formula", "seconds per all-to-all call = latency_s + bytes_leaving_rank / bytes_per_s; "
+  nlohmann::json out = {
+         {"formula", "seconds per all-to-all call = latency_s + bytes_leaving_rank / bytes_per_s; "
                       "bytes_leaving_rank = local_tokens * width * hidden * bytes_per_element * (sp - 1) / sp; in "
                       "a micro-batch each byte exchanged costs overhead_s_per_byte more (CostModel::all_to_all_bytes)"},
           {"weighting", "relative residuals, coefficients >= 0; every 3rd call point held out; overhead_s_per_byte "
@@ -56,6 +78,14 @@ nlohmann::json sequence_parallel_json(const ProfileResult& r) {
                         "alone"},
           {"fits", fits},
           {"validation", validation}};
+  if (!r.ring.empty()) {
+    nlohmann::json ring = nlohmann::json::array();
+    for (const SpProfile& c : r.ring) ring.push_back(ring_fit_json(c));
+    out["ring_formula"] = "seconds per ring step = latency_s + bytes_leaving_rank / bytes_per_s; bytes_leaving_rank "
+                          "= 2 * local_tokens * d_kv * bytes_per_element, the K, V block (CostModel::ring_block_bytes)";
+    out["ring_fits"] = ring;
+  }
+  return out;
 }
 
 }  // namespace
@@ -87,7 +117,8 @@ void write_profile(const ProfileResult& r, const std::string& path) {
         {"inter_node_bw", d.inter_node_bw},
         {"gpus_per_node", d.gpus_per_node},
         {"collective_latency_s", d.collective_latency_s},
-        {"micro_batch_overhead_s", d.micro_batch_overhead_s}}},
+        {"micro_batch_overhead_s", d.micro_batch_overhead_s},
+        {"ring_block_efficiency", d.ring_block_efficiency}}},
       {"model",
        {{"hidden", r.shape.hidden},
         {"layers", r.shape.layers},
@@ -147,7 +178,7 @@ void write_profile(const ProfileResult& r, const std::string& path) {
               "their SP sizes (CostModel: 4 L + 2 r calls per micro-batch, (8 L + 4 r) hidden elements per local "
               "token, each byte also costing overhead_s_per_byte, fitted to the validation micro-batches not held "
               "out); the gradient all-reduce and SP sizes without a fit keep the defaults"}}};
-  if (!r.sequence_parallel.empty()) doc["sequence_parallel"] = sequence_parallel_json(r);
+  if (!r.sequence_parallel.empty() || !r.ring.empty()) doc["sequence_parallel"] = sequence_parallel_json(r);
   write_file_checked(path, doc.dump(1) + "\n");
 }
 

@@ -27,16 +27,17 @@ std::vector<Sample> random_samples(int n, int64_t max_len, uint32_t seed) {
 }
 
 
-// Smallest makespan over every layout of power-of-two groups (dividing the heads) summing to `world` and every
-// assignment of the samples to groups, each sample its own micro-batch with its fewest recompute layers.
+// Smallest makespan over every layout of power-of-two groups (each of a layout of sp_layouts_allowed: Ulysses
+// dividing the heads, ring, ulysses-ring) summing to `world` and every assignment of the samples to groups, each
+// sample its own micro-batch with its fewest recompute layers.
 double brute_force_makespan(const std::vector<Sample>& s, int64_t world, const CostModel& cost,
                             const MemoryModel& memory) {
-  std::vector<int64_t> sizes;
-  for (int64_t x : sp_sizes_allowed(world, cost.shape())) {
-    if ((x & (x - 1)) == 0) sizes.push_back(x);
+  std::vector<SpLayout> sizes;
+  for (const SpLayout& x : sp_layouts_allowed(world, cost, {})) {
+    if ((x.sp_size & (x.sp_size - 1)) == 0) sizes.push_back(x);
   }
   double best = 1e300;
-  std::vector<int64_t> groups;
+  std::vector<SpLayout> groups;
   std::function<void(int64_t, size_t)> layouts = [&](int64_t left, size_t max_k) {
     if (left == 0) {
       const size_t G = groups.size(), n = s.size();
@@ -45,7 +46,7 @@ double brute_force_makespan(const std::vector<Sample>& s, int64_t world, const C
         std::vector<double> load(G, 0.0);
         bool ok = true;
         for (size_t i = 0; i < n && ok; ++i) {
-          auto r = memory.min_recompute_layers(s[i].length, groups[a[i]]);
+          auto r = memory.min_recompute_layers(s[i].length, groups[a[i]].sp_size);
           if (!r) ok = false;
           else load[a[i]] += cost.seconds({s[i].length}, groups[a[i]], *r);
         }
@@ -57,9 +58,9 @@ double brute_force_makespan(const std::vector<Sample>& s, int64_t world, const C
       return;
     }
     for (size_t k = max_k + 1; k-- > 0;) {
-      if (sizes[k] > left) continue;
+      if (sizes[k].sp_size > left) continue;
       groups.push_back(sizes[k]);
-      layouts(left - sizes[k], k);
+      layouts(left - sizes[k].sp_size, k);
       groups.pop_back();
     }
   };

@@ -200,6 +200,39 @@ TEST(ProfileFile, SequenceParallelFitsRoundTripIntoTheDevice) {
   EXPECT_TRUE(DeviceSpec::from_profile(single).all_to_all.empty());
 }
 
+// The ring fits next to the all-to-all fits: written as sequence_parallel.ring_fits, read back into
+// DeviceSpec::ring with the device's ring_block_efficiency; a profile with all-to-alls only (written before the
+// ring was profiled) leaves the ring to the defaults (tested above).
+TEST(ProfileFile, RingFitsRoundTripIntoTheDevice) {
+  ProfileResult r = with_sequence_parallel(handmade_result());
+  r.device.ring_block_efficiency = 0.8;
+  SpProfile ring;
+  ring.sp_size = 2;
+  ring.fit = CommFit{30e-6, 2.5e9, 0};
+  ring.points.push_back(CommPoint{1024, 2, 524288.0, 2.4e-4, 2.4e-4, false});
+  r.ring.push_back(ring);
+  ring.sp_size = 4;
+  ring.fit = CommFit{45e-6, 1.2e9, 0};
+  r.ring.push_back(ring);
+  const std::string path = temp_file("ring.json").string();
+  write_profile(r, path);
+  const DeviceSpec d = DeviceSpec::from_profile(path);
+  ASSERT_EQ(d.ring.size(), 2u);
+  EXPECT_DOUBLE_EQ(d.ring.at(2).latency_s, 30e-6);
+  EXPECT_DOUBLE_EQ(d.ring.at(4).bytes_per_s, 1.2e9);
+  EXPECT_DOUBLE_EQ(d.ring_block_efficiency, 0.8);
+  EXPECT_EQ(d.all_to_all.size(), 2u);
+  nlohmann::json doc;
+  std::ifstream(path) >> doc;
+  EXPECT_EQ(doc.at("sequence_parallel").at("ring_fits").at(0).at("grid").at(0).at("bytes_leaving_rank"), 524288.0);
+  // Without ring fits there is no ring_fits array, and DeviceSpec::ring stays empty.
+  const std::string plain = temp_file("no_ring.json").string();
+  write_profile(with_sequence_parallel(handmade_result()), plain);
+  std::ifstream(plain) >> doc;
+  EXPECT_FALSE(doc.at("sequence_parallel").contains("ring_fits"));
+  EXPECT_TRUE(DeviceSpec::from_profile(plain).ring.empty());
+}
+
 TEST(ProfileFile, MalformedSequenceParallelIsNamedWithTheFileAndField) {
   const std::string good = temp_file("sp_good.json").string();
   write_profile(with_sequence_parallel(handmade_result()), good);
