@@ -33,12 +33,6 @@ struct ModelShape {
   int64_t hidden = 2048;
   int64_t layers = 24;
   int64_t heads = 16;
-  /// Key/value heads (grouped-query attention, Ainslie et al. 2023, arXiv 2305.13245); 0 = heads. The cost
-  /// model's only: the dcp Transformer has no GQA, so this feeds `dcp simulate` / `dcp plan` (--kv-heads) and
-  /// the planners' mode choice: d_kv = kv_heads x head_dim sets the K, V widths (their projections, the
-  /// Ulysses and ring volumes), and a Ulysses degree must divide kv_heads (KV is not replicated; Megatron-Bridge
-  /// HCP note, anchors-parallel-training.md section 2.3). Must divide heads.
-  int64_t kv_heads = 0;
   int64_t ffn = 8192;            ///< MLP inner width
   int64_t mlp_matrices = 2;      ///< 2 for GELU (fc1, fc2), 3 for SwiGLU (gate, up, down)
   int64_t vocab = 50304;
@@ -52,6 +46,13 @@ struct ModelShape {
   /// C: tokens per chunk of the chunked form (1: the recurrent form); 0: one chunk per sample (the O(s^2)
   /// quadratic reference form). Linear only.
   int64_t chunk_size = 0;
+  // Last, so that positional initialisers written before GQA keep their meaning.
+  /// Key/value heads (grouped-query attention, Ainslie et al. 2023, arXiv 2305.13245); 0 = heads. The cost
+  /// model's only: the dcp Transformer has no GQA, so this feeds `dcp simulate` / `dcp plan` (--kv-heads) and
+  /// the planners' mode choice: d_kv = kv_heads x head_dim sets the K, V widths (their projections, the
+  /// Ulysses and ring volumes), and a Ulysses degree must divide kv_heads (KV is not replicated; Megatron-Bridge
+  /// HCP note, anchors-parallel-training.md section 2.3). Must divide heads.
+  int64_t kv_heads = 0;
 
   /// Weight parameters of one layer: 2*h^2 (Q, O) + 2*h*d_kv (K, V; 4*h^2 in all without GQA) +
   /// mlp_matrices*h*ffn; biases and norms neglected.

@@ -70,6 +70,7 @@ struct GroupPlan {
   int64_t ulysses_size = 0;               ///< kUlyssesRing only: ranks per Ulysses subgroup (1 < it < sp_size)
 
   /// The group's layout: (sp_size, sp_size) for Ulysses, (sp_size, 1) for ring, (sp_size, ulysses_size).
+  /// Throws std::invalid_argument for an ulysses-ring group whose ulysses_size does not divide sp_size.
   SpLayout layout() const;
 };
 

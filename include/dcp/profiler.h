@@ -132,7 +132,7 @@ struct ProfileResult {
   /// 2 x local_tokens x d_kv elements to the next member and receives one from the previous) timed on the real
   /// group and fitted like the all-to-alls (fit_all_to_all: latency_s + bytes_leaving_rank / bytes_per_s, the
   /// whole block leaving the rank; overhead_s_per_byte 0). Read back into DeviceSpec::ring. Empty in one
-  /// process, and until the timing (Communicator::exchange) is wired.
+  /// process.
   std::vector<SpProfile> ring;
   std::vector<ValidationPoint> validation;  ///< by SP size, then length, then recompute; empty in one process
   int64_t world_size = 1;            ///< ranks that measured concurrently

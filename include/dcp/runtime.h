@@ -30,7 +30,7 @@ struct RuntimeOptions {
   /// auto | bf16 | fp32, as train.precision (resolve_precision). The Runtime only resolves it and plans with it;
   /// the model computes in Runtime::precision() itself (docs/integration.md, "Precision").
   std::string precision = "auto";
-  std::string planner = "dcp-opt";   ///< a name of planner_names()
+  std::string planner = "dcp-opt";   ///< a name of planner_names(); it plans Ulysses groups (dcp::attention)
   std::string cost_model = "h200";   ///< DeviceSpec::named: "h200" or a `dcp profile` JSON file
   MemoryConfig memory;               ///< per-rank budget (memory.budget_bytes, memory.fraction of the device)
   int64_t tokens_per_step = 1 << 20; ///< global batch: a step takes samples of the epoch order up to this many tokens

@@ -134,7 +134,13 @@ SpLayout GroupPlan::layout() const {
   switch (sp_mode) {
     case SpMode::kUlysses: return {sp_size, sp_size};
     case SpMode::kRing: return {sp_size, 1};
-    case SpMode::kUlyssesRing: return {sp_size, ulysses_size};
+    case SpMode::kUlyssesRing:
+      // validate() says this with the plan's position; here it guards every other caller against a division by 0.
+      if (ulysses_size < 1 || ulysses_size > sp_size || sp_size % ulysses_size != 0) {
+        throw std::invalid_argument(fmt::format("group at rank {}: ulysses-ring with sp_size {} and ulysses_size {}",
+                                                first_rank, sp_size, ulysses_size));
+      }
+      return {sp_size, ulysses_size};
   }
   return {sp_size, sp_size};
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <stdexcept>
 
 #include "train/over_ranks.h"
@@ -15,15 +16,47 @@
 
 namespace dcp {
 
+namespace {
+
+// Median seconds of `call` after three warm-up calls (Gloo's buffers for this size, and the first calls after
+// seconds of compute, which run 10-50x slower than the next ones), each timed call after a barrier of the group:
+// without it a call would also time its peer's lateness from the previous one.
+double median_call_seconds(const Communicator& group, const std::function<void()>& call, int64_t repeats) {
+  for (int i = 0; i < 3; ++i) call();
+  std::vector<double> times;
+  for (int64_t i = 0; i < repeats; ++i) {
+    group.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    call();
+    times.push_back(seconds_since(start));
+  }
+  return median(times);
+}
+
+void check_comm_grid(const char* what, int64_t sp, const std::vector<int64_t>& local_tokens, int64_t repeats,
+                     bool divisible, int64_t hidden) {
+  if (local_tokens.empty() || repeats < 1 || !divisible ||
+      std::any_of(local_tokens.begin(), local_tokens.end(), [](int64_t t) { return t < 1; })) {
+    throw std::invalid_argument(fmt::format("SP profile ({}): needs local token counts >= 1 ({} given), repeats >= 1 "
+                                            "(got {}) and hidden {} divisible by sp_size {}",
+                                            what, local_tokens.size(), repeats, hidden, sp));
+  }
+}
+
+// The points' measured_s from this rank's medians (mean over the ranks), then the fit.
+SpProfile finish(const Communicator& world, SpProfile result, const std::vector<double>& medians) {
+  const std::vector<double> mean = over_ranks(world, medians).mean;
+  for (size_t i = 0; i < result.points.size(); ++i) result.points[i].measured_s = mean[i];
+  fit_all_to_all(result);
+  return result;
+}
+
+}  // namespace
+
 SpProfile profile_all_to_all(const Communicator& world, const Communicator& group, const ModelShape& shape,
                                at::ScalarType dtype, const std::vector<int64_t>& local_tokens, int64_t repeats) {
   const int64_t sp = group.size();
-  if (local_tokens.empty() || repeats < 1 || shape.hidden % sp != 0 ||
-      std::any_of(local_tokens.begin(), local_tokens.end(), [](int64_t t) { return t < 1; })) {
-    throw std::invalid_argument(fmt::format("SP profile: needs local token counts >= 1 ({} given), repeats >= 1 "
-                                            "(got {}) and hidden {} divisible by sp_size {}",
-                                            local_tokens.size(), repeats, shape.hidden, sp));
-  }
+  check_comm_grid("all-to-all", sp, local_tokens, repeats, shape.hidden % sp == 0, shape.hidden);
   SpProfile result;
   result.sp_size = sp;
   const double leaving = static_cast<double>(sp - 1) / static_cast<double>(sp);
@@ -36,25 +69,33 @@ SpProfile profile_all_to_all(const Communicator& world, const Communicator& grou
       p.bytes_leaving_rank = static_cast<double>(tokens * width * shape.hidden * shape.bytes_per_element) * leaving;
       p.held_out = result.points.size() % 3 == 2;
       const at::Tensor x = at::zeros({sp, tokens, width, shape.hidden / sp}, at::TensorOptions().dtype(dtype));
-      // The warm-up: Gloo's buffers for this size, and the first calls after seconds of compute, which run
-      // 10-50x slower than the next ones.
-      for (int i = 0; i < 3; ++i) group.all_to_all(x);
-      std::vector<double> times;
-      for (int64_t i = 0; i < repeats; ++i) {
-        // Without the barrier a call would also time its peer's lateness from the previous one.
-        group.barrier();
-        const auto start = std::chrono::steady_clock::now();
-        group.all_to_all(x);
-        times.push_back(seconds_since(start));
-      }
-      medians.push_back(median(times));
+      medians.push_back(median_call_seconds(group, [&] { group.all_to_all(x); }, repeats));
       result.points.push_back(p);
     }
   }
-  const std::vector<double> mean = over_ranks(world, medians).mean;
-  for (size_t i = 0; i < result.points.size(); ++i) result.points[i].measured_s = mean[i];
-  fit_all_to_all(result);
-  return result;
+  return finish(world, std::move(result), medians);
+}
+
+SpProfile profile_ring_exchange(const Communicator& world, const Communicator& group, const ModelShape& shape,
+                                at::ScalarType dtype, const std::vector<int64_t>& local_tokens, int64_t repeats) {
+  const int64_t sp = group.size(), me = group.rank();
+  check_comm_grid("ring", sp, local_tokens, repeats, true, shape.hidden);
+  SpProfile result;
+  result.sp_size = sp;
+  const auto kv_dim = static_cast<int64_t>(shape.kv_dim());
+  std::vector<double> medians;
+  for (int64_t tokens : local_tokens) {
+    CommPoint p;
+    p.local_tokens = tokens;
+    p.width = 2;  // K and V
+    p.bytes_leaving_rank = static_cast<double>(2 * tokens * kv_dim * shape.bytes_per_element);
+    p.held_out = result.points.size() % 3 == 2;
+    const at::Tensor block = at::zeros({2, tokens, kv_dim}, at::TensorOptions().dtype(dtype));
+    medians.push_back(median_call_seconds(
+        group, [&] { group.exchange(block, (me + 1) % sp, (me + sp - 1) % sp).wait(); }, repeats));
+    result.points.push_back(p);
+  }
+  return finish(world, std::move(result), medians);
 }
 
 void fit_all_to_all(SpProfile& sp) {

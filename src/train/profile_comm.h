@@ -19,6 +19,14 @@ namespace dcp {
 SpProfile profile_all_to_all(const Communicator& world, const Communicator& group, const ModelShape& shape,
                                at::ScalarType dtype, const std::vector<int64_t>& local_tokens, int64_t repeats);
 
+/// Times one ring step on `group` (as profile_all_to_all, every rank at once): each member sends a K, V block
+/// [2, tokens, d_kv] of `dtype` (d_kv = shape.kv_dim()) to member rank + 1 and receives one from rank - 1
+/// (Communicator::exchange, waited), for each of `local_tokens`; bytes_leaving_rank = the whole block, width 2.
+/// Same warm-up, barriers, medians, hold-outs and fit. Throws std::invalid_argument for an empty or
+/// non-positive local_tokens or repeats < 1; what the exchanges throw.
+SpProfile profile_ring_exchange(const Communicator& world, const Communicator& group, const ModelShape& shape,
+                                at::ScalarType dtype, const std::vector<int64_t>& local_tokens, int64_t repeats);
+
 /// Fits sp.fit's latency_s (seconds) and bytes_per_s to sp.points (their measured_s and bytes_leaving_rank; held
 /// out points left out),
 ///   seconds = latency_s + bytes_leaving_rank / bytes_per_s,

@@ -282,7 +282,8 @@ std::vector<int64_t> profiled_sp_sizes(const Config& cfg, const Communicator& wo
   }
   if (!skipped.empty() && world.rank() == 0) {
     spdlog::warn("profile: {} SP size(s) of parallel.sp_sizes '{}' not profiled: {} do(es) not divide "
-                 "model.n_heads {} (Ulysses shards the heads over a group; no planner uses such a size)",
+                 "model.n_heads {} (Ulysses shards the heads over a group; their ring steps are profiled for the "
+                 "ring modes, which have no such bound)",
                  skipped.size(), cfg.parallel.sp_sizes, fmt::join(skipped, ", "), cfg.model.n_heads);
   }
   return out;
@@ -302,6 +303,13 @@ ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, cons
   const Communicator self("self", 0, 1, nullptr);
   const Communicator& world = groups ? groups->world() : self;
   const std::vector<int64_t> sp_sizes = groups ? profiled_sp_sizes(cfg, world) : std::vector<int64_t>{};
+  // Ring steps at every size above 1 of parallel.sp_sizes (a ring does not shard heads), for softmax only.
+  std::vector<int64_t> ring_sizes;
+  if (groups && cfg.attention.backend == "softmax") {
+    for (int64_t sp : resolve_sp_sizes(cfg.parallel.sp_sizes, world.size())) {
+      if (sp > 1) ring_sizes.push_back(sp);
+    }
+  }
   const Grid grid = resolve_grid(cfg, options, sp_sizes.empty() ? 1 : sp_sizes.back());
 
   ProfileResult result;
@@ -357,6 +365,12 @@ ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, cons
       result.sequence_parallel.push_back(profile_all_to_all(world, groups->group(sp), result.shape, dtype,
                                                             comm_tokens(grid, options, result.shape, sp), options.comm_repeats));
       result.device.all_to_all[sp] = result.sequence_parallel.back().fit;
+    }
+    // Ring steps: every size of the groups, those beyond the heads too (a ring does not shard heads).
+    for (int64_t sp : ring_sizes) {
+      result.ring.push_back(profile_ring_exchange(world, groups->group(sp), result.shape, dtype,
+                                                  comm_tokens(grid, options, result.shape, sp), options.comm_repeats));
+      result.device.ring[sp] = result.ring.back().fit;
     }
     const MemoryModel memory(result.shape, result.memory, result.device.memory_bytes);
     for (SpProfile& sp : result.sequence_parallel) {

@@ -215,6 +215,7 @@ PlanSet Runtime::plan_epoch(const std::vector<int64_t>& lengths, int64_t epoch) 
   opt.seed = options_.seed;
   opt.epoch = epoch;
   opt.tokens_per_step = options_.tokens_per_step;
+  opt.sp_modes = {SpMode::kUlysses};  // dcp::attention wraps the user's own function, which a ring cannot merge
   return planner_by_name(options_.planner)(samples_from_lengths(lengths, "sample"), world_size(), cost_, memory_,
                                            opt);
 }

@@ -488,7 +488,12 @@ TEST(CliRuns, ProfileChecksMaxLengthUpFrontAndNamesSkippedSpSizes) {
   EXPECT_NE(log.find("1 SP size(s) of parallel.sp_sizes 'pow2' not profiled: 2 do(es) not divide model.n_heads 1"),
             std::string::npos)
       << log;
-  EXPECT_FALSE(nlohmann::json::parse(std::ifstream(dir / "profile.json")).contains("sequence_parallel"));
+  // No all-to-all fit for it; a ring does not shard heads, so its ring step is fitted.
+  const auto sp = nlohmann::json::parse(std::ifstream(dir / "profile.json")).at("sequence_parallel");
+  EXPECT_TRUE(sp.at("fits").empty()) << sp.dump();
+  ASSERT_EQ(sp.at("ring_fits").size(), 1u) << sp.dump();
+  EXPECT_EQ(sp.at("ring_fits")[0].at("sp_size"), 2);
+  EXPECT_GT(sp.at("ring_fits")[0].at("bytes_per_s").get<double>(), 0.0);
   fs::remove_all(dir);
 }
 
