@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "cli/bench_common.h"
@@ -79,11 +80,32 @@ void run(const Args& a) {
   const int64_t threads = a.threads > 0 ? a.threads
                                         : std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()) /
                                                                    env.local_world_size);
-  torch::set_num_threads(static_cast<int>(threads));
-  ProcessGroups groups(env, a.timeout_s, resolve_sp_sizes("all", env.world_size));
+  try {  // usage errors before the groups and the work, on every rank alike
+    check_sp_attention_bench(o, env.world_size);
+  } catch (const std::invalid_argument& e) {
+    throw CLI::ValidationError(e.what());
+  }
   const fs::path prefix = a.out.empty() ? fs::path(fmt::format("bench/results/cpu{}_{}_sp_attention",
                                                                std::thread::hardware_concurrency(), utc_now("%Y%m")))
                                         : fs::path(a.out);
+  if (!prefix.has_filename()) {
+    throw CLI::ValidationError(fmt::format("--out '{}': needs a file name stem after the folder (e.g. {}sp_attention)",
+                                           a.out, a.out));
+  }
+  const fs::path md = prefix.string() + ".md", csv = prefix.string() + ".csv";
+  if (env.rank == 0) {  // an unwritable --out fails now, not after the measurements
+    std::error_code ec;
+    if (prefix.has_parent_path()) fs::create_directories(prefix.parent_path(), ec);
+    const bool existed = fs::exists(csv);
+    const bool writable = !ec && std::ofstream(csv, std::ios::app).good();
+    if (!existed && writable) fs::remove(csv);
+    if (!writable) {
+      throw CLI::ValidationError(fmt::format("--out '{}': cannot write '{}'{}", a.out, csv.string(),
+                                             ec ? ": " + ec.message() : std::string()));
+    }
+  }
+  torch::set_num_threads(static_cast<int>(threads));
+  ProcessGroups groups(env, a.timeout_s, resolve_sp_sizes("all", env.world_size));
   const std::string date = utc_now("%Y-%m-%d %H:%M");
   const double load_start = load_average_1min();
   const auto start = std::chrono::steady_clock::now();
@@ -94,10 +116,8 @@ void run(const Args& a) {
     fmt::print("{:>6} {:<12} fwd {:8.3f} s  bwd {:8.3f} s  fwd+bwd {:8.3f} s  transfers alone {:7.3f} s ({:.1f} MB)\n",
                p.length, p.mode, p.forward_seconds, p.backward_seconds, p.seconds, p.comm_seconds, p.comm_bytes / 1e6);
   }
-  if (prefix.has_parent_path()) fs::create_directories(prefix.parent_path());
-  write_text(prefix.string() + ".md", report(a, o, points, env.world_size, threads, date, load_start,
-                                              load_average_1min(), wall));
-  write_text(prefix.string() + ".csv", sp_attention_bench_csv(points));
+  write_text(md, report(a, o, points, env.world_size, threads, date, load_start, load_average_1min(), wall));
+  write_text(csv, sp_attention_bench_csv(points));
   fmt::print("wrote {}.md and {}.csv\n", prefix.string(), prefix.string());
 }
 

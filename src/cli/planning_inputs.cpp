@@ -40,11 +40,11 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a) {
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--mfu", a.mfu, "achieved fraction of the device's peak FLOP/s (default: the device model's own)")->check(finite_number_validator("", 1e-3, false, 1.0));
   sub->add_option("--heads", a.heads, "attention heads of the planned shape (0: its own; hidden must divide)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   sub->add_option("--kv-heads", a.kv_heads,
                   "key/value heads of the planned shape for the cost model (grouped-query attention; 0 = heads, "
                   "default: the shape's own; the trained model has no GQA)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   sub->add_option("--sp-modes", a.sp_modes,
                   "SP modes dcp-opt may choose per group: 'auto' (ulysses, ring and ulysses-ring for softmax "
                   "attention, ulysses for linear) or a comma-separated list of ulysses, ring, ulysses-ring");

@@ -1,10 +1,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 #include <unordered_map>
 
 #include "dcp/plan.h"
@@ -37,8 +39,19 @@ T field(const json& j, const char* name, const std::string& where) {
   if (!j.is_object() || !j.contains(name)) {
     throw std::invalid_argument(fmt::format("step plan: missing field '{}' in {}", name, where));
   }
+  // nlohmann converts 2.5 to 2 and 1e300 to an undefined value: integer fields must be JSON integers.
+  const json& v = j.at(name);
+  bool integers = true;
+  if constexpr (std::is_same_v<T, int64_t>) integers = v.is_number_integer();
+  if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+    integers = !v.is_array() || std::all_of(v.begin(), v.end(), [](const json& x) { return x.is_number_integer(); });
+  }
+  if (!integers || (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))) {
+    throw std::invalid_argument(
+        fmt::format("step plan: field '{}' in {} is malformed: {} is not a 64-bit JSON integer", name, where, v.dump()));
+  }
   try {
-    return j.at(name).get<T>();
+    return v.get<T>();
   } catch (const json::exception& e) {
     throw std::invalid_argument(fmt::format("step plan: field '{}' in {} is malformed: {}", name, where, e.what()));
   }
@@ -69,7 +82,9 @@ StepPlan from_json_value(const json& j) {
       MicroBatch mb;
       mb.sample_ids = field<std::vector<int64_t>>(jm, "sample_ids", gwhere + " micro_batch");
       mb.num_tokens = field<int64_t>(jm, "num_tokens", gwhere + " micro_batch");
-      mb.recompute_layers = jm.value("recompute_layers", int64_t{0});
+      if (jm.contains("recompute_layers")) {
+        mb.recompute_layers = field<int64_t>(jm, "recompute_layers", gwhere + " micro_batch");
+      }
       g.micro_batches.push_back(std::move(mb));
     }
     p.groups.push_back(std::move(g));
@@ -174,6 +189,10 @@ void StepPlan::validate(int64_t world_size, const std::vector<Sample>& samples, 
   for (const auto& g : groups) {
     if (g.sp_size < 1 || g.first_rank < 0 || g.first_rank + g.sp_size > world_size) {
       fail(fmt::format("group [{}, {}) is outside world_size {}", g.first_rank, g.first_rank + g.sp_size, world_size));
+    }
+    if (world_size % g.sp_size != 0) {  // the groups a run creates: aligned blocks of sizes dividing world_size
+      fail(fmt::format("group at rank {}: sp_size {} does not divide world_size {}", g.first_rank, g.sp_size,
+                       world_size));
     }
     if (g.first_rank % g.sp_size != 0) {
       fail(fmt::format("group at rank {} with sp_size {} is not aligned", g.first_rank, g.sp_size));

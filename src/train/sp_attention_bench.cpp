@@ -50,9 +50,9 @@ double transfers_alone(const SpLayout& layout, const ProcessGroups& groups, int6
   const int64_t u = layout.ulysses_size, r = layout.ring_size();
   if (u > 1) {  // q, k, v stacked, and the output: forward, and the same on the gradients in backward
     const Communicator& sub = groups.group(u);
-    for (int pass = 0; pass < 2; ++pass) {
-      sub.all_to_all(torch::zeros({3 * local, heads, head_dim}, opts));
-      sub.all_to_all(torch::zeros({local, heads, head_dim}, opts));
+    for (int pass = 0; pass < 2; ++pass) {  // the shapes ulysses_to_heads / ulysses_to_tokens exchange
+      sub.all_to_all(torch::zeros({u, local, 3, heads / u, head_dim}, opts));
+      sub.all_to_all(torch::zeros({u * local, heads / u, head_dim}, opts));
     }
   }
   if (r > 1) {
@@ -86,34 +86,45 @@ double transfer_bytes(const SpLayout& layout, int64_t local, int64_t heads, int6
 
 }  // namespace
 
-std::vector<SpAttentionBenchPoint> bench_sp_attention(const SpAttentionBenchOptions& o, const ProcessGroups& groups) {
-  const Communicator& world = groups.world();
-  const int64_t sp = world.size();
-  const auto dtype = dtype_of(o.dtype);
+std::vector<std::pair<std::string, GroupPlan>> check_sp_attention_bench(const SpAttentionBenchOptions& o, int64_t sp) {
   if (sp < 2) throw std::invalid_argument("bench-sp-attention: run it under `dcp launch --nproc N` with N >= 2");
-  std::vector<std::pair<std::string, GroupPlan>> groups_of_mode;
+  dtype_of(o.dtype);
+  for (int64_t length : o.lengths) {
+    if (length < 2 * sp) {
+      throw std::invalid_argument(
+          fmt::format("bench-sp-attention: --lengths {} is shorter than 2 x ranks = {}", length, 2 * sp));
+    }
+  }
+  std::vector<std::pair<std::string, GroupPlan>> out;
   for (const auto& name : o.modes) {
     GroupPlan g{0, sp, {}, sp_mode_from_name(name)};
     if (g.sp_mode == SpMode::kUlyssesRing) {
       g.ulysses_size = ulysses_ring_size(sp, o.ulysses_size, o.heads);
       if (g.ulysses_size == 0) {
         throw std::invalid_argument(fmt::format(
-            "bench-sp-attention: ulysses-ring at sp {} with {} heads has no subgroup size (--ulysses-size {})", sp,
-            o.heads, o.ulysses_size));
+            "bench-sp-attention: --modes ulysses-ring at {} ranks with --heads {} has no subgroup size (--ulysses-size "
+            "{}; allowed: a divisor of both strictly between 1 and {}, 0 = the largest)",
+            sp, o.heads, o.ulysses_size, sp));
       }
     }
     if (!layout_fits_heads(g.layout(), o.heads)) {
-      throw std::invalid_argument(fmt::format("bench-sp-attention: mode {} shards {} heads over {} ranks", name,
-                                              o.heads, g.layout().ulysses_size));
+      throw std::invalid_argument(fmt::format(
+          "bench-sp-attention: --modes {} shards --heads {} over {} ranks (Ulysses needs them to divide the heads)", name,
+          o.heads, g.layout().ulysses_size));
     }
-    groups_of_mode.emplace_back(name, g);
+    out.emplace_back(name, g);
   }
+  return out;
+}
+
+std::vector<SpAttentionBenchPoint> bench_sp_attention(const SpAttentionBenchOptions& o, const ProcessGroups& groups) {
+  const Communicator& world = groups.world();
+  const int64_t sp = world.size();
+  const auto dtype = dtype_of(o.dtype);
+  const std::vector<std::pair<std::string, GroupPlan>> groups_of_mode = check_sp_attention_bench(o, sp);
   auto softmax = std::make_shared<SoftmaxAttention>(SoftmaxAttention::Impl::tiled, o.attention);
   std::vector<SpAttentionBenchPoint> out;
   for (int64_t length : o.lengths) {
-    if (length < 2 * sp) {
-      throw std::invalid_argument(fmt::format("bench-sp-attention: length {} is shorter than 2 x sp = {}", length, 2 * sp));
-    }
     torch::manual_seed(o.seed + static_cast<uint64_t>(length));  // the same sequence on every rank
     const auto opts = torch::dtype(dtype);
     auto q = torch::randn({length, o.heads, o.head_dim}, opts), k = torch::randn_like(q), v = torch::randn_like(q),

@@ -5,10 +5,12 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dcp/attention_kernels.h"
 #include "dcp/dist.h"
+#include "dcp/plan.h"
 
 namespace dcp {
 
@@ -38,9 +40,13 @@ struct SpAttentionBenchPoint {
   double comm_bytes = 0;      ///< bytes that leave a rank in forward + backward
 };
 
+/// Checks `o` for a group of `sp` ranks and returns each mode's group (sp_mode, ulysses_size): throws
+/// std::invalid_argument naming the option and the value for sp < 2, an unknown dtype or mode, a length below
+/// 2 x sp, a mode that does not fit the heads, or an ulysses-ring without a subgroup size.
+std::vector<std::pair<std::string, GroupPlan>> check_sp_attention_bench(const SpAttentionBenchOptions& o, int64_t sp);
+
 /// Runs every point on `world` (all ranks call it; sp = world size; threads as set by the caller). Returns the
-/// same points on every rank. Throws std::invalid_argument for an unknown mode or dtype, a mode that does not fit
-/// `heads` at this sp, or a length < 2 x sp; std::runtime_error when a peer fails.
+/// same points on every rank. Throws what check_sp_attention_bench throws; std::runtime_error when a peer fails.
 std::vector<SpAttentionBenchPoint> bench_sp_attention(const SpAttentionBenchOptions& o, const ProcessGroups& groups);
 
 /// The report's tables (markdown): per length, each mode's seconds, its ratio to Ulysses, its efficiency

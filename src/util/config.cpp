@@ -268,9 +268,11 @@ void Config::validate() const {
                                   parallel.ulysses_size, parallel.sp_mode));
   }
   if (parallel.sp_mode == "ulysses-ring") {
-    if (parallel.sp_size < 1) {
-      throw ConfigError("config key 'parallel.sp_size': bad value '0' (allowed: >= 4 with parallel.sp_mode "
-                        "ulysses-ring, which needs a fixed size to split)");
+    if (parallel.sp_size < 4) {
+      throw ConfigError(fmt::format(
+          "config key 'parallel.sp_size': bad value '{}' (allowed: >= 4 with parallel.sp_mode ulysses-ring, which "
+          "splits a fixed size into subgroups of 1 < ulysses_size < sp_size; use ulysses or ring below 4)",
+          parallel.sp_size));
     }
     const int64_t u = ulysses_ring_size(parallel.sp_size, parallel.ulysses_size, model.n_heads);
     if (u == 0) {
