@@ -190,10 +190,6 @@ void StepPlan::validate(int64_t world_size, const std::vector<Sample>& samples, 
     if (g.sp_size < 1 || g.first_rank < 0 || g.first_rank + g.sp_size > world_size) {
       fail(fmt::format("group [{}, {}) is outside world_size {}", g.first_rank, g.first_rank + g.sp_size, world_size));
     }
-    if (world_size % g.sp_size != 0) {  // the groups a run creates: aligned blocks of sizes dividing world_size
-      fail(fmt::format("group at rank {}: sp_size {} does not divide world_size {}", g.first_rank, g.sp_size,
-                       world_size));
-    }
     if (g.first_rank % g.sp_size != 0) {
       fail(fmt::format("group at rank {} with sp_size {} is not aligned", g.first_rank, g.sp_size));
     }
