@@ -1,20 +1,22 @@
 // Writes a synthetic passkey-retrieval corpus (the passkey test of Mohtashami & Jaggi 2023, "Landmark
-// Attention"): each document is a haystack with a random 5-digit pass key stated once at a random depth, and
-// ends with the question and the key, so that the key's last occurrence can only be predicted by looking it up
-// in the context. The haystack is one random sentence of the document (words from a fixed list) repeated: a
-// model predicts it by copying earlier repeats, which trains the induction heads that retrieval needs, and it
-// is compressible (its repeats are near-duplicates in the cache) while the key is not. A model trained on such
-// documents with `dcp train` (configs/passkey.yaml) is meant to learn to retrieve (the small ones trained on this
-// CPU have not yet: docs/kv_cache.md "Retrieval"); `dcp kv-eval` on documents of a fixed length then measures
-// whether a compressed KV cache still lets it (an eviction policy loses a key it did not keep).
+// Attention", in the dense multi-key form of the associative-recall tasks, Arora et al. 2023, "Zoology"): each
+// document is a haystack with up to 8 random 5-digit keys, each stated once at a random depth right after its own
+// marker byte, and ends with the markers again, in random order, each followed by its key, the one after '#'
+// last. A key's second occurrence can only be predicted by finding its marker earlier in the context: the
+// one-token match of an induction head (Olsson et al. 2022). The haystack is one random segment of the document
+// (random letters) repeated: a model predicts it by copying earlier repeats, which trains the same heads,
+// and it is compressible (its repeats are near-duplicates in the cache) while the keys are not. A model trained on
+// such documents with `dcp train` (configs/passkey.yaml) retrieves or not (docs/kv_cache.md "Retrieval");
+// `dcp kv-eval` on documents of a fixed length then measures whether a compressed KV cache still lets it (an
+// eviction policy loses a key it did not keep).
 //
-//   build/bench/passkey_corpus --out DIR --docs 12000 --min-bytes 409 --max-bytes 700 --needles 4 --seed 1
-//   build/bench/passkey_corpus --out DIR --docs 64 --min-bytes 517 --max-bytes 517 --needles 4 --seed 2  # eval
+//   build/bench/passkey_corpus --out DIR --docs 100000 --min-bytes 300 --max-bytes 700 --needles 8 --seed 1
+//   build/bench/passkey_corpus --out DIR --docs 64 --min-bytes 517 --max-bytes 517 --needles 8 --seed 2  # eval
 //
 // Documents are DIR/passkey_NNNNN.txt (data.format text_dir, data.glob "*.txt"). A document of B bytes ends
-// with the marker and the 5 key digits: `dcp kv-eval --context B-5 --continuation 5` prefills BOS and the bytes
-// before the marker, decodes the marker and scores the digits; `dcp generate` with the first B-5 bytes as the
-// prompt should print them.
+// with the marker '#' and its 5 key digits: `dcp kv-eval --context B-5 --continuation 5` prefills BOS and the
+// bytes before the marker, decodes the marker and scores the digits; `dcp generate` with the first B-5 bytes as
+// the prompt should print them.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -30,20 +32,15 @@
 
 namespace {
 
-const char* const kWords[] = {"the", "grass", "is", "green", "sky", "blue", "sun", "yellow", "here", "we", "go",
-                              "there", "and", "back", "again", "a", "river", "runs", "down", "to", "sea", "old",
-                              "stone", "bridge", "over", "quiet", "town", "near", "hill", "light", "rain", "falls"};
-
-// The document's haystack sentence: 6 to 12 random words and a full stop.
-std::string sentence(std::mt19937_64& rng) {
+// The document's haystack segment: 12 to 24 random lowercase letters and a full stop. Random letters, not words:
+// a segment's repeats are then predictable only by copying from its earlier occurrence (match the current letter,
+// copy the one after it, the induction-head pattern that key retrieval needs as well), where a sentence of common
+// words was mostly predictable from within-word letter statistics and taught no copying.
+std::string segment(std::mt19937_64& rng) {
   std::string out;
-  const int words = std::uniform_int_distribution<int>(6, 12)(rng);
-  for (int i = 0; i < words; ++i) {
-    out += kWords[std::uniform_int_distribution<size_t>(0, std::size(kWords) - 1)(rng)];
-    out += i + 1 < words ? " " : ". ";
-  }
-  out[0] = static_cast<char>(out[0] - 'a' + 'A');
-  return out;
+  const int letters = std::uniform_int_distribution<int>(12, 24)(rng);
+  for (int i = 0; i < letters; ++i) out += static_cast<char>('a' + std::uniform_int_distribution<int>(0, 25)(rng));
+  return out + ". ";
 }
 
 // `n` bytes of `text` repeated, starting at byte `offset` of it.
@@ -55,20 +52,23 @@ std::string repeat(const std::string& text, size_t offset, size_t n) {
 }
 
 // Needle k's key follows kMarkers[k], a byte found nowhere else in the document, so a head that matches one
-// previous token finds it. Without markers (the first corpora) the key followed "is ", which the haystack's words
-// repeat, and the small models trained on this CPU never learned the longer match that needs (docs/kv_cache.md).
+// previous token finds it. The earlier corpora wrapped keys in "The pass key is ..." and asked "What is the pass
+// key? The pass key is ...": with several keys, that shared text matched every statement equally, and the small
+// models trained on this CPU never retrieved (docs/kv_cache.md "Retrieval").
 constexpr char kMarkers[] = "#$%&@*+=";
 constexpr int kMaxNeedles = sizeof(kMarkers) - 1;
+// The shortest haystack: room for the segment (at most 26 bytes) at least three times.
+constexpr int64_t kMinHaystack = 80;
 
 // A document of exactly `bytes` bytes: the haystack with `needles` keys stated at random depths, then one
-// question per key in random order, the last one for the key after '#'. bytes >= 160 + 83 x (needles - 1).
+// question per key in random order, the last one for the key after '#'. bytes >= kMinHaystack + 15 x needles.
 std::string document(std::mt19937_64& rng, size_t bytes, int needles) {
   std::vector<std::string> stated, asked;
   size_t used = 0;
   for (int k = 0; k < needles; ++k) {
     const std::string key = fmt::format("{:05d}", std::uniform_int_distribution<int>(0, 99999)(rng));
-    stated.push_back(fmt::format(" The pass key is {}{}. Remember it. ", kMarkers[k], key));
-    asked.push_back(fmt::format(" What is the pass key? The pass key is {}{}", kMarkers[k], key));
+    stated.push_back(fmt::format(" {}{} ", kMarkers[k], key));
+    asked.push_back(fmt::format(" {}{}", kMarkers[k], key));
     used += stated.back().size() + asked.back().size();
   }
   std::shuffle(asked.begin() + 1, asked.end(), rng);
@@ -77,7 +77,7 @@ std::string document(std::mt19937_64& rng, size_t bytes, int needles) {
   std::vector<size_t> depth;
   for (int k = 0; k < needles; ++k) depth.push_back(std::uniform_int_distribution<size_t>(0, hay)(rng));
   std::sort(depth.begin(), depth.end());
-  const std::string hay_text = sentence(rng);
+  const std::string hay_text = segment(rng);
   std::string text;
   size_t at = 0;
   for (int k = 0; k < needles; ++k) {
@@ -99,8 +99,10 @@ int main(int argc, char** argv) {
   int64_t needles = 1;
   app.add_option("--out", out, "folder to write (created; existing passkey_*.txt files are overwritten)")->required();
   app.add_option("--docs", docs, "documents")->check(CLI::Range(int64_t{1}, int64_t{10000000}));
-  app.add_option("--min-bytes", min_bytes, "shortest document, bytes")->check(CLI::Range(int64_t{160}, int64_t{1} << 30));
-  app.add_option("--max-bytes", max_bytes, "longest document, bytes")->check(CLI::Range(int64_t{160}, int64_t{1} << 30));
+  app.add_option("--min-bytes", min_bytes, "shortest document, bytes")
+      ->check(CLI::Range(kMinHaystack + 15, int64_t{1} << 30));
+  app.add_option("--max-bytes", max_bytes, "longest document, bytes")
+      ->check(CLI::Range(kMinHaystack + 15, int64_t{1} << 30));
   app.add_option("--needles", needles, "keys per document (more keys = more retrieval per training token)")
       ->check(CLI::Range(int64_t{1}, int64_t{kMaxNeedles}));
   app.add_option("--seed", seed, "random seed (use different seeds for training and evaluation)");
@@ -109,9 +111,9 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "passkey_corpus: --min-bytes {} exceeds --max-bytes {}\n", min_bytes, max_bytes);
     return 2;
   }
-  if (min_bytes < 160 + 83 * (needles - 1)) {
+  if (min_bytes < kMinHaystack + 15 * needles) {
     fmt::print(stderr, "passkey_corpus: --min-bytes {} is too short for {} needles (needs {})\n", min_bytes,
-               needles, 160 + 83 * (needles - 1));
+               needles, kMinHaystack + 15 * needles);
     return 2;
   }
   std::error_code ec;
