@@ -106,7 +106,11 @@ int main(int argc, char** argv) {
   app.add_option("--needles", needles, "keys per document (more keys = more retrieval per training token)")
       ->check(CLI::Range(int64_t{1}, int64_t{kMaxNeedles}));
   app.add_option("--seed", seed, "random seed (use different seeds for training and evaluation)");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {  // usage errors exit 2, as dcp's own (--help exits 0)
+    return app.exit(e) == 0 ? 0 : 2;
+  }
   if (min_bytes > max_bytes) {
     fmt::print(stderr, "passkey_corpus: --min-bytes {} exceeds --max-bytes {}\n", min_bytes, max_bytes);
     return 2;

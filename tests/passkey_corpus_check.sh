@@ -19,7 +19,9 @@ for f in "$out"/*.txt; do
   done
   [[ "${text: -6}" =~ ^#[0-9]{5}$ ]] || { echo "$f: does not end with '#' and 5 digits: '${text: -6}'"; exit 1; }
 done
-# A length too short for the keys is a usage error naming the value.
-if "$bin" --out "$out/bad" --min-bytes 150 --max-bytes 400 --needles 8 2>"$out.err"; then echo "min-bytes 150 accepted"; exit 1; fi
-grep -q -- "--min-bytes 150 is too short for 8 needles" "$out.err" || { cat "$out.err"; exit 1; }
+# Usage errors exit 2 naming the value: a needle count out of range, a length too short for the keys.
+rc=0; "$bin" --out "$out/bad" --needles 9 2>"$out.err" || rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "--needles: Value 9" "$out.err" || { echo "--needles 9: exit $rc"; cat "$out.err"; exit 1; }
+rc=0; "$bin" --out "$out/bad" --min-bytes 150 --max-bytes 400 --needles 8 2>"$out.err" || rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "--min-bytes 150 is too short for 8 needles" "$out.err" || { echo "--min-bytes 150: exit $rc"; cat "$out.err"; exit 1; }
 echo "passkey corpus ok"
