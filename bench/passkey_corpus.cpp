@@ -4,13 +4,13 @@
 // marker byte, and ends with the markers again, in random order, each followed by its key, the one after '#'
 // last. A key's second occurrence can only be predicted by finding its marker earlier in the context: the
 // one-token match of an induction head (Olsson et al. 2022). The haystack is one random segment of the document
-// (random letters) repeated: a model predicts it by copying earlier repeats, which trains the same heads,
-// and it is compressible (its repeats are near-duplicates in the cache) while the keys are not. A model trained on
+// (random letters) repeated: a model predicts it by copying earlier repeats (meant to train the same heads; the
+// models trained on this CPU learned the copy but not the retrieval), and it is compressible (its repeats are near-duplicates in the cache) while the keys are not. A model trained on
 // such documents with `dcp train` (configs/passkey.yaml) retrieves or not (docs/kv_cache.md "Retrieval");
 // `dcp kv-eval` on documents of a fixed length then measures whether a compressed KV cache still lets it (an
 // eviction policy loses a key it did not keep).
 //
-//   build/bench/passkey_corpus --out DIR --docs 100000 --min-bytes 300 --max-bytes 700 --needles 8 --seed 1
+//   build/bench/passkey_corpus --out DIR --docs 100000 --min-bytes 300 --max-bytes 690 --needles 8 --seed 1
 //   build/bench/passkey_corpus --out DIR --docs 64 --min-bytes 517 --max-bytes 517 --needles 8 --seed 2  # eval
 //
 // Documents are DIR/passkey_NNNNN.txt (data.format text_dir, data.glob "*.txt"). A document of B bytes ends
@@ -33,9 +33,9 @@
 namespace {
 
 // The document's haystack segment: 12 to 24 random lowercase letters and a full stop. Random letters, not words:
-// a segment's repeats are then predictable only by copying from its earlier occurrence (match the current letter,
-// copy the one after it, the induction-head pattern that key retrieval needs as well), where a sentence of common
-// words was mostly predictable from within-word letter statistics and taught no copying.
+// a segment's repeats are then predictable only by copying from an earlier occurrence, where a sentence of common
+// words was mostly predictable from within-word letter statistics. The copy can also be learned as "one period
+// back", which does not find a marker seen once (docs/kv_cache.md "Retrieval").
 std::string segment(std::mt19937_64& rng) {
   std::string out;
   const int letters = std::uniform_int_distribution<int>(12, 24)(rng);
