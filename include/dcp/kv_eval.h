@@ -22,7 +22,9 @@ namespace dcp {
 
 /// What one evaluation runs.
 struct KvEvalOptions {
-  std::vector<std::string> policies;  ///< make_kv_policy names; `full` takes no budget (one run, every budget row)
+  /// Policy specs, "NAME" or "NAME:KEY=VALUE:..." (parse_kv_policy_spec; the budget comes from `budgets`);
+  /// `full` takes no budget (one run, every budget row)
+  std::vector<std::string> policies;
   std::vector<double> budgets;        ///< the policies' `budget` option, each in (0, 1]
   int64_t context = 1024;             ///< tokens prefilled (BOS and the first context - 1 bytes), >= 1
   int64_t continuation = 128;         ///< tokens teacher-forced and scored after the context, >= 1
@@ -31,7 +33,8 @@ struct KvEvalOptions {
   int64_t chunk_tokens = 512;         ///< prefill chunk of every DecodeSession, >= 1
   int64_t bootstrap_resamples = 1000; ///< resamples over documents for the 95% intervals, >= 1
   /// Throws std::invalid_argument naming the field and its value: no policy, no budget, a budget outside (0, 1]
-  /// or NaN, context, continuation, max_docs, chunk_tokens or bootstrap_resamples < 1.
+  /// or NaN, context, continuation, max_docs, chunk_tokens or bootstrap_resamples < 1; and for a policy spec
+  /// that does not build (make_kv_policy's and parse_kv_policy_spec's messages) or sets budget or max_tokens.
   void validate() const;
 };
 
@@ -83,6 +86,9 @@ struct KvEvalRow {
   double prefill_s = 0;      ///< wall seconds of the context's prefill (steady_clock)
   double decode_s = 0;       ///< wall seconds of the continuation's decode() calls, summed
   double abstained_heads = 0;  ///< KvCompressor::abstained_heads().size() at the end of the document
+  /// [layers x heads], layer-major: the fraction of documents on which the policy abstained on that head
+  /// (kept it exact; KvCompressor::abstained_heads() at the end of the document).
+  std::vector<double> abstained_by_head;
 };
 
 struct KvEvalResult {
@@ -90,6 +96,11 @@ struct KvEvalResult {
   std::vector<KvEvalRow> rows;  ///< per policy in the given order, per budget in the given order
   double full_prefill_s = 0;    ///< the reference run (full cache, recording the continuation's queries)
   double full_decode_s = 0;
+  /// [layers x heads], layer-major, from the reference run: the fraction of scored tokens (documents x
+  /// continuation) for which the entry of the prefilled cache that the head's true query attends to most
+  /// (kv_top_attended_positions) holds the very token being predicted. A head near 1 copies its prediction from
+  /// the context: a retrieval head (Wu et al. 2024), whose entries a policy must not lose.
+  std::vector<double> retrieval_score;
 };
 
 /// Runs every (policy, budget) of `options` and the full-cache reference on every document (see the file
@@ -109,6 +120,13 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
 /// Throws std::invalid_argument for an empty view, head_dim or value_dim that differ, or scale <= 0.
 torch::Tensor kv_attention_rel_err(const KvHeadView& full, const KvHeadView& compressed,
                                    const torch::Tensor& queries, double scale);
+
+/// The absolute position of the entry each query attends to most: argmax over the view of scale q.k + bias
+/// (fp64; the first on ties). queries: [T, head_dim] floating (after rotary, unscaled). Returns [T] int64.
+/// kv-eval's retrieval score counts how often that entry holds the token the model is about to predict (Wu et
+/// al. 2024, "Retrieval Head Mechanistically Explains Long-Context Factuality"). Throws std::invalid_argument for
+/// an empty view, queries of another head_dim, or scale <= 0.
+torch::Tensor kv_top_attended_positions(const KvHeadView& view, const torch::Tensor& queries, double scale);
 
 /// The mean of the worst (largest) ceil(fraction x n) values, at least one. Throws std::invalid_argument for
 /// no values or fraction outside (0, 1].

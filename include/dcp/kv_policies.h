@@ -241,6 +241,20 @@ std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPo
 /// errors.
 std::shared_ptr<KvCompressor> make_kv_policy_with_budget(const std::string& name, double budget,
                                                          KvPolicyOptions options = {});
+/// Adds one "KEY=VALUE" option as written on a command line (`dcp generate --kv.option`, kv-eval's policy
+/// specs) to `options`. Throws std::invalid_argument naming the item: no '=' or an empty KEY, a VALUE that is not
+/// a finite decimal number (util/number_text.h: no hex, inf or nan), a KEY already in `options`.
+void add_kv_policy_option(const std::string& item, KvPolicyOptions& options);
+
+/// A policy name with its options in one string: "NAME" or "NAME:KEY=VALUE[:KEY=VALUE...]", e.g.
+/// "minimax:abstain_tail=0.3" (`dcp kv-eval --policies`). Only parsed here: make_kv_policy checks the name and
+/// the options. Throws std::invalid_argument naming the spec for an empty name and add_kv_policy_option's errors.
+struct KvPolicySpec {
+  std::string name;
+  KvPolicyOptions options;
+};
+KvPolicySpec parse_kv_policy_spec(const std::string& spec);
+
 /// Every name make_kv_policy accepts, in the order of its list above (full first, then the baselines, then the
 /// adakv-<scorer> variants): what `dcp kv-eval --policies all` runs and what its unknown-name error lists. A new
 /// policy is added here and in make_kv_policy together (tests/unit/test_kv_eval.cpp builds every name).

@@ -23,17 +23,8 @@ struct KvChoice {
 std::shared_ptr<KvCompressor> kv_policy_from_cli(const std::string& policy, double budget,
                                                  const std::vector<std::string>& options) {
   KvPolicyOptions parsed;
-  for (const std::string& item : options) {
-    const auto eq = item.find('=');
-    const std::optional<double> value = eq == std::string::npos ? std::nullopt : parse_decimal(item.substr(eq + 1));
-    if (eq == 0 || !value || !std::isfinite(*value)) {
-      throw ConfigError(fmt::format("--kv.option '{}': expected KEY=VALUE with a finite decimal VALUE", item));
-    }
-    if (!parsed.emplace(item.substr(0, eq), *value).second) {
-      throw ConfigError(fmt::format("--kv.option '{}': {} is given twice", item, item.substr(0, eq)));
-    }
-  }
   try {
+    for (const std::string& item : options) add_kv_policy_option(item, parsed);
     return make_kv_policy_with_budget(policy, budget, parsed);
   } catch (const std::invalid_argument& e) {
     throw ConfigError(e.what());

@@ -101,13 +101,6 @@ void run(const KvEvalCli& cli) {
   // Usage errors (a policy name or option, a count) exit 2 before the model and the corpus are loaded.
   try {
     o.validate();
-    for (const auto& p : o.policies) {
-      if (p == "full") {
-        make_kv_policy(p);
-      } else {
-        for (double b : o.budgets) make_kv_policy(p, {{"budget", b}});
-      }
-    }
   } catch (const std::invalid_argument& e) {
     throw CLI::ValidationError(e.what());
   }
@@ -193,7 +186,10 @@ void add_kv_eval_command(CLI::App& app) {
                   "documents to evaluate (a folder of text files or a JSONL file; every sample is used); default: "
                   "the held-out split of the checkpoint's own corpus");
   sub->add_option("--policies", cli->policies,
-                  fmt::format("comma list of policies or 'all' ({})", fmt::join(kv_policy_names(), ", ")))
+                  fmt::format("comma list of policies or 'all' ({}); a policy may carry options as "
+                              "NAME:KEY=VALUE[:KEY=VALUE], e.g. minimax:abstain_tail=0.3 (the budget comes from "
+                              "--budgets)",
+                              fmt::join(kv_policy_names(), ", ")))
       ->capture_default_str();
   sub->add_option("--budgets", cli->budgets, "comma list of budgets, each a fraction in (0, 1] of the tokens kept")
       ->capture_default_str();

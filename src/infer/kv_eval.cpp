@@ -16,6 +16,22 @@
 namespace dcp {
 namespace {
 
+bool is_full(const std::string& policy) { return parse_kv_policy_spec(policy).name == "full"; }
+
+// The policy of one row: a spec (parse_kv_policy_spec) with the row's budget; `full` takes none.
+std::shared_ptr<KvCompressor> row_policy(const std::string& policy, double budget) {
+  KvPolicySpec spec = parse_kv_policy_spec(policy);
+  if (spec.name == "full") return make_kv_policy(spec.name, spec.options);
+  for (const char* key : {"budget", "max_tokens"}) {
+    if (spec.options.count(key) != 0) {
+      throw std::invalid_argument(fmt::format("kv-eval: policy '{}' sets {}; budgets come from the budget list",
+                                              policy, key));
+    }
+  }
+  spec.options["budget"] = budget;
+  return make_kv_policy(spec.name, spec.options);
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -73,7 +89,7 @@ struct DocRun {
   int64_t kv_bytes = 0;
   double prefill_s = 0, decode_s = 0;
   std::vector<KvHeadView> after_prefill;  // layer-major
-  int64_t abstained = 0;
+  std::vector<std::pair<int64_t, int64_t>> abstained;  // (layer, head)
 };
 
 // Prefills the context, teacher-forces the continuation and scores its true next tokens.
@@ -108,7 +124,7 @@ DocRun run_document(Transformer& model, const KvEvalDocument& doc, const KvEvalO
   }
   r.bpb = nats / std::log(2.0) / static_cast<double>(o.continuation);
   r.kv_bytes = session.cache().bytes();
-  r.abstained = static_cast<int64_t>(compressor->abstained_heads().size());
+  r.abstained = compressor->abstained_heads();
   return r;
 }
 
@@ -128,9 +144,30 @@ std::vector<double> layer_errors(const std::vector<KvHeadView>& full, const std:
   return out;
 }
 
+// Per (layer, head), layer-major: 1 where the head's most attended entry of the prefilled full cache holds the
+// token its continuation query predicts, summed over the continuation.
+std::vector<double> retrieval_hits(const KvEvalDocument& doc, const std::vector<KvHeadView>& full,
+                                   const RecordingFullCache& ref, int64_t layers, int64_t heads, int64_t context) {
+  std::vector<double> hits;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor& q = ref.queries(l);  // [heads, N, head_dim]
+    for (int64_t h = 0; h < heads; ++h) {
+      const torch::Tensor top = kv_top_attended_positions(full[static_cast<size_t>(l * heads + h)], q[h], ref.scale());
+      double n = 0;
+      for (int64_t i = 0; i < top.numel(); ++i) {
+        const auto source = static_cast<size_t>(top[i].item<int64_t>());
+        n += doc.tokens[source] == doc.tokens[static_cast<size_t>(context + i + 1)];
+      }
+      hits.push_back(n);
+    }
+  }
+  return hits;
+}
+
 struct RowSamples {
   std::vector<double> bpb, bpb_full, accuracy, accuracy_full, exact, exact_full, rel, attn, kv_bytes, kv_bytes_full, prefill, decode, abstained;
   std::vector<std::vector<double>> attn_layers;  // per document, [layers]
+  std::vector<double> abstained_by_head;         // [layers x heads]: documents on which the head abstained
 };
 
 KvEvalRow summarize(const std::string& policy, double budget, const RowSamples& s, const KvEvalOptions& o) {
@@ -160,6 +197,7 @@ KvEvalRow summarize(const std::string& policy, double budget, const RowSamples& 
   row.prefill_s = mean_of(s.prefill);
   row.decode_s = mean_of(s.decode);
   row.abstained_heads = mean_of(s.abstained);
+  for (double n : s.abstained_by_head) row.abstained_by_head.push_back(n / static_cast<double>(row.documents));
   return row;
 }
 
@@ -178,6 +216,10 @@ void KvEvalOptions::validate() const {
                                                     {"bootstrap_resamples", bootstrap_resamples}};
   for (const auto& [name, v] : counts) {
     if (v < 1) throw std::invalid_argument(fmt::format("kv-eval: {} {} must be >= 1", name, v));
+  }
+  // Bad names and options fail before any document runs.
+  for (const auto& p : policies) {
+    for (double b : budgets) row_policy(p, b);
   }
 }
 
@@ -223,14 +265,6 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
                          const KvEvalOptions& o, const std::function<void(int64_t, int64_t)>& on_document) {
   o.validate();
   if (documents.empty()) throw std::invalid_argument("kv-eval: no document to evaluate");
-  // Bad names and options fail before any document runs.
-  for (const auto& p : o.policies) {
-    if (p == "full") {
-      make_kv_policy(p);
-    } else {
-      for (double b : o.budgets) make_kv_policy(p, {{"budget", b}});
-    }
-  }
   model->eval();
   torch::NoGradGuard no_grad;
   const int64_t layers = model->cfg.n_layers, heads = model->cfg.n_heads;
@@ -238,8 +272,11 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
   KvEvalResult result;
   result.options = o;
   // samples[p][b]: per document what the run measured; `full` fills budget 0 and is copied to every budget.
-  std::vector<std::vector<RowSamples>> samples(o.policies.size(), std::vector<RowSamples>(o.budgets.size()));
+  RowSamples empty;
+  empty.abstained_by_head.assign(static_cast<size_t>(layers * heads), 0.0);
+  std::vector<std::vector<RowSamples>> samples(o.policies.size(), std::vector<RowSamples>(o.budgets.size(), empty));
   std::vector<double> ref_prefill, ref_decode;
+  result.retrieval_score.assign(static_cast<size_t>(layers * heads), 0.0);
   for (const auto& doc : documents) {
     auto recorder = std::make_shared<RecordingFullCache>(layers, o.continuation, o.context + o.continuation - 1);
     const DocRun ref = run_document(model, doc, o, recorder);
@@ -255,11 +292,13 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
                                            o.continuation, o.context));
       }
     }
+    const std::vector<double> hits = retrieval_hits(doc, ref.after_prefill, *recorder, layers, heads, o.context);
+    for (size_t i = 0; i < hits.size(); ++i) result.retrieval_score[i] += hits[i];
     for (size_t p = 0; p < o.policies.size(); ++p) {
-      const bool full = o.policies[p] == "full";
+      const bool full = is_full(o.policies[p]);
       for (size_t b = 0; b < o.budgets.size(); ++b) {
         if (full && b > 0) continue;
-        auto policy = full ? make_kv_policy("full") : make_kv_policy(o.policies[p], {{"budget", o.budgets[b]}});
+        auto policy = row_policy(o.policies[p], o.budgets[b]);
         const DocRun run = run_document(model, doc, o, policy);
         RowSamples& s = samples[p][b];
         s.bpb.push_back(run.bpb);
@@ -276,16 +315,20 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
         s.kv_bytes_full.push_back(static_cast<double>(ref.kv_bytes));
         s.prefill.push_back(run.prefill_s);
         s.decode.push_back(run.decode_s);
-        s.abstained.push_back(static_cast<double>(run.abstained));
+        s.abstained.push_back(static_cast<double>(run.abstained.size()));
+        for (const auto& [l, h] : run.abstained) s.abstained_by_head[static_cast<size_t>(l * heads + h)] += 1;
       }
     }
     if (on_document) on_document(static_cast<int64_t>(ref_prefill.size()), static_cast<int64_t>(documents.size()));
   }
   for (size_t p = 0; p < o.policies.size(); ++p) {
     for (size_t b = 0; b < o.budgets.size(); ++b) {
-      const bool full = o.policies[p] == "full";
+      const bool full = is_full(o.policies[p]);
       result.rows.push_back(summarize(o.policies[p], o.budgets[b], samples[p][full ? 0 : b], o));
     }
+  }
+  for (double& score : result.retrieval_score) {
+    score /= static_cast<double>(documents.size() * static_cast<size_t>(o.continuation));
   }
   result.full_prefill_s = mean_of(ref_prefill);
   result.full_decode_s = mean_of(ref_decode);

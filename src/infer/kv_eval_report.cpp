@@ -23,6 +23,50 @@ std::string percent(const KvEvalStat& s) {
 
 std::string csv_number(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : std::string(); }
 
+// A layer-major [layers x heads] vector as nested arrays, one per layer.
+nlohmann::json per_layer(const std::vector<double>& flat, size_t layers) {
+  nlohmann::json out = nlohmann::json::array();
+  const size_t heads = layers == 0 ? 0 : flat.size() / layers;
+  for (size_t l = 0; l < layers; ++l) {
+    nlohmann::json row = nlohmann::json::array();
+    for (size_t h = 0; h < heads; ++h) row.push_back(number(flat[l * heads + h]));
+    out.push_back(row);
+  }
+  return out;
+}
+
+size_t layers_of(const KvEvalResult& r) {
+  return r.rows.empty() ? 0 : r.rows.front().attn_rel_err_per_layer.size();
+}
+
+// Per (layer, head): the retrieval score of the reference run and how often each abstaining row abstained there.
+std::string heads_table(const KvEvalResult& r) {
+  const size_t layers = layers_of(r);
+  if (layers == 0 || r.retrieval_score.empty()) return {};
+  const size_t heads = r.retrieval_score.size() / layers;
+  std::vector<const KvEvalRow*> abstaining;
+  for (const auto& row : r.rows) {
+    if (row.abstained_heads > 0) abstaining.push_back(&row);
+  }
+  std::ostringstream md;
+  md << "Heads: `retrieval` = the fraction of scored tokens whose most attended entry of the prefilled full cache "
+        "holds the token being predicted (a head near 1 copies from the context: a retrieval head, Wu et al. "
+        "2024); then, per policy and budget that abstained anywhere, the fraction of documents on which it kept "
+        "the head exact.\n\n| layer | head | retrieval |";
+  for (const KvEvalRow* row : abstaining) md << fmt::format(" {} {:g} |", row->policy, row->budget);
+  md << "\n|---|---|---|";
+  for (size_t i = 0; i < abstaining.size(); ++i) md << "---|";
+  md << "\n";
+  for (size_t l = 0; l < layers; ++l) {
+    for (size_t h = 0; h < heads; ++h) {
+      md << fmt::format("| {} | {} | {:.3f} |", l, h, r.retrieval_score[l * heads + h]);
+      for (const KvEvalRow* row : abstaining) md << fmt::format(" {:.2f} |", row->abstained_by_head[l * heads + h]);
+      md << "\n";
+    }
+  }
+  return md.str() + "\n";
+}
+
 }  // namespace
 
 nlohmann::json kv_eval_json(const KvEvalResult& r, const KvEvalReportInfo& info) {
@@ -52,7 +96,8 @@ nlohmann::json kv_eval_json(const KvEvalResult& r, const KvEvalReportInfo& info)
                        {"kv_bytes_ratio", number(row.kv_bytes / row.kv_bytes_full)},
                        {"prefill_s", number(row.prefill_s)},
                        {"decode_s", number(row.decode_s)},
-                       {"abstained_heads", number(row.abstained_heads)}});
+                       {"abstained_heads", number(row.abstained_heads)},
+                       {"abstained_by_head", per_layer(row.abstained_by_head, layers_of(r))}});
   }
   return {{"checkpoint", info.checkpoint},
           {"data_path", info.data_path},
@@ -70,6 +115,7 @@ nlohmann::json kv_eval_json(const KvEvalResult& r, const KvEvalReportInfo& info)
             {"evaluated", static_cast<int64_t>(info.documents.documents.size())},
             {"required_tokens", info.documents.required_tokens}}},
           {"reference", {{"prefill_s", number(r.full_prefill_s)}, {"decode_s", number(r.full_decode_s)}}},
+          {"retrieval_score", per_layer(r.retrieval_score, layers_of(r))},
           {"results", results}};
 }
 
@@ -117,7 +163,7 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
                     "{:.3f} s per document. `full` takes no budget: it ran once per document and its row repeats "
                     "at every budget.\n\n",
                     r.full_prefill_s, r.full_decode_s);
-  const size_t layers = r.rows.empty() ? 0 : r.rows.front().attn_rel_err_per_layer.size();
+  const size_t layers = layers_of(r);
   md << "Attention relative error per layer:\n\n| policy | budget |";
   for (size_t l = 0; l < layers; ++l) md << " layer " << l << " |";
   md << "\n|---|---|";
@@ -128,7 +174,8 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
     for (double e : row.attn_rel_err_per_layer) md << fmt::format(" {:.4f} |", e);
     md << "\n";
   }
-  md << "\nNot measured: contexts beyond the trained window, the query-agnostic "
+  md << "\n" << heads_table(r);
+  md << "Not measured: contexts beyond the trained window, the query-agnostic "
         "protocol, peak memory during compression, and GPU timings.\n";
   return md.str();
 }

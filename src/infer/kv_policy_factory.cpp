@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "dcp/kv_policies.h"
+#include "util/number_text.h"
 
 namespace dcp {
 namespace {
@@ -178,6 +179,36 @@ std::shared_ptr<KvCompressor> make_kv_policy_with_budget(const std::string& name
     options["max_tokens"] = budget;
   }
   return make_kv_policy(name, options);
+}
+
+void add_kv_policy_option(const std::string& item, KvPolicyOptions& options) {
+  const auto eq = item.find('=');
+  const std::optional<double> value = eq == std::string::npos ? std::nullopt : parse_decimal(item.substr(eq + 1));
+  if (eq == 0 || !value || !std::isfinite(*value)) {
+    throw std::invalid_argument(fmt::format("KV policy option '{}': expected KEY=VALUE with a finite decimal VALUE",
+                                            item));
+  }
+  if (!options.emplace(item.substr(0, eq), *value).second) {
+    throw std::invalid_argument(fmt::format("KV policy option '{}': {} is given twice", item, item.substr(0, eq)));
+  }
+}
+
+KvPolicySpec parse_kv_policy_spec(const std::string& spec) {
+  KvPolicySpec out;
+  const auto colon = spec.find(':');
+  out.name = spec.substr(0, colon);
+  if (out.name.empty()) throw std::invalid_argument(fmt::format("KV policy '{}': no policy name before ':'", spec));
+  for (size_t at = colon; at != std::string::npos;) {
+    const auto next = spec.find(':', at + 1);
+    try {
+      add_kv_policy_option(spec.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1),
+                           out.options);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(fmt::format("KV policy '{}': {}", spec, e.what()));
+    }
+    at = next;
+  }
+  return out;
 }
 
 }  // namespace dcp

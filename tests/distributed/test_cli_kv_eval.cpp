@@ -132,12 +132,13 @@ TEST(CliKvEval, JsonHasEveryFieldFullIsExactAndWindowLosesOnPeakedAttention) {
   EXPECT_EQ(j["documents"]["too_short"], 1);
   EXPECT_EQ(j["documents"]["evaluated"], 6);
   EXPECT_EQ(j["documents"]["required_tokens"], 161);
+  ASSERT_EQ(j["retrieval_score"].size(), 2u);  // [layers][heads]
   ASSERT_EQ(j["results"].size(), 4u);
   for (const auto& r : j["results"]) {
     for (const char* key : {"policy", "budget", "documents", "bpb", "bpb_full", "rel_bpb_increase",
                             "rel_bpb_increase_ci", "worst_decile_rel_increase", "worst_decile_rel_increase_ci",
                             "attn_rel_err", "attn_rel_err_ci", "attn_rel_err_per_layer", "kv_bytes",
-                            "kv_bytes_full", "prefill_s", "decode_s", "abstained_heads"}) {
+                            "kv_bytes_full", "prefill_s", "decode_s", "abstained_heads", "abstained_by_head"}) {
       ASSERT_TRUE(r.contains(key)) << key << " in " << r.dump();
     }
     EXPECT_EQ(r["documents"], 6);
@@ -171,6 +172,7 @@ TEST(CliKvEval, UsageErrorsExit2NamingTheValue) {
   // Each case is a process start (a few seconds on a loaded machine), so one per kind of check.
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--policies", "window,lru"}, "unknown policy 'lru'"},
+      {{"--policies", "minimax:abstain_tail=x"}, "KV policy 'minimax:abstain_tail=x': KV policy option 'abstain_tail=x'"},
       {{"--budgets", "0.1,0"}, "--budgets: '0' is not a fraction in (0, 1]"},
       {{"--budgets", "nan"}, "--budgets: 'nan' is not a fraction"},
       {{"--context", "0"}, "--context: Value 0 not in range"},

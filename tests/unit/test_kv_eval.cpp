@@ -1,6 +1,7 @@
 // dcp kv-eval's pieces: the statistics over documents, the attention error of a compressed cache, the choice of
 // documents, the driver on a tiny random model (full = the reference exactly, window visibly not), the report
 // writers, and kv_policy_names (every name is one make_kv_policy builds).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -134,6 +135,71 @@ TEST(KvAttentionRelErr, ZeroForTheSameEntriesPositiveWhenEvictedAndBiasCountsCop
             std::string::npos);
 }
 
+TEST(KvTopAttendedPositions, NamesTheArgmaxEntrysPositionAndCountsItsBias) {
+  KvHeadView v = random_view(40, 16, 2);
+  v.positions = torch::arange(40, torch::kInt64) * 3 + 7;  // absolute positions, not indices
+  // A query along key j (large norm) attends most to j among random keys.
+  const torch::Tensor q = v.keys.index_select(0, torch::tensor({5, 17, 33}, torch::kInt64)) * 4;
+  const torch::Tensor top = kv_top_attended_positions(v, q, 0.25);
+  EXPECT_TRUE(torch::equal(top, torch::tensor({5 * 3 + 7, 17 * 3 + 7, 33 * 3 + 7}, torch::kInt64))) << top;
+  // A bias of +1000 on entry 2 wins every query.
+  v.bias[2] = 1000.0;
+  EXPECT_TRUE(torch::equal(kv_top_attended_positions(v, q, 0.25), torch::full({3}, 2 * 3 + 7, torch::kInt64)));
+  EXPECT_NE(error_of([&] { kv_top_attended_positions(v, q, -1); }).find("scale -1"), std::string::npos);
+  EXPECT_NE(error_of([&] { kv_top_attended_positions(v, torch::randn({2, 8}), 1); }).find("do not fit head_dim 16"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { kv_top_attended_positions(rows(v, torch::zeros({0}, torch::kInt64)), q, 1); })
+                .find("empty view"),
+            std::string::npos);
+}
+
+TEST(KvPolicySpec, NameAndOptionsInOneStringEachErrorNamed) {
+  const KvPolicySpec m = parse_kv_policy_spec("minimax:abstain_tail=0.3:window=8");
+  EXPECT_EQ(m.name, "minimax");
+  EXPECT_EQ(m.options, (KvPolicyOptions{{"abstain_tail", 0.3}, {"window", 8}}));
+  EXPECT_EQ(parse_kv_policy_spec("snapkv").options.size(), 0u);
+  const std::pair<const char*, const char*> bad[] = {
+      {":window=8", "KV policy ':window=8': no policy name"},
+      {"minimax:abstain_tail", "'abstain_tail': expected KEY=VALUE"},
+      {"minimax:", "'': expected KEY=VALUE"},
+      {"minimax:=3", "'=3': expected KEY=VALUE"},
+      {"minimax:window=nan", "'window=nan': expected KEY=VALUE with a finite decimal"},
+      {"minimax:window=0x10", "'window=0x10': expected"},
+      {"minimax:window=1:window=2", "window is given twice"}};
+  for (const auto& [spec, message] : bad) {
+    EXPECT_NE(error_of([&] { parse_kv_policy_spec(spec); }).find(message), std::string::npos) << spec;
+  }
+  // kv-eval builds every spec with every budget before running; the budget is its own.
+  KvEvalOptions o = small_options();
+  o.policies = {"window:n_sink=2", "minimax:abstain_tail=0.3"};
+  EXPECT_NO_THROW(o.validate());
+  o.policies = {"window:budget=0.5"};
+  EXPECT_NE(error_of([&] { o.validate(); }).find("policy 'window:budget=0.5' sets budget"), std::string::npos);
+  o.policies = {"window:kernel=3"};
+  EXPECT_NE(error_of([&] { o.validate(); }).find("window has no option 'kernel'"), std::string::npos);
+  o.policies = {"full:n_sink=1"};
+  EXPECT_NE(error_of([&] { o.validate(); }).find("full has no option 'n_sink'"), std::string::npos);
+}
+
+TEST(KvEval, AbstentionIsCountedPerHead) {
+  Transformer model = sharp_model(11);
+  KvEvalOptions o = small_options();
+  o.policies = {"minimax:abstain_tail=0", "minimax:abstain_tail=1"};  // every head abstains; none can
+  o.budgets = {0.25};
+  const KvEvalResult r = run_kv_eval(model, random_documents(2, 130, 5), o);
+  ASSERT_EQ(r.rows.size(), 2u);
+  EXPECT_EQ(r.rows[0].policy, "minimax:abstain_tail=0");
+  EXPECT_EQ(r.rows[0].abstained_heads, 8);
+  EXPECT_EQ(r.rows[0].abstained_by_head, std::vector<double>(8, 1.0));
+  EXPECT_EQ(r.rows[1].abstained_heads, 0);
+  EXPECT_EQ(r.rows[1].abstained_by_head, std::vector<double>(8, 0.0));
+  EXPECT_LT(r.rows[1].kv_bytes, r.rows[0].kv_bytes);
+  KvEvalReportInfo info;
+  const std::string md = kv_eval_markdown(r, info);
+  EXPECT_NE(md.find("| layer | head | retrieval | minimax:abstain_tail=0 0.25 |"), std::string::npos) << md;
+  EXPECT_NE(md.find(fmt::format("| 1 | 2 | {:.3f} | 1.00 |", r.retrieval_score[6])), std::string::npos) << md;
+}
+
 TEST(KvPolicyNames, EveryNameIsOneMakeKvPolicyBuilds) {
   const auto& names = kv_policy_names();
   ASSERT_FALSE(names.empty());
@@ -224,6 +290,14 @@ TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
     }
     EXPECT_GE(row.token_accuracy, row.exact_match);  // every token right implies accuracy 1
     EXPECT_LE(row.token_accuracy, 1);
+    EXPECT_EQ(row.abstained_by_head, std::vector<double>(8, 0.0));
+  }
+  // A fraction per (layer, head) of the 4 x 24 scored tokens: multiples of 1/96.
+  ASSERT_EQ(r.retrieval_score.size(), 8u);
+  for (double score : r.retrieval_score) {
+    EXPECT_GE(score, 0);
+    EXPECT_LE(score, 1);
+    EXPECT_NEAR(score * 96, std::round(score * 96), 1e-9);
   }
   const KvEvalRow& w10 = r.rows[2];
   const KvEvalRow& w50 = r.rows[3];
@@ -246,9 +320,13 @@ TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
   for (const char* key : {"policy", "budget", "bpb", "bpb_full", "token_accuracy", "exact_match", "rel_bpb_increase", "rel_bpb_increase_ci",
                           "worst_decile_rel_increase", "worst_decile_rel_increase_ci", "attn_rel_err",
                           "attn_rel_err_per_layer", "kv_bytes", "kv_bytes_full", "prefill_s", "decode_s",
-                          "abstained_heads"}) {
+                          "abstained_heads", "abstained_by_head"}) {
     EXPECT_TRUE(j["results"][2].contains(key)) << key;
   }
+  ASSERT_EQ(j["retrieval_score"].size(), 2u);  // per layer, per head
+  EXPECT_EQ(j["retrieval_score"][1].size(), 4u);
+  EXPECT_EQ(j["retrieval_score"][1][3].get<double>(), r.retrieval_score[7]);
+  EXPECT_EQ(j["results"][2]["abstained_by_head"][0].size(), 4u);
   EXPECT_EQ(j["results"][2]["rel_bpb_increase_ci"].size(), 2u);
   const std::string csv = kv_eval_csv(r);
   EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 5);
@@ -258,6 +336,7 @@ TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
   EXPECT_NE(plot.find("title \"full\""), std::string::npos);
   const std::string md = kv_eval_markdown(r, info);
   EXPECT_NE(md.find("| window | 0.1 |"), std::string::npos);
+  EXPECT_NE(md.find(fmt::format("| 1 | 3 | {:.3f} |", r.retrieval_score[7])), std::string::npos);
 }
 
 TEST(KvEval, RefusesBadPoliciesBeforeRunning) {
