@@ -14,42 +14,14 @@
 #include "dcp/infer.h"
 #include "dcp/kv_cache.h"
 #include "unit/error_of.h"
+#include "unit/kv_test_model.h"
 
 using namespace dcp;
 using dcp::test::error_of;
+using dcp::test::random_tokens;
+using dcp::test::sharp_model;
 
 namespace {
-
-ModelConfig tiny_config() {
-  ModelConfig cfg;
-  cfg.d_model = 64;
-  cfg.n_layers = 3;
-  cfg.n_heads = 4;  // head_dim 16
-  cfg.d_ff = 128;
-  return cfg;
-}
-
-// A random model whose attention is peaked: at init (std 0.02) scores are ~0.1 and every head averages its
-// whole context, which would hide a wrong mask, position or cache entry. Scaling the q and k rows of wqkv by 8
-// makes scores O(5).
-Transformer sharp_model(uint64_t seed, Precision precision = Precision::kFp32) {
-  torch::manual_seed(seed);
-  Transformer model(tiny_config(), AttentionConfig{}, precision);
-  torch::NoGradGuard no_grad;
-  for (const auto& item : model->named_parameters()) {
-    if (item.key().find("wqkv") != std::string::npos) item.value().narrow(0, 0, 2 * tiny_config().d_model).mul_(8.0);
-  }
-  model->eval();
-  return model;
-}
-
-std::vector<int64_t> random_tokens(int64_t n, uint64_t seed) {
-  torch::manual_seed(seed);
-  auto t = torch::randint(0, 256, {n}, torch::kInt64);
-  std::vector<int64_t> out(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
-  out[0] = kBosToken;
-  return out;
-}
 
 // The whole sequence through model->forward: row i = logits after tokens[0..i], positions 0..n-1.
 torch::Tensor full_forward(Transformer& model, const std::vector<int64_t>& tokens) {
@@ -418,7 +390,7 @@ TEST(KvCacheAttention, WrapperAttendsBeforeAppendingAndNeedsSoftmax) {
   EXPECT_NE(error_of([&] { wrapper.forward(SoftmaxAttention(), 1, q, k, v, two); }).find("one sequence"), std::string::npos);
   AttentionConfig flex_cfg;
   flex_cfg.backend = "flexformer";
-  Transformer flex_model(tiny_config(), flex_cfg);
+  Transformer flex_model(dcp::test::kv_tiny_config(), flex_cfg);
   EXPECT_NE(error_of([&] { DecodeSession s(flex_model); }).find("layer 0 does not use softmax attention"),
             std::string::npos);
   EXPECT_NE(error_of([&] { DecodeSession s(sharp_model(1), 0); }).find("chunk_tokens 0"), std::string::npos);

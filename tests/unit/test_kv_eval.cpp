@@ -15,33 +15,13 @@
 #include "dcp/kv_eval_report.h"
 #include "dcp/kv_policies.h"
 #include "unit/error_of.h"
+#include "unit/kv_test_model.h"
 
 using namespace dcp;
 using dcp::test::error_of;
+using dcp::test::sharp_model;
 
 namespace {
-
-ModelConfig tiny_config() {
-  ModelConfig cfg;
-  cfg.d_model = 64;
-  cfg.n_layers = 2;
-  cfg.n_heads = 4;  // head_dim 16
-  cfg.d_ff = 128;
-  return cfg;
-}
-
-// Random weights with peaked attention (q and k rows of wqkv scaled by 8, as in test_kv_policies.cpp), so that
-// evicting entries visibly changes attention.
-Transformer sharp_model(uint64_t seed) {
-  torch::manual_seed(seed);
-  Transformer model(tiny_config(), AttentionConfig{}, Precision::kFp32);
-  torch::NoGradGuard no_grad;
-  for (const auto& item : model->named_parameters()) {
-    if (item.key().find("wqkv") != std::string::npos) item.value().narrow(0, 0, 2 * tiny_config().d_model).mul_(8.0);
-  }
-  model->eval();
-  return model;
-}
 
 KvHeadView random_view(int64_t n, int64_t d, uint64_t seed) {
   torch::manual_seed(seed);
@@ -182,7 +162,7 @@ TEST(KvPolicySpec, NameAndOptionsInOneStringEachErrorNamed) {
 }
 
 TEST(KvEval, AbstentionIsCountedPerHead) {
-  Transformer model = sharp_model(11);
+  Transformer model = sharp_model(11, Precision::kFp32, 2);
   KvEvalOptions o = small_options();
   o.policies = {"minimax:abstain_tail=0", "minimax:abstain_tail=1"};  // every head abstains; none can
   o.budgets = {0.25};
@@ -263,7 +243,7 @@ TEST(KvEvalDocuments, SkipsShortOnesCountsThemAndRefusesWhenNoneIsLongEnough) {
 }
 
 TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
-  Transformer model = sharp_model(11);
+  Transformer model = sharp_model(11, Precision::kFp32, 2);
   const KvEvalOptions o = small_options();
   const auto docs = random_documents(4, 130, 5);
   int64_t calls = 0;
@@ -340,7 +320,7 @@ TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
 }
 
 TEST(KvEval, RefusesBadPoliciesBeforeRunning) {
-  Transformer model = sharp_model(1);
+  Transformer model = sharp_model(1, Precision::kFp32, 2);
   KvEvalOptions o = small_options();
   o.policies = {"window", "lru"};
   EXPECT_NE(error_of([&] { run_kv_eval(model, random_documents(1, 130, 1), o); }).find("unknown policy 'lru'"),

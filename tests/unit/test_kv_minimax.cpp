@@ -16,9 +16,13 @@
 #include "dcp/kv_policies.h"
 #include "dcp/kv_summary.h"
 #include "unit/error_of.h"
+#include "unit/kv_test_model.h"
 
 using namespace dcp;
 using dcp::test::error_of;
+using dcp::test::random_tokens;
+using dcp::test::session_logits;
+using dcp::test::sharp_model;
 
 namespace {
 
@@ -55,42 +59,6 @@ struct Synthetic {
   }
   KvStep step() const { return KvStep{true, 0, cache.next_position(), &obs}; }
 };
-
-ModelConfig tiny_config() {
-  ModelConfig cfg;
-  cfg.d_model = 64;
-  cfg.n_layers = 3;
-  cfg.n_heads = 4;
-  cfg.d_ff = 128;
-  return cfg;
-}
-
-Transformer sharp_model(uint64_t seed) {
-  torch::manual_seed(seed);
-  Transformer model(tiny_config(), AttentionConfig{}, Precision::kFp32);
-  torch::NoGradGuard no_grad;
-  for (const auto& item : model->named_parameters()) {
-    if (item.key().find("wqkv") != std::string::npos) item.value().narrow(0, 0, 2 * tiny_config().d_model).mul_(8.0);
-  }
-  model->eval();
-  return model;
-}
-
-std::vector<int64_t> random_tokens(int64_t n, uint64_t seed) {
-  torch::manual_seed(seed);
-  auto t = torch::randint(0, 256, {n}, torch::kInt64);
-  std::vector<int64_t> out(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
-  out[0] = kBosToken;
-  return out;
-}
-
-torch::Tensor session_logits(Transformer& model, const std::vector<int64_t>& tokens, int64_t prompt,
-                             std::shared_ptr<KvCompressor> compressor) {
-  DecodeSession session(model, 16, std::move(compressor));
-  std::vector<torch::Tensor> rows{session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + prompt))};
-  for (size_t i = static_cast<size_t>(prompt); i < tokens.size(); ++i) rows.push_back(session.decode(tokens[i]).unsqueeze(0));
-  return torch::cat(rows);
-}
 
 // Keys in c tight clusters of norm rho with values shared by the cluster (plus noise): compressible to about
 // c weighted entries. [n, 1, d] each.
