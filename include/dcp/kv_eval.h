@@ -32,6 +32,10 @@ struct KvEvalOptions {
   uint64_t seed = 0;                  ///< the choice of documents and the bootstrap resamples
   int64_t chunk_tokens = 512;         ///< prefill chunk of every DecodeSession, >= 1
   int64_t bootstrap_resamples = 1000; ///< resamples over documents for the 95% intervals, >= 1
+  /// Also run every document once per (layer, head) with only that head cut, right after prefill, to its first
+  /// kKvAblationSinks and newest kKvAblationRecent entries (every other head full): which heads the
+  /// continuation needs the distant context of (KvEvalResult::head_ablation). layers x heads more runs.
+  bool head_ablation = false;
   /// Throws std::invalid_argument naming the field and its value: no policy, no budget, a budget outside (0, 1]
   /// or NaN, context, continuation, max_docs, chunk_tokens or bootstrap_resamples < 1; and for a policy spec
   /// that does not build (make_kv_policy's and parse_kv_policy_spec's messages) or sets budget or max_tokens.
@@ -91,16 +95,27 @@ struct KvEvalRow {
   std::vector<double> abstained_by_head;
 };
 
+/// Entries an ablated head keeps (KvEvalOptions::head_ablation): StreamingLLM's 4 sinks and a short recent
+/// window, so that a head that reads only nearby tokens loses nothing it uses.
+constexpr int64_t kKvAblationSinks = 4;
+constexpr int64_t kKvAblationRecent = 16;
+
+/// What cutting one head's cache did to the continuation, means over documents (causal ablation, as
+/// DuoAttention finds its retrieval heads by what losing their context costs).
+struct KvHeadAblation {
+  int64_t layer = 0, head = 0;
+  double token_accuracy = 0;    ///< as KvEvalRow::token_accuracy, with the head cut
+  double exact_match = 0;       ///< as KvEvalRow::exact_match, with the head cut
+  double rel_bpb_increase = 0;  ///< mean over documents of (bpb - bpb_full) / bpb_full
+};
+
 struct KvEvalResult {
   KvEvalOptions options;
   std::vector<KvEvalRow> rows;  ///< per policy in the given order, per budget in the given order
   double full_prefill_s = 0;    ///< the reference run (full cache, recording the continuation's queries)
   double full_decode_s = 0;
-  /// [layers x heads], layer-major, from the reference run: the fraction of scored tokens (documents x
-  /// continuation) for which the entry of the prefilled cache that the head's true query attends to most
-  /// (kv_top_attended_positions) holds the very token being predicted. A head near 1 copies its prediction from
-  /// the context: a retrieval head (Wu et al. 2024), whose entries a policy must not lose.
-  std::vector<double> retrieval_score;
+  /// With KvEvalOptions::head_ablation: one per (layer, head), layer-major (else empty).
+  std::vector<KvHeadAblation> head_ablation;
 };
 
 /// Runs every (policy, budget) of `options` and the full-cache reference on every document (see the file
@@ -120,13 +135,6 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
 /// Throws std::invalid_argument for an empty view, head_dim or value_dim that differ, or scale <= 0.
 torch::Tensor kv_attention_rel_err(const KvHeadView& full, const KvHeadView& compressed,
                                    const torch::Tensor& queries, double scale);
-
-/// The absolute position of the entry each query attends to most: argmax over the view of scale q.k + bias
-/// (fp64; the first on ties). queries: [T, head_dim] floating (after rotary, unscaled). Returns [T] int64.
-/// kv-eval's retrieval score counts how often that entry holds the token the model is about to predict (Wu et
-/// al. 2024, "Retrieval Head Mechanistically Explains Long-Context Factuality"). Throws std::invalid_argument for
-/// an empty view, queries of another head_dim, or scale <= 0.
-torch::Tensor kv_top_attended_positions(const KvHeadView& view, const torch::Tensor& queries, double scale);
 
 /// The mean of the worst (largest) ceil(fraction x n) values, at least one. Throws std::invalid_argument for
 /// no values or fraction outside (0, 1].

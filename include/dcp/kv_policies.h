@@ -154,6 +154,8 @@ class AdaKvPolicy : public KvCompressor {
 struct KvHeadRisk {
   double tail = 0;       ///< the block's spectral tail at its budget share (kv_spectral_tail) x the attention share
                          ///< the observed queries give the block, in [0, 1]: what abstain_tail is compared with
+  double heldout = 0;    ///< kv_heldout_rel_error of a summary fitted without half of the observed queries, on
+                         ///< that half: what abstain_heldout is compared with (0 when off or < 2 observed)
   double error = 0;      ///< predicted RMS first-order output error of the block's summary (KvBlockSummary)
   bool abstained = false;  ///< judged incompressible: kept exact from then on
   int64_t kept = 0;      ///< entries the head held after that compression
@@ -169,6 +171,7 @@ struct MinimaxOptions {
   double recent_fraction = 0.25; ///< share of the head's budget kept as the exact newest entries
   double alpha_safeguard = 0.2;  ///< per-head floor of the budget allocation (Ada-KV's)
   double abstain_tail = 0.5;     ///< abstain when the spectral tail at the budget share exceeds this (>= 1: never)
+  double abstain_heldout = 0;    ///< abstain when the held-out relative error exceeds this (0: not computed)
   bool refit_values = false;     ///< refit the kept values by least squares (synthetic values)
   uint64_t seed = 0;             ///< sampled queries and probes
 };
@@ -182,12 +185,15 @@ struct MinimaxOptions {
 /// summary a subset of the real entries with log-weight biases fitted on reference queries (observed, sampled
 /// from their Gaussian, needle probes) by greedy selection and NNLS (KvBlockSummary). The heads of a layer share
 /// their budget by marginal predicted error (a heap over the greedy error curves, with a per-head floor). A head
-/// whose block the spectral estimate calls incompressible (kv_spectral_tail > abstain_tail: lookup-like) is
-/// kept exact for the rest of the sequence and reported (abstained_heads()): its budget is exceeded on purpose.
+/// whose block the spectral estimate calls incompressible (kv_spectral_tail > abstain_tail: lookup-like), or
+/// whose summary at its budget does not carry over to observed queries it was not fitted to
+/// (kv_heldout_rel_error > abstain_heldout, when set), is kept exact for the rest of the sequence and reported
+/// (abstained_heads()): its budget is exceeded on purpose.
 class MinimaxKvPolicy : public KvCompressor {
  public:
   /// Throws std::invalid_argument for a budget outside (0, 1], interval < 1, max_tokens < 0, window < 1,
-  /// samples, probes or n_sink < 0, recent_fraction or alpha_safeguard outside [0, 1], abstain_tail < 0.
+  /// samples, probes or n_sink < 0, recent_fraction or alpha_safeguard outside [0, 1], abstain_tail or
+  /// abstain_heldout < 0.
   explicit MinimaxKvPolicy(const MinimaxOptions& options);
   void after_step(KvCache& cache, const KvStep& step) override;
   KvObservationNeeds needs() const override { return {options_.window, false}; }
@@ -227,6 +233,7 @@ using KvPolicyOptions = std::map<std::string, double>;
 ///                       snapkv, tova, expected-attention (not window: its scores do not compare across heads)
 ///   minimax             budget, interval (64), window (64), samples (64), probes (64), n_sink (4),
 ///                       recent_fraction (0.25), alpha_safeguard (0.2), abstain_tail (0.5, >= 0),
+///                       abstain_heldout (0 = off, >= 0),
 ///                       refit_values (0 or 1), seed (0) (MinimaxKvPolicy)
 /// Every policy but full also takes max_tokens (0 = no cap; KvBudget). budget (default 1 = keep all) in (0, 1];
 /// interval, window, kernel >= 1; n_sink, max_tokens >= 0. Throws

@@ -84,4 +84,14 @@ class KvBlockSummary {
 /// that do not fit.
 double kv_spectral_tail(const torch::Tensor& probs, const torch::Tensor& values, int64_t keep);
 
+/// Risk of a fitted summary on queries it was not fitted to (spec 4.3's fit cross-validated: future queries are
+/// not the reference ones): with block weights w (exp(log_weight) for `atoms`, 0 for the rest of `block`) the
+/// first-order output error e_q = sum_{i in block} (w_i - 1) p_qi (v_i - o_q) (KvBlockSummary's), relative to
+/// the head's output: sqrt(sum_q ||e_q||^2 / sum_q ||o_q||^2) over `queries` (0 when every output is 0).
+/// Evicting the block exactly gives (o~_q - o_q) D~_q / D_q, the true change scaled by the mass kept. view,
+/// scale, block as KvBlockSummary; queries [Q >= 1, head_dim]; atoms [m] int64 indices into `block`,
+/// log_weight [m]. Throws std::invalid_argument for shapes that do not fit.
+double kv_heldout_rel_error(const KvHeadView& view, const torch::Tensor& queries, double scale,
+                            const torch::Tensor& block, const torch::Tensor& atoms, const torch::Tensor& log_weight);
+
 }  // namespace dcp

@@ -30,7 +30,7 @@ struct KvEvalCli {
   std::string checkpoint, data_path, policies = "all", budgets = "0.05,0.1,0.25,0.5", out;
   int64_t context = 1024, continuation = 128, max_docs = 32, chunk_tokens = 0, threads = 0;
   uint64_t seed = 0;
-  bool json = false;
+  bool json = false, head_ablation = false;
 };
 
 std::vector<std::string> split_list(const std::string& text, const std::string& option) {
@@ -95,6 +95,7 @@ void run(const KvEvalCli& cli) {
   o.continuation = cli.continuation;
   o.max_docs = cli.max_docs;
   o.seed = cli.seed;
+  o.head_ablation = cli.head_ablation;
   o.chunk_tokens = cli.chunk_tokens;
   Config cfg = load_checkpoint_config(cli.checkpoint);
   o.chunk_tokens = cli.chunk_tokens > 0 ? cli.chunk_tokens : cfg.kv.chunk_tokens;
@@ -215,6 +216,9 @@ void add_kv_eval_command(CLI::App& app) {
   sub->add_option("--threads", cli->threads,
                   "intra-op threads (default: the checkpoint's train.threads, else every core)")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+  sub->add_flag("--head-ablation", cli->head_ablation,
+                "also run every document once per (layer, head) with only that head's cache cut after prefill to "
+                "its first 4 and newest 16 entries: which heads need the distant context");
   sub->add_flag("--json", cli->json, "print the results as one JSON object instead of the markdown report");
   sub->add_option("--out", cli->out, "write PREFIX.md, PREFIX.csv and PREFIX.png (gnuplot)");
   sub->callback([cli] { run(*cli); });

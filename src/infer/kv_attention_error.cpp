@@ -1,5 +1,4 @@
-// Attention over a cache's views for kv-eval: the error of a compressed cache against the full one for given
-// queries (operator fidelity), and the entry each query attends to most (retrieval heads).
+// Attention over a compressed cache against the full one for given queries (kv-eval's operator fidelity).
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -11,15 +10,11 @@
 namespace dcp {
 namespace {
 
-// scale q.K^T + bias over one view, fp64: [T, n].
-torch::Tensor logits(const KvHeadView& view, const torch::Tensor& q, double scale) {
-  const auto f64 = torch::kFloat64;
-  return torch::matmul(q.to(f64), view.keys.to(f64).t()) * scale + view.bias.to(f64).unsqueeze(0);
-}
-
 // softmax(scale q.K^T + bias) V over one view, fp64: [T, value_dim].
 torch::Tensor attend(const KvHeadView& view, const torch::Tensor& q, double scale) {
-  return torch::matmul(torch::softmax(logits(view, q, scale), 1), view.values.to(torch::kFloat64));
+  const auto f64 = torch::kFloat64;
+  torch::Tensor logits = torch::matmul(q, view.keys.to(f64).t()) * scale + view.bias.to(f64).unsqueeze(0);
+  return torch::matmul(torch::softmax(logits, 1), view.values.to(f64));
 }
 
 }  // namespace
@@ -45,17 +40,6 @@ torch::Tensor kv_attention_rel_err(const KvHeadView& full, const KvHeadView& com
   const torch::Tensor diff = (oc - of).pow(2).sum(1).sqrt(), ref = of.pow(2).sum(1).sqrt();
   return torch::where(ref > 0, diff / ref,
                       torch::where(diff > 0, torch::full_like(diff, INFINITY), torch::zeros_like(diff)));
-}
-
-torch::Tensor kv_top_attended_positions(const KvHeadView& view, const torch::Tensor& queries, double scale) {
-  if (view.length() < 1) throw std::invalid_argument("kv_top_attended_positions: empty view");
-  if (!(scale > 0)) throw std::invalid_argument(fmt::format("kv_top_attended_positions: scale {} must be > 0", scale));
-  if (queries.dim() != 2 || queries.size(1) != view.keys.size(1)) {
-    throw std::invalid_argument(fmt::format("kv_top_attended_positions: queries of shape {} do not fit head_dim {}",
-                                            c10::str(queries.sizes()), view.keys.size(1)));
-  }
-  torch::NoGradGuard no_grad;
-  return view.positions.index_select(0, logits(view, queries, scale).argmax(1));
 }
 
 }  // namespace dcp

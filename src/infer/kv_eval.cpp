@@ -144,25 +144,24 @@ std::vector<double> layer_errors(const std::vector<KvHeadView>& full, const std:
   return out;
 }
 
-// Per (layer, head), layer-major: 1 where the head's most attended entry of the prefilled full cache holds the
-// token its continuation query predicts, summed over the continuation.
-std::vector<double> retrieval_hits(const KvEvalDocument& doc, const std::vector<KvHeadView>& full,
-                                   const RecordingFullCache& ref, int64_t layers, int64_t heads, int64_t context) {
-  std::vector<double> hits;
-  for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor& q = ref.queries(l);  // [heads, N, head_dim]
-    for (int64_t h = 0; h < heads; ++h) {
-      const torch::Tensor top = kv_top_attended_positions(full[static_cast<size_t>(l * heads + h)], q[h], ref.scale());
-      double n = 0;
-      for (int64_t i = 0; i < top.numel(); ++i) {
-        const auto source = static_cast<size_t>(top[i].item<int64_t>());
-        n += doc.tokens[source] == doc.tokens[static_cast<size_t>(context + i + 1)];
-      }
-      hits.push_back(n);
-    }
+// kv-eval's head ablation: right after the prefill of `context` tokens, cuts (layer, head) to its first
+// kKvAblationSinks and newest kKvAblationRecent entries; every other head, and everything decoded later, is kept.
+class HeadCut : public KvCompressor {
+ public:
+  HeadCut(int64_t layer, int64_t head, int64_t context) : layer_(layer), head_(head), context_(context) {}
+  void after_step(KvCache& cache, const KvStep& step) override {
+    if (!step.prefill || step.first_position + step.tokens != context_) return;
+    const int64_t n = cache.view(layer_, head_).length();
+    if (n <= kKvAblationSinks + kKvAblationRecent) return;
+    std::vector<KvHeadEdit> edits(static_cast<size_t>(cache.spec().kv_heads));
+    edits[static_cast<size_t>(head_)].keep = torch::cat({torch::arange(kKvAblationSinks, torch::kInt64),
+                                                          torch::arange(n - kKvAblationRecent, n, torch::kInt64)});
+    cache.commit(layer_, edits);
   }
-  return hits;
-}
+
+ private:
+  int64_t layer_, head_, context_;
+};
 
 struct RowSamples {
   std::vector<double> bpb, bpb_full, accuracy, accuracy_full, exact, exact_full, rel, attn, kv_bytes, kv_bytes_full, prefill, decode, abstained;
@@ -276,7 +275,7 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
   empty.abstained_by_head.assign(static_cast<size_t>(layers * heads), 0.0);
   std::vector<std::vector<RowSamples>> samples(o.policies.size(), std::vector<RowSamples>(o.budgets.size(), empty));
   std::vector<double> ref_prefill, ref_decode;
-  result.retrieval_score.assign(static_cast<size_t>(layers * heads), 0.0);
+  std::vector<RowSamples> ablation(o.head_ablation ? static_cast<size_t>(layers * heads) : 0);
   for (const auto& doc : documents) {
     auto recorder = std::make_shared<RecordingFullCache>(layers, o.continuation, o.context + o.continuation - 1);
     const DocRun ref = run_document(model, doc, o, recorder);
@@ -292,8 +291,13 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
                                            o.continuation, o.context));
       }
     }
-    const std::vector<double> hits = retrieval_hits(doc, ref.after_prefill, *recorder, layers, heads, o.context);
-    for (size_t i = 0; i < hits.size(); ++i) result.retrieval_score[i] += hits[i];
+    for (size_t i = 0; i < ablation.size(); ++i) {
+      const auto l = static_cast<int64_t>(i) / heads, h = static_cast<int64_t>(i) % heads;
+      const DocRun run = run_document(model, doc, o, std::make_shared<HeadCut>(l, h, o.context));
+      ablation[i].accuracy.push_back(static_cast<double>(run.correct) / static_cast<double>(o.continuation));
+      ablation[i].exact.push_back(run.correct == o.continuation ? 1.0 : 0.0);
+      ablation[i].rel.push_back((run.bpb - ref.bpb) / ref.bpb);
+    }
     for (size_t p = 0; p < o.policies.size(); ++p) {
       const bool full = is_full(o.policies[p]);
       for (size_t b = 0; b < o.budgets.size(); ++b) {
@@ -327,8 +331,10 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
       result.rows.push_back(summarize(o.policies[p], o.budgets[b], samples[p][full ? 0 : b], o));
     }
   }
-  for (double& score : result.retrieval_score) {
-    score /= static_cast<double>(documents.size() * static_cast<size_t>(o.continuation));
+  for (size_t i = 0; i < ablation.size(); ++i) {
+    result.head_ablation.push_back({static_cast<int64_t>(i) / heads, static_cast<int64_t>(i) % heads,
+                                    mean_of(ablation[i].accuracy), mean_of(ablation[i].exact),
+                                    mean_of(ablation[i].rel)});
   }
   result.full_prefill_s = mean_of(ref_prefill);
   result.full_decode_s = mean_of(ref_decode);

@@ -35,34 +35,55 @@ nlohmann::json per_layer(const std::vector<double>& flat, size_t layers) {
   return out;
 }
 
+nlohmann::json ablation_json(const std::vector<KvHeadAblation>& heads) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& a : heads) {
+    out.push_back({{"layer", a.layer},
+                   {"head", a.head},
+                   {"token_accuracy", number(a.token_accuracy)},
+                   {"exact_match", number(a.exact_match)},
+                   {"rel_bpb_increase", number(a.rel_bpb_increase)}});
+  }
+  return out;
+}
+
 size_t layers_of(const KvEvalResult& r) {
   return r.rows.empty() ? 0 : r.rows.front().attn_rel_err_per_layer.size();
 }
 
-// Per (layer, head): the retrieval score of the reference run and how often each abstaining row abstained there.
+// Per (layer, head): what cutting the head alone did (--head-ablation) and how often each abstaining row kept it
+// exact. Empty when there is neither.
 std::string heads_table(const KvEvalResult& r) {
   const size_t layers = layers_of(r);
-  if (layers == 0 || r.retrieval_score.empty()) return {};
-  const size_t heads = r.retrieval_score.size() / layers;
   std::vector<const KvEvalRow*> abstaining;
   for (const auto& row : r.rows) {
     if (row.abstained_heads > 0) abstaining.push_back(&row);
   }
+  if (layers == 0 || (r.head_ablation.empty() && abstaining.empty())) return {};
+  const size_t heads = r.rows.front().abstained_by_head.size() / layers;
+  const bool cut = !r.head_ablation.empty();
   std::ostringstream md;
-  md << "Heads: `retrieval` = the fraction of scored tokens whose most attended entry of the prefilled full cache "
-        "holds the token being predicted (a head near 1 copies from the context: a retrieval head, Wu et al. "
-        "2024); then, per policy and budget that abstained anywhere, the fraction of documents on which it kept "
-        "the head exact.\n\n| layer | head | retrieval |";
+  md << "Heads:";
+  if (cut) {
+    md << fmt::format(" `cut` = the run with only this head's cache cut, right after prefill, to its first {} and "
+                      "newest {} entries (every other head full): top-1, exact and the relative bpb increase over "
+                      "the full cache. A head whose cut costs a lot reads the distant context (a retrieval head);",
+                      kKvAblationSinks, kKvAblationRecent);
+  }
+  if (!abstaining.empty()) md << " per policy and budget that abstained, the fraction of documents on which it kept the head exact;";
+  md << "\n\n| layer | head |" << (cut ? " cut top-1 | cut exact | cut rel bpb |" : "");
   for (const KvEvalRow* row : abstaining) md << fmt::format(" {} {:g} |", row->policy, row->budget);
-  md << "\n|---|---|---|";
+  md << "\n|---|---|" << (cut ? "---|---|---|" : "");
   for (size_t i = 0; i < abstaining.size(); ++i) md << "---|";
   md << "\n";
-  for (size_t l = 0; l < layers; ++l) {
-    for (size_t h = 0; h < heads; ++h) {
-      md << fmt::format("| {} | {} | {:.3f} |", l, h, r.retrieval_score[l * heads + h]);
-      for (const KvEvalRow* row : abstaining) md << fmt::format(" {:.2f} |", row->abstained_by_head[l * heads + h]);
-      md << "\n";
+  for (size_t i = 0; i < layers * heads; ++i) {
+    md << fmt::format("| {} | {} |", i / heads, i % heads);
+    if (cut) {
+      const KvHeadAblation& a = r.head_ablation[i];
+      md << fmt::format(" {:.3f} | {:.3f} | {:+.1f}% |", a.token_accuracy, a.exact_match, 100 * a.rel_bpb_increase);
     }
+    for (const KvEvalRow* row : abstaining) md << fmt::format(" {:.2f} |", row->abstained_by_head[i]);
+    md << "\n";
   }
   return md.str() + "\n";
 }
@@ -115,7 +136,7 @@ nlohmann::json kv_eval_json(const KvEvalResult& r, const KvEvalReportInfo& info)
             {"evaluated", static_cast<int64_t>(info.documents.documents.size())},
             {"required_tokens", info.documents.required_tokens}}},
           {"reference", {{"prefill_s", number(r.full_prefill_s)}, {"decode_s", number(r.full_decode_s)}}},
-          {"retrieval_score", per_layer(r.retrieval_score, layers_of(r))},
+          {"head_ablation", ablation_json(r.head_ablation)},
           {"results", results}};
 }
 

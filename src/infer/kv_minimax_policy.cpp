@@ -37,8 +37,37 @@ struct Work {
   int64_t budget;       // its fair share: what the head may keep of the block
   std::unique_ptr<KvBlockSummary> summary;
   int64_t atoms = 0;    // allocated
-  double tail = 0;
+  double tail = 0, heldout = 0;
 };
+
+// Reference queries of one head (spec 4.2): the observed ones, `samples` draws from a Gaussian fitted to them
+// (the query-agnostic part, as Expected Attention's model of future queries), and a needle probe per entry of
+// `sample` (undefined: none), a future query that names that entry: the lookup case the estimate must see.
+torch::Tensor reference_queries(const torch::Tensor& observed, const KvHeadView& view, const torch::Tensor& block,
+                                const torch::Tensor& sample, int64_t samples, at::Generator& gen) {
+  std::vector<torch::Tensor> refs{observed};
+  if (samples > 0 && observed.size(0) >= 2) {
+    const torch::Tensor mu = observed.mean(0);
+    const torch::Tensor centred = (observed - mu).to(torch::kDouble);
+    const int64_t d = observed.size(1);
+    torch::Tensor sigma = torch::matmul(centred.t(), centred) / static_cast<double>(observed.size(0));
+    sigma += torch::eye(d, torch::kDouble) * (1e-6 * sigma.diagonal().mean().item<double>() + 1e-12);
+    const torch::Tensor z = at::randn({samples, d}, gen, torch::TensorOptions().dtype(torch::kDouble));
+    refs.push_back((mu.to(torch::kDouble) + torch::matmul(z, torch::linalg_cholesky(sigma).t())).to(torch::kFloat));
+  }
+  if (sample.defined()) {
+    // As sharp as the observed queries are on this block: along the entry's key, at their mean norm times their
+    // mean best cosine with an entry of the block (~1 where queries name block entries, a lookup head; small
+    // where they match nothing there in particular, e.g. attend to sinks or recent entries, so that a block of
+    // random keys read by such queries is not called lookup).
+    auto unit = [](const torch::Tensor& x) { return x / x.norm(2, 1, true).clamp_min(1e-30); };
+    const torch::Tensor keys = unit(view.keys.index_select(0, block).to(torch::kFloat));
+    const double cosine = torch::matmul(unit(observed), keys.t()).amax(1).clamp_min(0).mean().item<double>();
+    const double norm = observed.norm(2, 1).mean().item<double>() * cosine;
+    refs.push_back(unit(view.keys.index_select(0, sample).to(torch::kFloat)) * norm);
+  }
+  return torch::cat(refs);
+}
 
 }  // namespace
 
@@ -46,12 +75,12 @@ MinimaxKvPolicy::MinimaxKvPolicy(const MinimaxOptions& o) : options_(o) {
   const KvBudget& b = o.budget;
   if (!(b.ratio > 0 && b.ratio <= 1) || b.interval < 1 || b.max_tokens < 0 || o.window < 1 || o.samples < 0 ||
       o.probes < 0 || o.n_sink < 0 || !(o.recent_fraction >= 0 && o.recent_fraction <= 1) ||
-      !(o.alpha_safeguard >= 0 && o.alpha_safeguard <= 1) || !(o.abstain_tail >= 0)) {
+      !(o.alpha_safeguard >= 0 && o.alpha_safeguard <= 1) || !(o.abstain_tail >= 0) || !(o.abstain_heldout >= 0)) {
     throw std::invalid_argument(fmt::format(
         "MinimaxKvPolicy: budget {} must be in (0, 1], interval {} >= 1, max_tokens {} >= 0, window {} >= 1, "
         "samples {}, probes {}, n_sink {} >= 0, recent_fraction {} and alpha_safeguard {} in [0, 1], abstain_tail "
-        "{} >= 0", b.ratio, b.interval, b.max_tokens, o.window, o.samples, o.probes, o.n_sink, o.recent_fraction,
-        o.alpha_safeguard, o.abstain_tail));
+        "{} and abstain_heldout {} >= 0", b.ratio, b.interval, b.max_tokens, o.window, o.samples, o.probes, o.n_sink,
+        o.recent_fraction, o.alpha_safeguard, o.abstain_tail, o.abstain_heldout));
   }
 }
 
@@ -136,38 +165,17 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
           fmt::format("MinimaxKvPolicy: layer {}: no observed queries (needs window {})", layer, options_.window));
     }
     const double scale = obs->scale();
-    // Reference queries per head (spec 4.2): the observed window, draws from its Gaussian (the query-agnostic
-    // part, as Expected Attention's model of future queries), and needle probes at sampled block entries
-    // (a future query that names that entry: the lookup case the estimate must see).
+    // Per head: reference queries, the compressibility estimate, the held-out risk, then the summary.
     for (Work& w : work) {
       const torch::Tensor observed = obs->window_queries(layer).select(0, w.head);  // [W, d]
       at::Generator gen = generator(options_.seed, layer, w.head, n);
-      std::vector<torch::Tensor> refs{observed};
-      if (options_.samples > 0 && observed.size(0) >= 2) {
-        const torch::Tensor mu = observed.mean(0);
-        const torch::Tensor centred = (observed - mu).to(torch::kDouble);
-        const int64_t d = observed.size(1);
-        torch::Tensor sigma = torch::matmul(centred.t(), centred) / static_cast<double>(observed.size(0));
-        sigma += torch::eye(d, torch::kDouble) * (1e-6 * sigma.diagonal().mean().item<double>() + 1e-12);
-        const torch::Tensor z = at::randn({options_.samples, d}, gen, torch::TensorOptions().dtype(torch::kDouble));
-        refs.push_back((mu.to(torch::kDouble) + torch::matmul(z, torch::linalg_cholesky(sigma).t())).to(torch::kFloat));
-      }
       const int64_t nb = w.block.numel();
       const int64_t probes = std::min(options_.probes, nb);
       torch::Tensor sample;
       if (probes > 0) {
         sample = w.block.index_select(0, at::randperm(nb, gen, torch::TensorOptions().dtype(torch::kInt64)).narrow(0, 0, probes));
-        // As sharp as the observed queries are on this block: along the entry's key, at their mean norm times
-        // their mean best cosine with an entry of the block (~1 where queries name block entries, a lookup
-        // head; small where they match nothing there in particular, e.g. attend to sinks or recent entries, so
-        // that a block of random keys read by such queries is not called lookup).
-        auto unit = [](const torch::Tensor& x) { return x / x.norm(2, 1, true).clamp_min(1e-30); };
-        const torch::Tensor keys = unit(w.view.keys.index_select(0, w.block).to(torch::kFloat));
-        const double cosine = torch::matmul(unit(observed), keys.t()).amax(1).clamp_min(0).mean().item<double>();
-        const double norm = observed.norm(2, 1).mean().item<double>() * cosine;
-        refs.push_back(unit(w.view.keys.index_select(0, sample).to(torch::kFloat)) * norm);
       }
-      const torch::Tensor queries = torch::cat(refs);
+      const torch::Tensor queries = reference_queries(observed, w.view, w.block, sample, options_.samples, gen);
       if (probes > 0) {
         // Compressibility (spec section 2): the spectral tail of the sampled entries' response Gram at the
         // budget's share of the sample.
@@ -181,7 +189,26 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
         w.tail = share * kv_spectral_tail(p.index_select(1, sample), w.view.values.index_select(0, sample),
                                           std::min(keep, probes));
       }
-      if (w.tail > options_.abstain_tail) continue;
+      // Held-out risk: a summary of the head's budget fitted without half of the observed queries, its relative
+      // output error on that half. Future queries are not the reference ones, and a summary judged on the
+      // queries it was fitted to looks better than it is.
+      if (options_.abstain_heldout > 0 && observed.size(0) >= 2) {
+        const torch::Tensor order = at::randperm(observed.size(0), gen, torch::TensorOptions().dtype(torch::kInt64));
+        const int64_t held = observed.size(0) / 2;
+        const torch::Tensor fit_queries = reference_queries(
+            observed.index_select(0, order.narrow(0, held, observed.size(0) - held)), w.view, w.block, sample,
+            options_.samples, gen);
+        KvBlockSummary check(w.view, fit_queries, scale, w.block);
+        check.extend(w.budget);
+        const auto atoms = std::min<int64_t>(w.budget, static_cast<int64_t>(check.order().size()));
+        const KvBlockSummary::Fit fit = atoms > 0 ? check.fit(atoms, false) : KvBlockSummary::Fit{};
+        w.heldout = kv_heldout_rel_error(w.view, observed.index_select(0, order.narrow(0, 0, held)), scale, w.block,
+                                         atoms > 0 ? fit.atoms : torch::zeros({0}, torch::kInt64),
+                                         atoms > 0 ? fit.log_weight : torch::zeros({0}));
+      }
+      if (w.tail > options_.abstain_tail || (options_.abstain_heldout > 0 && w.heldout > options_.abstain_heldout)) {
+        continue;
+      }
       w.summary = std::make_unique<KvBlockSummary>(w.view, queries, scale, w.block);
       // The path may give a head up to twice its share (plus a little): what the allocation can move to it.
       w.summary->extend(std::min(nb, 2 * w.budget + 16));
@@ -215,6 +242,7 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
       HeadState& st = state_[static_cast<size_t>(layer * heads + w.head)];
       KvHeadRisk& risk = risks_[static_cast<size_t>(layer * heads + w.head)];
       risk.tail = w.tail;
+      risk.heldout = w.heldout;
       if (!w.summary) {
         st.abstained = true;
         risk.abstained = true;

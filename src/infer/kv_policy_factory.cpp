@@ -122,6 +122,7 @@ std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPo
     m.recent_fraction = o.number("recent_fraction", m.recent_fraction, 0.0, 1.0);
     m.alpha_safeguard = o.number("alpha_safeguard", m.alpha_safeguard, 0.0, 1.0);
     m.abstain_tail = o.number("abstain_tail", m.abstain_tail, 0.0, 1e300);
+    m.abstain_heldout = o.number("abstain_heldout", m.abstain_heldout, 0.0, 1e300);
     const int64_t refit = o.integer("refit_values", 0, 0);
     if (refit > 1) throw std::invalid_argument(fmt::format("make_kv_policy: minimax: refit_values = {} must be 0 or 1", refit));
     m.refit_values = refit == 1;

@@ -1,5 +1,5 @@
-// Weighted block summaries (greedy selection, NNLS weights, value refit) and the spectral compressibility
-// estimate of the minimax KV policy.
+// Weighted block summaries (greedy selection, NNLS weights, value refit), the spectral compressibility
+// estimate and the held-out risk of the minimax KV policy.
 #include "dcp/kv_summary.h"
 
 #include <fmt/format.h>
@@ -191,6 +191,30 @@ double kv_spectral_tail(const torch::Tensor& probs, const torch::Tensor& values,
   if (!(total > 0)) return 0;
   const int64_t s = eig.numel();
   return std::clamp(eig.narrow(0, 0, s - keep).sum().item<double>() / total, 0.0, 1.0);
+}
+
+double kv_heldout_rel_error(const KvHeadView& view, const torch::Tensor& queries, double scale,
+                            const torch::Tensor& block, const torch::Tensor& atoms, const torch::Tensor& log_weight) {
+  if (queries.dim() != 2 || queries.size(0) < 1 || queries.size(1) != view.keys.size(1) || !(scale > 0) ||
+      block.dim() != 1 || block.scalar_type() != torch::kInt64 || atoms.dim() != 1 ||
+      atoms.scalar_type() != torch::kInt64 || log_weight.dim() != 1 || log_weight.numel() != atoms.numel()) {
+    throw std::invalid_argument(fmt::format(
+        "kv_heldout_rel_error: queries must be [Q >= 1, {}], scale > 0, block and atoms 1-D int64, log_weight "
+        "one per atom; got queries {}, scale {}, block {}, atoms {}, log_weight {}",
+        view.keys.size(1), c10::str(queries.sizes()), scale, c10::str(block.sizes()), c10::str(atoms.sizes()),
+        c10::str(log_weight.sizes())));
+  }
+  torch::NoGradGuard no_grad;
+  const torch::Tensor k = view.keys.to(torch::kDouble), v = view.values.to(torch::kDouble);
+  const torch::Tensor p = torch::softmax(scale * torch::matmul(queries.to(torch::kDouble), k.t()) +
+                                             view.bias.to(torch::kDouble), 1);  // [Q, n_head]
+  const torch::Tensor o = torch::matmul(p, v);
+  torch::Tensor w = torch::zeros({block.numel()}, torch::kDouble);
+  if (atoms.numel() > 0) w.index_put_({atoms}, log_weight.to(torch::kDouble).exp());
+  const torch::Tensor c = p.index_select(1, block) * (w - 1).unsqueeze(0);  // (w_i - 1) p_qi
+  const double error = (torch::matmul(c, v.index_select(0, block)) - c.sum(1, true) * o).pow(2).sum().item<double>();
+  const double output = o.pow(2).sum().item<double>();
+  return output > 0 ? std::sqrt(error / output) : 0.0;
 }
 
 }  // namespace dcp

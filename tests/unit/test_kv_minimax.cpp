@@ -158,6 +158,40 @@ TEST(KvSummary, SpectralTailIsFlatForLookupAndSmallForClusters) {
             std::string::npos);
 }
 
+TEST(KvSummary, HeldOutErrorIsZeroForTheBlockAndExactForEviction) {
+  torch::manual_seed(12);
+  KvHeadView view{torch::randn({30, 8}, torch::kDouble) * 2, torch::randn({30, 8}, torch::kDouble),
+                  torch::zeros({30}), torch::arange(30, torch::kInt64)};
+  const torch::Tensor q = torch::randn({10, 8}, torch::kDouble);
+  const torch::Tensor block = torch::arange(5, 25, torch::kInt64);
+  const torch::Tensor none = torch::zeros({0}, torch::kInt64);
+  const double scale = 0.5;
+  // Every block entry at weight 1 is the block itself.
+  EXPECT_EQ(kv_heldout_rel_error(view, q, scale, block, torch::arange(20, torch::kInt64), torch::zeros({20})), 0.0);
+  // Eviction: the first-order error is exact up to the mass kept, (o~ - o) D~ / D, here computed directly.
+  const torch::Tensor logits = scale * torch::matmul(q, view.keys.t());
+  const torch::Tensor e = logits.exp(), keep = torch::ones({30}, torch::kDouble).index_fill_(0, block, 0.0);
+  const torch::Tensor d = e.sum(1, true), d_kept = (e * keep).sum(1, true);
+  const torch::Tensor o = torch::matmul(e, view.values) / d, o_kept = torch::matmul(e * keep, view.values) / d_kept;
+  const double expected = std::sqrt(((o_kept - o) * d_kept / d).pow(2).sum().item<double>() / o.pow(2).sum().item<double>());
+  EXPECT_NEAR(kv_heldout_rel_error(view, q, scale, block, none, torch::zeros({0})), expected, 1e-12 * expected);
+  // Two copies of one entry summarised by one at weight 2 are exact.
+  KvHeadView dup = view;
+  dup.keys = torch::cat({view.keys, view.keys.narrow(0, 7, 1)});
+  dup.values = torch::cat({view.values, view.values.narrow(0, 7, 1)});
+  dup.bias = torch::zeros({31});
+  dup.positions = torch::arange(31, torch::kInt64);
+  EXPECT_LT(kv_heldout_rel_error(dup, q, scale, torch::tensor({7, 30}, torch::kInt64), torch::tensor({0}, torch::kInt64),
+                                 torch::full({1}, std::log(2.0))),
+            1e-7);  // log 2 rounded to fp32
+  EXPECT_NE(error_of([&] { kv_heldout_rel_error(view, q, scale, block, none, torch::zeros({2})); })
+                .find("log_weight one per atom"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { kv_heldout_rel_error(view, torch::randn({3, 4}), scale, block, none, torch::zeros({0})); })
+                .find("queries must be [Q >= 1, 8]"),
+            std::string::npos);
+}
+
 TEST(KvMinimax, BudgetOneIsBitIdenticalToFull) {
   Transformer model = sharp_model(1);
   const auto tokens = random_tokens(90, 2);
@@ -239,6 +273,16 @@ TEST(KvMinimax, AbstainsOnALookupHeadAndNotOnAClusteredOne) {
   EXPECT_TRUE(risks[1].abstained);
   EXPECT_GT(risks[1].tail, 0.5);
   EXPECT_LT(risks[0].tail, 0.5);
+  EXPECT_EQ(risks[0].heldout, 0);  // off by default
+  // The held-out risk agrees: a clustered head's summary carries over to queries it was not fitted to, a
+  // lookup head's does not; with the spectral estimate off it alone abstains on the lookup head.
+  Synthetic again(torch::cat({kc, kl}, 1), torch::cat({vc, vl}, 1), q, 1.0 / 8);
+  auto heldout_only = make_kv_policy("minimax", {{"budget", 0.25}, {"abstain_tail", 2}, {"abstain_heldout", 0.05}});
+  heldout_only->after_step(again.cache, again.step());
+  EXPECT_EQ(heldout_only->abstained_heads(), abstained);
+  const auto& held = std::dynamic_pointer_cast<MinimaxKvPolicy>(heldout_only)->risks();
+  EXPECT_LT(held[0].heldout, 0.05);
+  EXPECT_GT(held[1].heldout, 0.5);
   // Sticky: a later compression leaves the lookup head exact; reset() forgets it.
   policy->after_step(s.cache, s.step());
   EXPECT_EQ(s.cache.length(0, 1), n);
@@ -270,6 +314,7 @@ TEST(KvMinimax, OptionsAreChecked) {
                                        {"samples", -1, "samples = -1 outside [0"},
                                        {"recent_fraction", 1.5, "recent_fraction = 1.5 outside [0, 1]"},
                                        {"abstain_tail", -0.1, "abstain_tail = -0.1 outside [0"},
+                                       {"abstain_heldout", -1, "abstain_heldout = -1 outside [0"},
                                        {"refit_values", 2, "refit_values = 2 must be 0 or 1"},
                                        {"max_tokens", -1, "max_tokens = -1 outside [0"},
                                        {"budget", 0, "budget = 0 outside (0, 1]"}}) {
