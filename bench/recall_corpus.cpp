@@ -13,13 +13,13 @@
 //
 // Why this form (earlier corpora, docs/kv_cache.md "Retrieval"): keys wrapped in shared text ("The pass key
 // is ...") or a haystack of a repeated random segment left the small models of this CPU at chance after up to
-// 193M training tokens; dense single-byte pairs, asked many times per document, put 10-15% of the training
-// targets on retrieval.
+// 193M training tokens; dense single-byte pairs, asked many times per document, put about 10% of the training
+// targets on retrieval, and a model trained on them (configs/recall.yaml) retrieves.
 //
-//   build/bench/recall_corpus --out runs/recall/train.jsonl --docs 400000 --min-pairs 8 --max-pairs 24 \
-//       --min-filler 0 --max-filler 160 --seed 3
-//   build/bench/recall_corpus --out runs/recall/eval.jsonl --docs 512 --min-pairs 20 --max-pairs 20 \
-//       --min-filler 150 --max-filler 150 --seed 4   # 231 bytes each
+//   build/bench/recall_corpus --out runs/recall_corpus/train.jsonl --docs 400000 --min-pairs 1 --max-pairs 24 \
+//       --min-filler 0 --max-filler 160 --seed 5
+//   build/bench/recall_corpus --out runs/recall_corpus/eval.jsonl --docs 512 --min-pairs 20 --max-pairs 20 \
+//       --min-filler 150 --max-filler 150 --seed 6   # 231 bytes each
 //
 // The output is a JSON-lines file of {"text": ...} (data.format jsonl). A document of P pairs and F filler bytes
 // has 4P + F + 1 bytes and ends with its last key and value: `dcp kv-eval --context B-1 --continuation 1`
