@@ -40,19 +40,19 @@ struct Work {
   double tail = 0, heldout = 0;
 };
 
-// Reference queries of one head (spec 4.2): the observed ones, `samples` draws from a Gaussian fitted to them
-// (the query-agnostic part, as Expected Attention's model of future queries), and a needle probe per entry of
-// `sample` (undefined: none), a future query that names that entry: the lookup case the estimate must see.
+// Reference queries of one head (spec 4.2): the observed ones, draws from a Gaussian fitted to them (the
+// query-agnostic part, as Expected Attention's model of future queries; `z` [samples, head_dim] standard normal,
+// undefined: none), and a needle probe per entry of `sample` (undefined: none), a future query that names that
+// entry: the lookup case the estimate must see.
 torch::Tensor reference_queries(const torch::Tensor& observed, const KvHeadView& view, const torch::Tensor& block,
-                                const torch::Tensor& sample, int64_t samples, at::Generator& gen) {
+                                const torch::Tensor& sample, const torch::Tensor& z) {
   std::vector<torch::Tensor> refs{observed};
-  if (samples > 0 && observed.size(0) >= 2) {
+  if (z.defined() && observed.size(0) >= 2) {
     const torch::Tensor mu = observed.mean(0);
     const torch::Tensor centred = (observed - mu).to(torch::kDouble);
     const int64_t d = observed.size(1);
     torch::Tensor sigma = torch::matmul(centred.t(), centred) / static_cast<double>(observed.size(0));
     sigma += torch::eye(d, torch::kDouble) * (1e-6 * sigma.diagonal().mean().item<double>() + 1e-12);
-    const torch::Tensor z = at::randn({samples, d}, gen, torch::TensorOptions().dtype(torch::kDouble));
     refs.push_back((mu.to(torch::kDouble) + torch::matmul(z, torch::linalg_cholesky(sigma).t())).to(torch::kFloat));
   }
   if (sample.defined()) {
@@ -169,13 +169,16 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
     for (Work& w : work) {
       const torch::Tensor observed = obs->window_queries(layer).select(0, w.head);  // [W, d]
       at::Generator gen = generator(options_.seed, layer, w.head, n);
+      torch::Tensor z, sample;  // Gaussian draws, then probed entries (this order keeps earlier results' draws)
+      if (options_.samples > 0 && observed.size(0) >= 2) {
+        z = at::randn({options_.samples, observed.size(1)}, gen, torch::TensorOptions().dtype(torch::kDouble));
+      }
       const int64_t nb = w.block.numel();
       const int64_t probes = std::min(options_.probes, nb);
-      torch::Tensor sample;
       if (probes > 0) {
         sample = w.block.index_select(0, at::randperm(nb, gen, torch::TensorOptions().dtype(torch::kInt64)).narrow(0, 0, probes));
       }
-      const torch::Tensor queries = reference_queries(observed, w.view, w.block, sample, options_.samples, gen);
+      const torch::Tensor queries = reference_queries(observed, w.view, w.block, sample, z);
       if (probes > 0) {
         // Compressibility (spec section 2): the spectral tail of the sampled entries' response Gram at the
         // budget's share of the sample.
@@ -196,8 +199,7 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
         const torch::Tensor order = at::randperm(observed.size(0), gen, torch::TensorOptions().dtype(torch::kInt64));
         const int64_t held = observed.size(0) / 2;
         const torch::Tensor fit_queries = reference_queries(
-            observed.index_select(0, order.narrow(0, held, observed.size(0) - held)), w.view, w.block, sample,
-            options_.samples, gen);
+            observed.index_select(0, order.narrow(0, held, observed.size(0) - held)), w.view, w.block, sample, z);
         KvBlockSummary check(w.view, fit_queries, scale, w.block);
         check.extend(w.budget);
         const auto atoms = std::min<int64_t>(w.budget, static_cast<int64_t>(check.order().size()));

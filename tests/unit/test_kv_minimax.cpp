@@ -282,7 +282,7 @@ TEST(KvMinimax, AbstainsOnALookupHeadAndNotOnAClusteredOne) {
   EXPECT_EQ(heldout_only->abstained_heads(), abstained);
   const auto& held = std::dynamic_pointer_cast<MinimaxKvPolicy>(heldout_only)->risks();
   EXPECT_LT(held[0].heldout, 0.05);
-  EXPECT_GT(held[1].heldout, 0.5);
+  EXPECT_GT(held[1].heldout, 0.2);
   // Sticky: a later compression leaves the lookup head exact; reset() forgets it.
   policy->after_step(s.cache, s.step());
   EXPECT_EQ(s.cache.length(0, 1), n);
