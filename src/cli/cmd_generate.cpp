@@ -25,6 +25,10 @@ std::shared_ptr<KvCompressor> kv_policy_from_cli(const std::string& policy, doub
   KvPolicyOptions parsed;
   try {
     for (const std::string& item : options) add_kv_policy_option(item, parsed);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(fmt::format("--kv.option: {}", e.what()));
+  }
+  try {
     return make_kv_policy_with_budget(policy, budget, parsed);
   } catch (const std::invalid_argument& e) {
     throw ConfigError(e.what());

@@ -217,8 +217,9 @@ void add_kv_eval_command(CLI::App& app) {
                   "intra-op threads (default: the checkpoint's train.threads, else every core)")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}));
   sub->add_flag("--head-ablation", cli->head_ablation,
-                "also run every document once per (layer, head) with only that head's cache cut after prefill to "
-                "its first 4 and newest 16 entries: which heads need the distant context");
+                fmt::format("also run every document once per (layer, head) with only that head's cache cut after "
+                            "prefill to its first {} and newest {} entries: which heads need the distant context",
+                            kKvAblationSinks, kKvAblationRecent));
   sub->add_flag("--json", cli->json, "print the results as one JSON object instead of the markdown report");
   sub->add_option("--out", cli->out, "write PREFIX.md, PREFIX.csv and PREFIX.png (gnuplot)");
   sub->callback([cli] { run(*cli); });
