@@ -29,10 +29,16 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <numeric>
 #include <random>
 #include <string>
@@ -73,6 +79,25 @@ std::string document(std::mt19937_64& rng, int pairs, int64_t filler) {
   return text;
 }
 
+// The temporary file of a run in progress, removed when SIGINT or SIGTERM stops the run (unlink is
+// async-signal-safe); empty otherwise.
+char g_tmp[4096] = "";
+
+void remove_tmp_and_die(int sig) {
+  if (g_tmp[0] != '\0') unlink(g_tmp);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+// --seed: a decimal unsigned 64-bit number, whole (CLI11 wraps "-1" and saturates values beyond 2^64 - 1).
+std::string seed_error(const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  std::strtoull(text.c_str(), &end, 10);
+  const bool ok = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos && errno != ERANGE;
+  return ok ? std::string() : "must be a whole number in [0, 18446744073709551615]";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -80,8 +105,10 @@ int main(int argc, char** argv) {
   std::string out;
   int64_t docs = 1000, min_pairs = 8, max_pairs = 24, min_filler = 0, max_filler = 160;
   uint64_t seed = 1;
-  app.add_option("--out", out, "JSON-lines file to write (replaced only once every document is written)")
-      ->required();
+  app.add_option("--out", out, "JSON-lines file to write (a new or regular file, replaced only once every document "
+                               "is written)")
+      ->required()
+      ->check(CLI::Validator([](std::string& v) { return v.empty() ? std::string("must not be empty") : ""; }, "PATH"));
   app.add_option("--docs", docs, "documents")->check(CLI::Range(int64_t{1}, int64_t{100000000}));
   app.add_option("--min-pairs", min_pairs, "fewest key-value pairs per document")
       ->check(CLI::Range(int64_t{1}, int64_t{kKeys}));
@@ -91,7 +118,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   app.add_option("--max-filler", max_filler, "most filler bytes per document")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
-  app.add_option("--seed", seed, "random seed (use different seeds for training and evaluation)");
+  app.add_option("--seed", seed, "random seed (use different seeds for training and evaluation)")
+      ->check(CLI::Validator([](std::string& v) { return seed_error(v); }, "UINT64"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {  // usage errors exit 2, as dcp's own (--help exits 0)
@@ -102,30 +130,56 @@ int main(int argc, char** argv) {
                min_pairs > max_pairs ? min_pairs : min_filler, min_pairs > max_pairs ? max_pairs : max_filler);
     return 2;
   }
-  // A temporary file beside the target, renamed at the end: a failed or interrupted run leaves no partial corpus.
-  const std::string tmp = out + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  // Replacing by rename would turn a device into a file or a link into a copy: only new or regular files.
+  std::error_code ec;
+  const auto status = std::filesystem::symlink_status(out, ec);
+  if (!ec && std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) {
+    fmt::print(stderr, "recall_corpus: --out {} exists and is not a regular file\n", out);
+    return 2;
+  }
+  // A temporary file of its own beside the target, renamed at the end: a failed or interrupted run leaves
+  // neither a partial corpus nor someone else's file touched. SIGXFSZ (a file size limit) becomes a write error.
+  std::string tmp = out + ".XXXXXX";
+  if (tmp.size() >= sizeof g_tmp) {
+    fmt::print(stderr, "recall_corpus: --out {} is too long\n", out);
+    return 2;
+  }
+  const int fd = mkstemp(tmp.data());
+  std::FILE* f = fd < 0 ? nullptr : fdopen(fd, "wb");
   if (f == nullptr) {
-    fmt::print(stderr, "recall_corpus: cannot write {}: {}\n", tmp, std::strerror(errno));
+    fmt::print(stderr, "recall_corpus: cannot write {}: {}\n", out, std::strerror(errno));
+    if (fd >= 0) unlink(tmp.c_str());
     return 1;
   }
+  std::snprintf(g_tmp, sizeof g_tmp, "%s", tmp.c_str());
+  std::signal(SIGINT, remove_tmp_and_die);
+  std::signal(SIGTERM, remove_tmp_and_die);
+  std::signal(SIGXFSZ, SIG_IGN);
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int64_t> pairs(min_pairs, max_pairs), filler(min_filler, max_filler);
   int64_t bytes = 0;
   bool written = true;
+  int error = 0;
   for (int64_t d = 0; d < docs && written; ++d) {
     const int p = static_cast<int>(pairs(rng));
     const std::string text = document(rng, p, filler(rng));
     bytes += static_cast<int64_t>(text.size());
     const std::string line = nlohmann::json{{"text", text}}.dump() + "\n";
     written = std::fwrite(line.data(), 1, line.size(), f) == line.size();
+    if (!written) error = errno;
   }
-  const int write_errno = errno;
-  if (std::fclose(f) != 0 || !written || std::rename(tmp.c_str(), out.c_str()) != 0) {
-    fmt::print(stderr, "recall_corpus: cannot write {}: {}\n", out, std::strerror(written ? errno : write_errno));
-    std::remove(tmp.c_str());
+  if (std::fclose(f) != 0 && written) error = errno, written = false;
+  // mkstemp creates the file 0600; a corpus is readable as any file the user writes.
+  const mode_t mask = umask(0);
+  umask(mask);
+  if (written && chmod(tmp.c_str(), 0666 & ~mask) != 0) error = errno, written = false;
+  if (written && std::rename(tmp.c_str(), out.c_str()) != 0) error = errno, written = false;
+  if (!written) {
+    fmt::print(stderr, "recall_corpus: cannot write {}: {}\n", out, std::strerror(error));
+    unlink(tmp.c_str());
     return 1;
   }
+  g_tmp[0] = '\0';
   fmt::print("wrote {} documents ({} bytes of text) to {}\n", docs, bytes, out);
   return 0;
 }

@@ -2,7 +2,8 @@
 # Checks bench/recall_corpus's documents (the retrieval task of dcp kv-eval, docs/kv_cache.md "Retrieval"): one
 # JSON line per document; before '|' only filler '.' and pairs of a distinct uppercase key and a lowercase value,
 # as many as asked; after '|' every key exactly once with the value it was stated with; lengths 4P + F + 1 within
-# the asked ranges. Usage errors exit 2 and a file that cannot be written exits 1, each naming the value.
+# the asked ranges. Usage errors exit 2 and a file that cannot be written exits 1, each naming the value; only a
+# new or regular --out is replaced.
 # Usage: recall_corpus_check.sh RECALL_CORPUS_BINARY OUT_DIR
 set -euo pipefail
 bin=$1 out=$2
@@ -44,6 +45,15 @@ rc=0; "$bin" --out "$out/bad.jsonl" --max-pairs 27 2>"$out/err" || rc=$?
 [ "$rc" -eq 2 ] && grep -q -- "--max-pairs: Value 27" "$out/err" || { echo "--max-pairs 27: exit $rc"; cat "$out/err"; exit 1; }
 rc=0; "$bin" --out "$out/bad.jsonl" --min-filler 9 --max-filler 8 2>"$out/err" || rc=$?
 [ "$rc" -eq 2 ] && grep -q -- "--min-filler 9 exceeds --max-filler 8" "$out/err" || { echo "--min-filler 9: exit $rc"; cat "$out/err"; exit 1; }
+rc=0; "$bin" --out "$out/bad.jsonl" --seed -1 2>"$out/err" || rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "--seed: must be a whole number" "$out/err" || { echo "--seed -1: exit $rc"; cat "$out/err"; exit 1; }
 rc=0; "$bin" --out "$out/missing/c.jsonl" 2>"$out/err" || rc=$?
-[ "$rc" -eq 1 ] && grep -q -- "cannot write $out/missing/c.jsonl.tmp" "$out/err" || { echo "unwritable --out: exit $rc"; cat "$out/err"; exit 1; }
+[ "$rc" -eq 1 ] && grep -q -- "cannot write $out/missing/c.jsonl: No such file" "$out/err" || { echo "unwritable --out: exit $rc"; cat "$out/err"; exit 1; }
+# Only a new or regular file is replaced (a rename would turn a device into a file), and a file beside the target
+# that happens to be called OUT.tmp is not touched.
+rc=0; "$bin" --out /dev/null 2>"$out/err" || rc=$?
+[ "$rc" -eq 2 ] && [ -c /dev/null ] && grep -q -- "--out /dev/null exists and is not a regular file" "$out/err" || { echo "--out /dev/null: exit $rc"; cat "$out/err"; exit 1; }
+echo keep > "$out/c.jsonl.tmp"
+"$bin" --out "$out/c.jsonl" --docs 3 >/dev/null
+[ "$(cat "$out/c.jsonl.tmp")" = keep ] && [ "$(ls "$out" | grep -c '^c.jsonl')" -eq 2 ] || { echo "c.jsonl.tmp touched or a temporary left"; ls "$out"; exit 1; }
 echo "recall corpus ok"

@@ -38,7 +38,8 @@ struct KvEvalOptions {
   bool head_ablation = false;
   /// Throws std::invalid_argument naming the field and its value: no policy, no budget, a budget outside (0, 1]
   /// or NaN, context, continuation, max_docs, chunk_tokens or bootstrap_resamples < 1; and for a policy spec
-  /// that does not build (make_kv_policy's and parse_kv_policy_spec's messages) or sets budget or max_tokens.
+  /// that does not build (make_kv_policy's and parse_kv_policy_spec's messages) or sets budget or max_tokens, a
+  /// policy or budget given twice, and head_ablation with context <= kKvAblationSinks + kKvAblationRecent.
   void validate() const;
 };
 

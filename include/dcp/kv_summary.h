@@ -90,7 +90,7 @@ double kv_spectral_tail(const torch::Tensor& probs, const torch::Tensor& values,
 /// the head's output: sqrt(sum_q ||e_q||^2 / sum_q ||o_q||^2) over `queries` (0 when every output is 0).
 /// Evicting the block exactly gives (o~_q - o_q) D~_q / D_q, the true change scaled by the mass kept. view,
 /// scale, block as KvBlockSummary; queries [Q >= 1, head_dim]; atoms [m] int64 indices into `block`,
-/// log_weight [m]. Throws std::invalid_argument for shapes that do not fit.
+/// log_weight [m]. Throws std::invalid_argument for shapes that do not fit or an index out of range.
 double kv_heldout_rel_error(const KvHeadView& view, const torch::Tensor& queries, double scale,
                             const torch::Tensor& block, const torch::Tensor& atoms, const torch::Tensor& log_weight);
 

@@ -31,7 +31,7 @@ std::shared_ptr<KvCompressor> kv_policy_from_cli(const std::string& policy, doub
   try {
     return make_kv_policy_with_budget(policy, budget, parsed);
   } catch (const std::invalid_argument& e) {
-    throw ConfigError(e.what());
+    throw ConfigError(fmt::format("--kv.policy {} / --kv.budget / --kv.option: {}", policy, e.what()));
   }
 }
 

@@ -151,8 +151,7 @@ class HeadCut : public KvCompressor {
   HeadCut(int64_t layer, int64_t head, int64_t context) : layer_(layer), head_(head), context_(context) {}
   void after_step(KvCache& cache, const KvStep& step) override {
     if (!step.prefill || step.first_position + step.tokens != context_) return;
-    const int64_t n = cache.view(layer_, head_).length();
-    if (n <= kKvAblationSinks + kKvAblationRecent) return;
+    const int64_t n = cache.view(layer_, head_).length();  // the context: > sinks + recent (validate)
     std::vector<KvHeadEdit> edits(static_cast<size_t>(cache.spec().kv_heads));
     edits[static_cast<size_t>(head_)].keep = torch::cat({torch::arange(kKvAblationSinks, torch::kInt64),
                                                           torch::arange(n - kKvAblationRecent, n, torch::kInt64)});
@@ -216,9 +215,24 @@ void KvEvalOptions::validate() const {
   for (const auto& [name, v] : counts) {
     if (v < 1) throw std::invalid_argument(fmt::format("kv-eval: {} {} must be >= 1", name, v));
   }
-  // Bad names and options fail before any document runs.
-  for (const auto& p : policies) {
-    for (double b : budgets) row_policy(p, b);
+  if (head_ablation && context <= kKvAblationSinks + kKvAblationRecent) {
+    throw std::invalid_argument(fmt::format("kv-eval: head ablation keeps {} + {} entries per head: context {} must "
+                                            "be longer for the cut to remove anything",
+                                            kKvAblationSinks, kKvAblationRecent, context));
+  }
+  // A repeated row would only cost time; bad names and options fail before any document runs.
+  for (size_t i = 0; i < policies.size(); ++i) {
+    if (std::find(policies.begin(), policies.begin() + static_cast<std::ptrdiff_t>(i), policies[i]) !=
+        policies.begin() + static_cast<std::ptrdiff_t>(i)) {
+      throw std::invalid_argument(fmt::format("kv-eval: policy '{}' is given twice", policies[i]));
+    }
+    for (double b : budgets) row_policy(policies[i], b);
+  }
+  for (size_t i = 0; i < budgets.size(); ++i) {
+    if (std::find(budgets.begin(), budgets.begin() + static_cast<std::ptrdiff_t>(i), budgets[i]) !=
+        budgets.begin() + static_cast<std::ptrdiff_t>(i)) {
+      throw std::invalid_argument(fmt::format("kv-eval: budget {} is given twice", budgets[i]));
+    }
   }
 }
 

@@ -204,6 +204,13 @@ double kv_heldout_rel_error(const KvHeadView& view, const torch::Tensor& queries
         view.keys.size(1), c10::str(queries.sizes()), scale, c10::str(block.sizes()), c10::str(atoms.sizes()),
         c10::str(log_weight.sizes())));
   }
+  const auto outside = [](const torch::Tensor& idx, int64_t n) {
+    return idx.numel() > 0 && (idx.min().item<int64_t>() < 0 || idx.max().item<int64_t>() >= n);
+  };
+  if (outside(block, view.length()) || outside(atoms, block.numel())) {
+    throw std::invalid_argument(fmt::format("kv_heldout_rel_error: block indices must lie in [0, {}) and atoms in "
+                                            "[0, {})", view.length(), block.numel()));
+  }
   torch::NoGradGuard no_grad;
   const torch::Tensor k = view.keys.to(torch::kDouble), v = view.values.to(torch::kDouble);
   const torch::Tensor p = torch::softmax(scale * torch::matmul(queries.to(torch::kDouble), k.t()) +

@@ -194,6 +194,12 @@ TEST(KvEvalOptions, ValidateNamesTheField) {
   o = small_options();
   o.policies.clear();
   EXPECT_NE(error_of([&] { o.validate(); }).find("no policy"), std::string::npos);
+  o = small_options();
+  o.policies = {"window", "minimax:window=8", "window"};
+  EXPECT_NE(error_of([&] { o.validate(); }).find("policy 'window' is given twice"), std::string::npos);
+  o = small_options();
+  o.budgets = {0.1, 0.5, 0.1};
+  EXPECT_NE(error_of([&] { o.validate(); }).find("budget 0.1 is given twice"), std::string::npos);
 }
 
 TEST(KvEvalDocuments, SkipsShortOnesCountsThemAndRefusesWhenNoneIsLongEnough) {
@@ -293,22 +299,17 @@ TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
   EXPECT_EQ(md.find("| layer | head |"), std::string::npos);  // no head table without ablation or abstention
 }
 
-// Cutting one head changes the continuation only through that head: with a cut that keeps everything (context
-// shorter than sinks + recent) every head's run equals the full cache; with a long context the cuts differ.
+// A cut changes what the heads read after prefill: nearly every head's cut shows on peaked random heads. A context
+// the cut would keep whole is refused rather than reported as a head that needs nothing.
 TEST(KvEval, HeadAblationCutsOneHeadAfterPrefill) {
   Transformer model = sharp_model(11, Precision::kFp32, 2);
   KvEvalOptions o = small_options();
   o.policies = {"full"};
   o.budgets = {1};
   o.head_ablation = true;
-  o.context = kKvAblationSinks + kKvAblationRecent;
   const auto docs = random_documents(2, 130, 5);
-  const KvEvalResult same = run_kv_eval(model, docs, o);
-  ASSERT_EQ(same.head_ablation.size(), 8u);
-  for (const auto& a : same.head_ablation) {
-    EXPECT_EQ(a.rel_bpb_increase, 0) << a.layer << " " << a.head;
-    EXPECT_EQ(a.token_accuracy, same.rows[0].token_accuracy_full);
-  }
+  o.context = kKvAblationSinks + kKvAblationRecent;
+  EXPECT_NE(error_of([&] { run_kv_eval(model, docs, o); }).find("context 20 must be longer"), std::string::npos);
   o.context = 96;
   const KvEvalResult cut = run_kv_eval(model, docs, o);
   ASSERT_EQ(cut.head_ablation.size(), 8u);

@@ -184,6 +184,14 @@ TEST(KvSummary, HeldOutErrorIsZeroForTheBlockAndExactForEviction) {
   EXPECT_LT(kv_heldout_rel_error(dup, q, scale, torch::tensor({7, 30}, torch::kInt64), torch::tensor({0}, torch::kInt64),
                                  torch::full({1}, std::log(2.0))),
             1e-7);  // log 2 rounded to fp32
+  EXPECT_NE(error_of([&] { kv_heldout_rel_error(view, q, scale, block, torch::tensor({20}, torch::kInt64),
+                                                torch::zeros({1})); })
+                .find("atoms in [0, 20)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { kv_heldout_rel_error(view, q, scale, torch::tensor({30}, torch::kInt64), none,
+                                                torch::zeros({0})); })
+                .find("block indices must lie in [0, 30)"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { kv_heldout_rel_error(view, q, scale, block, none, torch::zeros({2})); })
                 .find("log_weight one per atom"),
             std::string::npos);
