@@ -218,8 +218,10 @@ double tiled_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_di
   constexpr double kTokenCopies = 4, kUpcastCopies = 8, kFloat = 4;
   const bool upcast = element_bytes == 2 && !amx_tiles;
   const bool bf16_tiles = element_bytes == 2 && amx_tiles;
-  const double token_bytes =
-      kTokenCopies * static_cast<double>(element_bytes) + (upcast ? kUpcastCopies * kFloat : 0);
+  // Without AMX tiles bf16 peaks inside the fp32 pass, holding the bf16 out beside the fp32 copies; the bf16
+  // gradients are cast after it.
+  const double e = static_cast<double>(element_bytes);
+  const double token_bytes = upcast ? kUpcastCopies * kFloat + e : kTokenCopies * e;
   // Per token and head_dim element of one head: q^T and dout^T in the tiles' operand dtype, the fp32 dq accumulator.
   // AMX tiles pad head_dim to whole 32-element rows.
   const double operand_bytes = bf16_tiles ? 2 : kFloat;

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <map>
@@ -25,12 +26,14 @@ struct Child {
   pid_t pid = -1;
   std::string log_path;
 
+  /// `env` adds or replaces variables of this process's environment; the child does not see those named in `unset`.
   static Child spawn(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
-                     const std::string& log_path) {
+                     const std::string& log_path, const std::vector<std::string>& unset = {}) {
     std::vector<std::string> env_strings;
     for (char** e = environ; *e; ++e) {
       std::string s(*e);
-      if (!env.count(s.substr(0, s.find('=')))) env_strings.push_back(s);
+      const std::string name = s.substr(0, s.find('='));
+      if (!env.count(name) && std::find(unset.begin(), unset.end(), name) == unset.end()) env_strings.push_back(s);
     }
     for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
     std::vector<char*> argv, envp;

@@ -77,13 +77,19 @@ TEST(CliBenchAttention, UsesAvx512BlasKernelsWhereTheCpuHasThem) {
   fs::path dir = make_workdir("blas");
   auto args = tiny_args(dir / "attn", "64");
   args.insert(args.end(), {"--no-plot", "--variants", "softmax"});
-  Child c = Child::spawn(args, {}, (dir / "run.log").string());
+  // A machine's own OPENBLAS_CORETYPE (this workplace sets Haswell on AMD EPYC) is the user's choice, which dcp
+  // keeps (checked below), so the child runs without one.
+  Child c = Child::spawn(args, {}, (dir / "run.log").string(), {"OPENBLAS_CORETYPE"});
   ASSERT_TRUE(exited_ok(c.wait(60))) << c.log();
   const std::string md = read(dir / "attn.md");
   EXPECT_EQ(md.find(" Prescott "), std::string::npos) << md;
   EXPECT_TRUE(md.find(" Cooperlake ") != std::string::npos || md.find(" SkylakeX ") != std::string::npos ||
               md.find(" SapphireRapids ") != std::string::npos)
       << md;
+
+  Child chosen = Child::spawn(args, {{"OPENBLAS_CORETYPE", "Haswell"}}, (dir / "chosen.log").string());
+  ASSERT_TRUE(exited_ok(chosen.wait(60))) << chosen.log();
+  EXPECT_NE(read(dir / "attn.md").find(" Haswell "), std::string::npos) << "the user's OPENBLAS_CORETYPE is kept";
   fs::remove_all(dir);
 }
 
