@@ -17,6 +17,11 @@
 
 namespace dcp {
 
+/// The head's attention probabilities softmax(scale q.K^T + bias) over all its entries, in fp64 (no causal
+/// mask: queries that come after every entry). queries [Q, head_dim] floating (after rotary, unscaled). Returns
+/// [Q, view.length()] fp64. Shapes are the caller's to check.
+torch::Tensor kv_head_probs(const KvHeadView& view, const torch::Tensor& queries, double scale);
+
 /// One head's summary problem for a block of its entries. With reference queries q_1..q_Q (rows of `queries`)
 /// and p_q = softmax(scale q.K^T + bias) over ALL entries of the head (so masses are relative to the head's
 /// total, spec section 2: errors count relative to D(q)), o_q = p_q V, a summary gives block entry i a weight

@@ -6,15 +6,14 @@
 #include <stdexcept>
 
 #include "dcp/kv_eval.h"
+#include "dcp/kv_summary.h"
 
 namespace dcp {
 namespace {
 
 // softmax(scale q.K^T + bias) V over one view, fp64: [T, value_dim].
 torch::Tensor attend(const KvHeadView& view, const torch::Tensor& q, double scale) {
-  const auto f64 = torch::kFloat64;
-  torch::Tensor logits = torch::matmul(q, view.keys.to(f64).t()) * scale + view.bias.to(f64).unsqueeze(0);
-  return torch::matmul(torch::softmax(logits, 1), view.values.to(f64));
+  return torch::matmul(kv_head_probs(view, q, scale), view.values.to(torch::kFloat64));
 }
 
 }  // namespace

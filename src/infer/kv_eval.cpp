@@ -162,6 +162,15 @@ class HeadCut : public KvCompressor {
   int64_t layer_, head_, context_;
 };
 
+// The first element equal to an earlier one, or end().
+template <class T>
+typename std::vector<T>::const_iterator first_repeat(const std::vector<T>& v) {
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (std::find(v.begin(), it, *it) != it) return it;
+  }
+  return v.end();
+}
+
 struct RowSamples {
   std::vector<double> bpb, bpb_full, accuracy, accuracy_full, exact, exact_full, rel, attn, kv_bytes, kv_bytes_full, prefill, decode, abstained;
   std::vector<std::vector<double>> attn_layers;  // per document, [layers]
@@ -221,18 +230,14 @@ void KvEvalOptions::validate() const {
                                             kKvAblationSinks, kKvAblationRecent, context));
   }
   // A repeated row would only cost time; bad names and options fail before any document runs.
-  for (size_t i = 0; i < policies.size(); ++i) {
-    if (std::find(policies.begin(), policies.begin() + static_cast<std::ptrdiff_t>(i), policies[i]) !=
-        policies.begin() + static_cast<std::ptrdiff_t>(i)) {
-      throw std::invalid_argument(fmt::format("kv-eval: policy '{}' is given twice", policies[i]));
-    }
-    for (double b : budgets) row_policy(policies[i], b);
+  if (const auto p = first_repeat(policies); p != policies.end()) {
+    throw std::invalid_argument(fmt::format("kv-eval: policy '{}' is given twice", *p));
   }
-  for (size_t i = 0; i < budgets.size(); ++i) {
-    if (std::find(budgets.begin(), budgets.begin() + static_cast<std::ptrdiff_t>(i), budgets[i]) !=
-        budgets.begin() + static_cast<std::ptrdiff_t>(i)) {
-      throw std::invalid_argument(fmt::format("kv-eval: budget {} is given twice", budgets[i]));
-    }
+  if (const auto b = first_repeat(budgets); b != budgets.end()) {
+    throw std::invalid_argument(fmt::format("kv-eval: budget {} is given twice", *b));
+  }
+  for (const auto& p : policies) {
+    for (double b : budgets) row_policy(p, b);
   }
 }
 

@@ -182,9 +182,7 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
       if (probes > 0) {
         // Compressibility (spec section 2): the spectral tail of the sampled entries' response Gram at the
         // budget's share of the sample.
-        const torch::Tensor p = torch::softmax(
-            scale * torch::matmul(queries.to(torch::kDouble), w.view.keys.to(torch::kDouble).t()) +
-                w.view.bias.to(torch::kDouble), 1);
+        const torch::Tensor p = kv_head_probs(w.view, queries, scale);
         const auto keep = static_cast<int64_t>(std::ceil(static_cast<double>(w.budget) * static_cast<double>(probes) / static_cast<double>(nb)));
         // Weighted by the attention share the observed queries give the block: a block the head hardly reads
         // (its mass on sinks or recent entries) risks little however flat its spectrum.
@@ -203,10 +201,11 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
         KvBlockSummary check(w.view, fit_queries, scale, w.block);
         check.extend(w.budget);
         const auto atoms = std::min<int64_t>(w.budget, static_cast<int64_t>(check.order().size()));
-        const KvBlockSummary::Fit fit = atoms > 0 ? check.fit(atoms, false) : KvBlockSummary::Fit{};
+        const KvBlockSummary::Fit fit = atoms > 0 ? check.fit(atoms, false)
+                                                  : KvBlockSummary::Fit{torch::zeros({0}, torch::kInt64),
+                                                                        torch::zeros({0})};  // evict the block
         w.heldout = kv_heldout_rel_error(w.view, observed.index_select(0, order.narrow(0, 0, held)), scale, w.block,
-                                         atoms > 0 ? fit.atoms : torch::zeros({0}, torch::kInt64),
-                                         atoms > 0 ? fit.log_weight : torch::zeros({0}));
+                                         fit.atoms, fit.log_weight);
       }
       if (w.tail > options_.abstain_tail || (options_.abstain_heldout > 0 && w.heldout > options_.abstain_heldout)) {
         continue;

@@ -19,6 +19,11 @@ std::vector<double> to_vector(const torch::Tensor& t) {
 
 }  // namespace
 
+torch::Tensor kv_head_probs(const KvHeadView& view, const torch::Tensor& queries, double scale) {
+  const torch::Tensor logits = scale * torch::matmul(queries.to(torch::kDouble), view.keys.to(torch::kDouble).t());
+  return torch::softmax(logits + view.bias.to(torch::kDouble), 1);
+}
+
 KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& queries, double scale,
                                const torch::Tensor& block) {
   const int64_t n_head = view.length();
@@ -32,9 +37,8 @@ KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& quer
     throw std::invalid_argument(fmt::format("KvBlockSummary: block index outside [0, {})", n_head));
   }
   torch::NoGradGuard no_grad;
-  const torch::Tensor k = view.keys.to(torch::kDouble), v = view.values.to(torch::kDouble);
-  const torch::Tensor q = queries.to(torch::kDouble);
-  const torch::Tensor p = torch::softmax(scale * torch::matmul(q, k.t()) + view.bias.to(torch::kDouble), 1);  // [Q, n_head]
+  const torch::Tensor v = view.values.to(torch::kDouble);
+  const torch::Tensor p = kv_head_probs(view, queries, scale);  // [Q, n_head]
   const torch::Tensor o = torch::matmul(p, v);                                                             // [Q, dv]
   probs_ = p.index_select(1, block).contiguous();  // [Q, n]
   block_values_ = v.index_select(0, block).contiguous();
@@ -47,7 +51,7 @@ KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& quer
   const torch::Tensor m = torch::matmul((probs_ * u).t(), probs_);
   gram_ = (torch::matmul(probs_.t(), probs_) * torch::matmul(block_values_, block_values_.t()) - m - m.t() +
            torch::matmul(probs_.t(), probs_ * (o2 + gamma2).unsqueeze(1))) /
-          static_cast<double>(q.size(0));
+          static_cast<double>(queries.size(0));
   gram_ = 0.5 * (gram_ + gram_.t());
   c_ = to_vector(gram_.sum(1));
   diag_ = to_vector(gram_.diagonal());
@@ -212,9 +216,8 @@ double kv_heldout_rel_error(const KvHeadView& view, const torch::Tensor& queries
                                             "[0, {})", view.length(), block.numel()));
   }
   torch::NoGradGuard no_grad;
-  const torch::Tensor k = view.keys.to(torch::kDouble), v = view.values.to(torch::kDouble);
-  const torch::Tensor p = torch::softmax(scale * torch::matmul(queries.to(torch::kDouble), k.t()) +
-                                             view.bias.to(torch::kDouble), 1);  // [Q, n_head]
+  const torch::Tensor v = view.values.to(torch::kDouble);
+  const torch::Tensor p = kv_head_probs(view, queries, scale);  // [Q, n_head]
   const torch::Tensor o = torch::matmul(p, v);
   torch::Tensor w = torch::zeros({block.numel()}, torch::kDouble);
   if (atoms.numel() > 0) w.index_put_({atoms}, log_weight.to(torch::kDouble).exp());
