@@ -10,6 +10,7 @@
 
 #include "dcp/kv_cache.h"
 #include "dcp/kv_observations.h"
+#include "dcp/kv_policy.h"
 #include "dcp/model.h"
 
 namespace dcp {
@@ -56,38 +57,6 @@ class KvCacheAttention : public AttentionWrapper {
   std::shared_ptr<KvCache> cache_;
   torch::Tensor positions_;
   std::shared_ptr<KvObservations> observations_;
-};
-
-/// What just ran when a KvCompressor is called.
-struct KvStep {
-  bool prefill = true;         ///< a prefill chunk (else one decoded token)
-  int64_t first_position = 0;  ///< absolute position of the step's first token
-  int64_t tokens = 0;          ///< tokens the step appended to every head of every layer
-  /// What the queries did, recorded as the compressor's needs() asked; null when it asked for nothing.
-  const KvObservations* observations = nullptr;
-};
-
-/// The seam for KV-cache compression policies (dcp/kv_policies.h; spec sections 4 and 8): called after every
-/// prefill chunk and every decoded token, with the whole sequence's cache, and may change it only through
-/// KvCache::commit. The next chunk's hidden states are then computed from the compressed cache (true chunked
-/// prefill, spec 4.4).
-class KvCompressor {
- public:
-  virtual ~KvCompressor() = default;
-  virtual void after_step(KvCache& cache, const KvStep& step) = 0;
-  /// What the session must record for after_step (KvStep::observations); the default, nothing, costs nothing.
-  virtual KvObservationNeeds needs() const { return {}; }
-  /// Forgets what the policy kept about the sequence (DecodeSession::reset calls it for a new sequence).
-  virtual void reset() {}
-  /// The (layer, head) pairs the policy keeps exact because it judged their context incompressible (minimax's
-  /// abstention, dcp/kv_policies.h), in layer-major order; empty for a policy that never abstains.
-  virtual std::vector<std::pair<int64_t, int64_t>> abstained_heads() const { return {}; }
-};
-
-/// The policy "full": keeps every entry.
-class FullKvCache : public KvCompressor {
- public:
-  void after_step(KvCache&, const KvStep&) override {}
 };
 
 /// One sequence decoded through a KV cache by a softmax model: a prompt runs in chunks of `chunk_tokens` (chunk

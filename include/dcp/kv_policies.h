@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "dcp/infer.h"
+#include "dcp/kv_policy.h"
 
 namespace dcp {
 

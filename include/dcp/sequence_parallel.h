@@ -5,8 +5,9 @@
 
 #include <memory>
 
+#include "dcp/attention_backend.h"
 #include "dcp/dist.h"
-#include "dcp/model.h"
+#include "dcp/sp_layout.h"
 
 namespace dcp {
 
@@ -75,9 +76,9 @@ class RingAttention : public AttentionWrapper {
   SpLayout layout_;
 };
 
-/// The attention wrapper of a group: none for sp_size 1, SequenceParallelAttention for Ulysses, RingAttention
-/// for the ring modes (the subgroup from groups.group(ulysses_size)). Throws std::out_of_range when a needed
-/// process group was not created.
-std::shared_ptr<const AttentionWrapper> group_attention(const GroupPlan& group, const ProcessGroups& groups);
+/// The attention wrapper of a group of `layout` (GroupPlan::layout() in dcp/plan.h): none for sp_size 1,
+/// SequenceParallelAttention for Ulysses (ring_size 1), RingAttention for the ring modes (the subgroup from
+/// groups.group(ulysses_size)). Throws std::out_of_range when a needed process group was not created.
+std::shared_ptr<const AttentionWrapper> group_attention(const SpLayout& layout, const ProcessGroups& groups);
 
 }  // namespace dcp

@@ -10,8 +10,8 @@
 #include <set>
 #include <thread>
 
-#include "cli/bench_common.h"
-#include "cli/bench_report.h"
+#include "tools/bench_common.h"
+#include "tools/bench_report.h"
 #include "cli/commands.h"
 #include "dcp/planners.h"
 #include "util/file_write.h"

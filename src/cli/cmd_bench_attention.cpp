@@ -16,12 +16,12 @@
 #include <sstream>
 #include <thread>
 
-#include "cli/attention_bench_report.h"
-#include "cli/bench_common.h"
+#include "tools/attention_bench_report.h"
+#include "tools/bench_common.h"
 #include "cli/commands.h"
-#include "dcp/attention_bench.h"
+#include "tools/attention_bench.h"
 #include "dcp/cpu_features.h"
-#include "dcp/matmul_peak.h"
+#include "tools/matmul_peak.h"
 #include "dcp/memory_meter.h"
 
 namespace fs = std::filesystem;

@@ -9,11 +9,11 @@
 #include <fstream>
 #include <thread>
 
-#include "cli/bench_common.h"
+#include "tools/bench_common.h"
 #include "cli/commands.h"
 #include "dcp/cpu_features.h"
 #include "dcp/dist.h"
-#include "train/sp_attention_bench.h"
+#include "tools/sp_attention_bench.h"
 #include "util/clock.h"
 
 namespace fs = std::filesystem;

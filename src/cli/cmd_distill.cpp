@@ -5,8 +5,8 @@
 #include <filesystem>
 
 #include "cli/commands.h"
-#include "dcp/distill.h"
-#include "train/checkpoint.h"
+#include "distill/distill.h"
+#include "dcp/checkpoint.h"
 
 namespace dcp {
 namespace fs = std::filesystem;

@@ -8,7 +8,7 @@
 #include "dcp/infer.h"
 #include "dcp/kv_policies.h"
 #include "util/number_text.h"
-#include "train/checkpoint.h"
+#include "dcp/checkpoint.h"
 
 namespace dcp {
 namespace {

@@ -10,15 +10,15 @@
 #include <fstream>
 #include <sstream>
 
-#include "cli/bench_common.h"
+#include "tools/bench_common.h"
 #include "cli/commands.h"
 #include "dcp/data.h"
-#include "dcp/kv_eval.h"
-#include "dcp/kv_eval_report.h"
+#include "tools/kv_eval.h"
+#include "tools/kv_eval_report.h"
 #include "dcp/kv_policies.h"
 #include "dcp/precision.h"
-#include "train/checkpoint.h"
-#include "train/optimizer.h"
+#include "dcp/checkpoint.h"
+#include "runtime/optimizer.h"
 #include "util/number_text.h"
 
 namespace dcp {

@@ -1,5 +1,5 @@
 #include "cli/commands.h"
-#include "cli/launcher.h"
+#include "dist/launcher.h"
 
 namespace dcp {
 

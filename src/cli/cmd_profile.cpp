@@ -12,7 +12,7 @@
 #include "cli/commands.h"
 #include "dcp/dist.h"
 #include "dcp/precision.h"
-#include "dcp/profiler.h"
+#include "profile/profiler.h"
 
 namespace dcp {
 

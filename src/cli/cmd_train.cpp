@@ -4,7 +4,7 @@
 #include <set>
 
 #include "cli/commands.h"
-#include "dcp/train.h"
+#include "dcp/trainer.h"
 
 namespace dcp {
 

@@ -5,8 +5,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "cli/launcher.h"
-#include "dcp/train.h"
+#include "dist/launcher.h"
+#include "dcp/step_runner.h"
 
 namespace dcp {
 namespace {

@@ -136,11 +136,10 @@ torch::Tensor RingAttention::forward(const AttentionBackend& inner, int64_t /*la
   return ulysses_to_tokens(RingFunction::apply(qh, kh, vh, ring), ulysses_);
 }
 
-std::shared_ptr<const AttentionWrapper> group_attention(const GroupPlan& group, const ProcessGroups& groups) {
-  if (group.sp_size == 1) return nullptr;
-  const SpLayout layout = group.layout();
-  if (layout.ring_size() == 1) return std::make_shared<SequenceParallelAttention>(groups.group(group.sp_size));
-  return std::make_shared<RingAttention>(groups.group(group.sp_size), groups.group(layout.ulysses_size), layout);
+std::shared_ptr<const AttentionWrapper> group_attention(const SpLayout& layout, const ProcessGroups& groups) {
+  if (layout.sp_size == 1) return nullptr;
+  if (layout.ring_size() == 1) return std::make_shared<SequenceParallelAttention>(groups.group(layout.sp_size));
+  return std::make_shared<RingAttention>(groups.group(layout.sp_size), groups.group(layout.ulysses_size), layout);
 }
 
 }  // namespace dcp

@@ -1,3 +1,4 @@
+// make_attention_backend: the backend attention.backend names, one per layer (include/dcp/model.h).
 #include <stdexcept>
 #include <string>
 
@@ -5,14 +6,6 @@
 #include "dcp/model.h"
 
 namespace dcp {
-
-SoftmaxAttention::SoftmaxAttention(Impl impl, AttentionOptions options) : impl_(impl), options_(options) {}
-
-torch::Tensor SoftmaxAttention::forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                        const torch::Tensor& cu_seqlens) const {
-  if (impl_ == Impl::tiled) return tiled_attention(q, k, v, cu_seqlens, cu_seqlens, /*causal=*/true, options_);
-  return reference_attention(q, k, v, cu_seqlens, cu_seqlens, /*causal=*/true, 0, /*with_lse=*/false).out;
-}
 
 std::shared_ptr<AttentionBackend> make_attention_backend(const AttentionConfig& cfg, const ModelConfig& model) {
   if (cfg.backend == "softmax") {

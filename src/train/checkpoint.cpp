@@ -1,4 +1,4 @@
-#include "train/checkpoint.h"
+#include "dcp/checkpoint.h"
 
 #include "util/error_message.h"
 #include "util/file_write.h"

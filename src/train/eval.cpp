@@ -1,6 +1,6 @@
 #include <cmath>
 
-#include "dcp/train.h"
+#include "dcp/trainer.h"
 
 namespace dcp {
 

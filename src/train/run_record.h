@@ -12,8 +12,8 @@
 #include "dcp/data.h"
 #include "dcp/plan.h"
 #include "dcp/runtime.h"
-#include "train/checkpoint.h"
-#include "train/static_baseline.h"
+#include "dcp/checkpoint.h"
+#include "plan/static_baseline.h"
 
 namespace dcp {
 

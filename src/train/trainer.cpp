@@ -11,14 +11,15 @@
 #include "dcp/memory_meter.h"
 #include "dcp/planning.h"
 #include "dcp/precision.h"
-#include "dcp/profiler.h"
-#include "dcp/train.h"
-#include "train/checkpoint.h"
+#include "profile/profiler.h"
+#include "dcp/step_runner.h"
+#include "dcp/trainer.h"
+#include "dcp/checkpoint.h"
 #include "train/data_fingerprint.h"
 #include "train/run_dir_lock.h"
 #include "train/step_guard.h"
-#include "train/optimizer.h"
-#include "train/profile_cache.h"
+#include "runtime/optimizer.h"
+#include "profile/cache.h"
 #include "train/progress.h"
 #include "train/run_record.h"
 #include "util/file_write.h"
@@ -207,25 +208,6 @@ void check_resident_bytes(const MemoryModel& memory) {
 }
 
 }  // namespace
-
-std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const TrainConfig& cfg) {
-  // Decay matrices only; norms' gains are left alone, as in GPT-style training.
-  std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  auto opts = [&](double wd) {
-    return std::make_unique<torch::optim::AdamWOptions>(
-        torch::optim::AdamWOptions(cfg.lr).betas({cfg.beta1, cfg.beta2}).weight_decay(wd));
-  };
-  std::vector<torch::optim::OptimizerParamGroup> param_groups;
-  param_groups.emplace_back(decay, opts(cfg.weight_decay));
-  param_groups.emplace_back(no_decay, opts(0.0));
-  return std::make_unique<torch::optim::AdamW>(param_groups, torch::optim::AdamWOptions(cfg.lr));
-}
-
-int64_t threads_per_rank(const TrainConfig& cfg, const DistEnv& env) {
-  return cfg.threads > 0 ? cfg.threads
-                         : std::max<int64_t>(1, std::thread::hardware_concurrency() / env.local_world_size);
-}
 
 void train(const Config& cfg, const ProcessGroups& groups, const TrainOptions& options) {
   const auto wall_start = std::chrono::steady_clock::now();

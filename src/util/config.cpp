@@ -1,5 +1,4 @@
 #include "dcp/config.h"
-#include "dcp/plan.h"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -14,6 +13,7 @@
 #include <cstring>
 #include <limits>
 
+#include "dcp/sp_layout.h"
 #include "util/number_text.h"
 
 namespace dcp {

@@ -1,12 +1,11 @@
 #include "util/error_message.h"
 
-#include <c10/util/Exception.h>
-
 namespace dcp {
 
 std::string error_message(const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
-  // Our own messages may embed a c10 message (with its backtrace) after a colon.
+  // LibTorch's c10::Error::what() is what_without_backtrace() followed by its backtrace, which starts on a new
+  // line with "Exception raised from" (or "frame #" for a captured one); our own messages may embed such a
+  // message after a colon. Cutting at the marker gives the same text without linking LibTorch here.
   std::string text = e.what();
   for (const char* marker : {"\nException raised from", "\nframe #"}) {
     auto pos = text.find(marker);

@@ -1,7 +1,8 @@
 // Shared set-up of the multi-process tests: the process groups of this rank, a tiny model and corpus.
 #pragma once
 
-#include "dcp/train.h"
+#include "dcp/step_runner.h"
+#include "dcp/trainer.h"
 
 namespace dcp::test {
 

@@ -16,8 +16,8 @@
 #include "distributed/process.h"
 #include "dcp/config.h"
 #include "dcp/model.h"
-#include "train/checkpoint.h"
-#include "train/optimizer.h"
+#include "dcp/checkpoint.h"
+#include "runtime/optimizer.h"
 
 namespace fs = std::filesystem;
 using dcp::test::Child;

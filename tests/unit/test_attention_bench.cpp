@@ -8,13 +8,13 @@
 #include <cmath>
 #include <map>
 
-#include "cli/attention_bench_report.h"
+#include "tools/attention_bench_report.h"
 #include "dcp/config.h"
-#include "dcp/attention_bench.h"
+#include "tools/attention_bench.h"
 #include "dcp/attention_kernels.h"
 #include "dcp/cost_model.h"
 #include "dcp/cpu_features.h"
-#include "dcp/matmul_peak.h"
+#include "tools/matmul_peak.h"
 #include "dcp/memory_meter.h"
 
 using dcp::AttentionBenchOptions;

@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "cli/bench_report.h"
+#include "tools/bench_report.h"
 
 namespace fs = std::filesystem;
 using dcp::BenchRow;

@@ -11,7 +11,7 @@
 #include <sstream>
 #include <string>
 
-#include "train/checkpoint.h"
+#include "dcp/checkpoint.h"
 #include "train/step_guard.h"
 #include "unit/checkpoint_edit.h"
 #include "unit/error_of.h"

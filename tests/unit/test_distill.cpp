@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "dcp/distill.h"
+#include "distill/distill.h"
 #include "dcp/flexformer.h"
 #include "unit/error_of.h"
 

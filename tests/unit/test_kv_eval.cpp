@@ -11,8 +11,8 @@
 
 #include "dcp/config.h"
 #include "dcp/infer.h"
-#include "dcp/kv_eval.h"
-#include "dcp/kv_eval_report.h"
+#include "tools/kv_eval.h"
+#include "tools/kv_eval_report.h"
 #include "dcp/kv_policies.h"
 #include "unit/error_of.h"
 #include "unit/kv_test_model.h"

@@ -13,7 +13,7 @@
 #include "dcp/model.h"
 #include "dcp/planning.h"
 #include "dcp/precision.h"
-#include "dcp/profiler.h"
+#include "profile/profiler.h"
 #include "error_of.h"
 
 namespace dcp {

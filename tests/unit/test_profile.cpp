@@ -10,11 +10,11 @@
 #include <random>
 
 #include "dcp/dist.h"
-#include "dcp/profiler.h"
+#include "profile/profiler.h"
 #include "error_of.h"
-#include "train/over_ranks.h"
-#include "train/profile_comm.h"
-#include "train/profile_validation.h"
+#include "profile/over_ranks.h"
+#include "profile/comm.h"
+#include "profile/validation.h"
 #include "util/stats.h"
 
 namespace dcp {

@@ -7,7 +7,7 @@
 #include <numeric>
 
 #include "dcp/attention_kernels.h"
-#include "dcp/plan.h"
+#include "dcp/sp_layout.h"
 #include "dist/ring_blocks.h"
 
 using namespace dcp;

@@ -4,7 +4,7 @@
 
 #include "dcp/planners.h"
 #include "train/run_record.h"
-#include "train/static_baseline.h"
+#include "plan/static_baseline.h"
 
 using namespace dcp;
 

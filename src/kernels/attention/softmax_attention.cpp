@@ -1,0 +1,15 @@
+// SoftmaxAttention: the exact backend a block calls, over the tiled operator or its reference twin
+// (include/dcp/attention_backend.h).
+#include "dcp/attention_backend.h"
+
+namespace dcp {
+
+SoftmaxAttention::SoftmaxAttention(Impl impl, AttentionOptions options) : impl_(impl), options_(options) {}
+
+torch::Tensor SoftmaxAttention::forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        const torch::Tensor& cu_seqlens) const {
+  if (impl_ == Impl::tiled) return tiled_attention(q, k, v, cu_seqlens, cu_seqlens, /*causal=*/true, options_);
+  return reference_attention(q, k, v, cu_seqlens, cu_seqlens, /*causal=*/true, 0, /*with_lse=*/false).out;
+}
+
+}  // namespace dcp

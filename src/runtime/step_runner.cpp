@@ -1,0 +1,61 @@
+#include <fmt/format.h>
+
+#include <chrono>
+
+#include "dcp/memory_meter.h"
+#include "dcp/runtime.h"
+#include "dcp/sequence_parallel.h"
+#include "dcp/step_runner.h"
+#include "util/clock.h"
+
+namespace dcp {
+namespace {
+
+// On every rank before any work, so that all ranks fail alike rather than some waiting for the others.
+void check_ring_backend(Transformer& model, const StepPlan& plan) {
+  const auto& backend = *model->blocks[0]->as<Block>()->attention;
+  if (dynamic_cast<const SoftmaxAttention*>(&backend) != nullptr) return;
+  for (const auto& g : plan.groups) {
+    if (g.sp_size > 1 && g.sp_mode != SpMode::kUlysses) {
+      throw std::invalid_argument(fmt::format(
+          "step plan (epoch {}, index {}): the group at rank {} uses sp_mode {}, which needs attention.backend "
+          "softmax (a ring merges partial softmax results by their logsumexps)",
+          plan.epoch, plan.index, g.first_rank, sp_mode_name(g.sp_mode)));
+    }
+  }
+}
+
+}  // namespace
+
+StepStats compute_step_gradients(Transformer& model, const Corpus& corpus, const StepPlan& plan,
+                                 const ProcessGroups& groups) {
+  const Communicator& world = groups.world();
+  check_same_plan(plan, world);
+  std::vector<int64_t> lengths;
+  lengths.reserve(corpus.samples().size());
+  for (const auto& s : corpus.samples()) lengths.push_back(s.length);
+  const auto work = rank_micro_batches(plan, lengths, groups, model->cfg.n_heads);
+  check_ring_backend(model, plan);
+  const GroupPlan& group = plan.group_of(world.rank());
+  const std::shared_ptr<const AttentionWrapper> sp_attention = group_attention(group.layout(), groups);
+  auto params = model->parameters();
+  for (auto& p : params) p.mutable_grad() = torch::Tensor();
+
+  // The peak window of this step: forward and backward of its micro-batches (rank_peak_bytes).
+  MemoryMeter::reset_peak();
+  auto start = std::chrono::steady_clock::now();
+  double loss_sum = 0;
+  const double scale = 1.0 / static_cast<double>(plan.global_num_tokens);
+  for (size_t i = 0; i < work.size(); ++i) {
+    // Each rank of the group reads and computes only its shard of the stream, and the loss of its shard.
+    PackedBatch batch = make_shard(corpus, work[i].sample_ids, work[i].context.sp_rank, group.layout());
+    batch.attention = sp_attention;
+    torch::Tensor loss = model->loss_sum(batch, work[i].context.recompute_layers);
+    (loss * scale).backward();
+    loss_sum += loss.item<double>();
+  }
+  const double busy = seconds_since(start);
+  return reduce_step(plan, params, loss_sum, busy, MemoryMeter::peak_bytes(), world);
+}
+
+}  // namespace dcp

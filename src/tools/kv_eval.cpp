@@ -1,0 +1,363 @@
+// `dcp kv-eval`'s driver: the documents, the full-cache reference run and one run per (policy, budget).
+#include "tools/kv_eval.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <stdexcept>
+
+#include "dcp/infer.h"
+#include "dcp/kv_policies.h"
+
+namespace dcp {
+namespace {
+
+bool is_full(const std::string& policy) { return parse_kv_policy_spec(policy).name == "full"; }
+
+// The policy of one row: a spec (parse_kv_policy_spec) with the row's budget; `full` takes none.
+std::shared_ptr<KvCompressor> row_policy(const std::string& policy, double budget) {
+  KvPolicySpec spec = parse_kv_policy_spec(policy);
+  if (spec.name == "full") return make_kv_policy(spec.name, spec.options);
+  for (const char* key : {"budget", "max_tokens"}) {
+    if (spec.options.count(key) != 0) {
+      throw std::invalid_argument(fmt::format("kv-eval: policy '{}' sets {}; budgets come from the budget list",
+                                              policy, key));
+    }
+  }
+  spec.options["budget"] = budget;
+  return make_kv_policy(spec.name, spec.options);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The reference run's compressor: keeps everything (as FullKvCache) and asks the session to record the last
+// `window` queries; after the step that ends at `last_position` it copies them, so that they are exactly the
+// continuation's true future queries and outlive the session (which owns the observations).
+class RecordingFullCache : public KvCompressor {
+ public:
+  RecordingFullCache(int64_t layers, int64_t window, int64_t last_position)
+      : layers_(layers), window_(window), last_position_(last_position) {}
+  void after_step(KvCache&, const KvStep& step) override {
+    if (!step.observations || step.first_position + step.tokens - 1 != last_position_) return;
+    queries_.clear();
+    positions_.clear();
+    for (int64_t l = 0; l < layers_; ++l) {
+      queries_.push_back(step.observations->window_queries(l).clone());
+      positions_.push_back(step.observations->window_positions(l).clone());
+    }
+    scale_ = step.observations->scale();
+  }
+  KvObservationNeeds needs() const override { return {window_, false}; }
+  /// [heads, window, head_dim] fp32 of `layer`; throws std::logic_error when nothing was recorded.
+  const torch::Tensor& queries(int64_t layer) const { return recorded(queries_, layer); }
+  const torch::Tensor& positions(int64_t layer) const { return recorded(positions_, layer); }
+  double scale() const { return scale_; }
+
+ private:
+  const torch::Tensor& recorded(const std::vector<torch::Tensor>& v, int64_t layer) const {
+    if (layer < 0 || layer >= static_cast<int64_t>(v.size())) {
+      throw std::logic_error(fmt::format("kv-eval: the reference run recorded no queries of layer {}", layer));
+    }
+    return v[static_cast<size_t>(layer)];
+  }
+
+  int64_t layers_, window_, last_position_;
+  std::vector<torch::Tensor> queries_, positions_;
+  double scale_ = 0;
+};
+
+// Every (layer, head) view of the cache now. Views alias storage that is never written again, so they stay
+// the cache as it was after prefill while decoding goes on.
+std::vector<KvHeadView> snapshot(const KvCache& cache) {
+  std::vector<KvHeadView> views;
+  for (int64_t l = 0; l < cache.spec().layers; ++l) {
+    for (int64_t h = 0; h < cache.spec().kv_heads; ++h) views.push_back(cache.view(l, h));
+  }
+  return views;
+}
+
+// What one session measured on one document.
+struct DocRun {
+  double bpb = 0;
+  int64_t correct = 0;  // continuation tokens that are their logits' argmax
+  int64_t kv_bytes = 0;
+  double prefill_s = 0, decode_s = 0;
+  std::vector<KvHeadView> after_prefill;  // layer-major
+  std::vector<std::pair<int64_t, int64_t>> abstained;  // (layer, head)
+};
+
+// Prefills the context, teacher-forces the continuation and scores its true next tokens.
+DocRun run_document(Transformer& model, const KvEvalDocument& doc, const KvEvalOptions& o,
+                    const std::shared_ptr<KvCompressor>& compressor) {
+  if (static_cast<int64_t>(doc.tokens.size()) < o.context + o.continuation + 1) {
+    throw std::invalid_argument(fmt::format("kv-eval: document '{}' has {} tokens, fewer than context {} + "
+                                            "continuation {} + 1",
+                                            doc.source, doc.tokens.size(), o.context, o.continuation));
+  }
+  DocRun r;
+  DecodeSession session(model, o.chunk_tokens, compressor);
+  const auto t0 = std::chrono::steady_clock::now();
+  session.prefill(std::vector<int64_t>(doc.tokens.begin(), doc.tokens.begin() + o.context));
+  r.prefill_s = seconds_since(t0);
+  r.after_prefill = snapshot(session.cache());
+  // Token C + i is decoded and its logits score token C + i + 1: the continuation's N queries are the ones
+  // that predict, as in generation.
+  double nats = 0;
+  for (int64_t i = 0; i < o.continuation; ++i) {
+    const auto t = std::chrono::steady_clock::now();
+    torch::Tensor logits = session.decode(doc.tokens[static_cast<size_t>(o.context + i)]);
+    r.decode_s += seconds_since(t);
+    const int64_t target = doc.tokens[static_cast<size_t>(o.context + i + 1)];
+    nats -= torch::log_softmax(logits.to(torch::kFloat64), 0)[target].item<double>();
+    r.correct += logits.argmax().item<int64_t>() == target;
+  }
+  if (!std::isfinite(nats)) {
+    throw std::runtime_error(fmt::format("kv-eval: non-finite log-probability on document '{}' (the model's "
+                                         "logits are not finite)",
+                                         doc.source));
+  }
+  r.bpb = nats / std::log(2.0) / static_cast<double>(o.continuation);
+  r.kv_bytes = session.cache().bytes();
+  r.abstained = compressor->abstained_heads();
+  return r;
+}
+
+// Per layer, the mean over heads and queries of the attention error of `compressed` against `full`.
+std::vector<double> layer_errors(const std::vector<KvHeadView>& full, const std::vector<KvHeadView>& compressed,
+                                 const RecordingFullCache& ref, int64_t layers, int64_t heads) {
+  std::vector<double> out;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor& q = ref.queries(l);  // [heads, N, head_dim]
+    double sum = 0;
+    for (int64_t h = 0; h < heads; ++h) {
+      const size_t i = static_cast<size_t>(l * heads + h);
+      sum += kv_attention_rel_err(full[i], compressed[i], q[h], ref.scale()).mean().item<double>();
+    }
+    out.push_back(sum / static_cast<double>(heads));
+  }
+  return out;
+}
+
+// kv-eval's head ablation: right after the prefill of `context` tokens, cuts (layer, head) to its first
+// kKvAblationSinks and newest kKvAblationRecent entries; every other head, and everything decoded later, is kept.
+class HeadCut : public KvCompressor {
+ public:
+  HeadCut(int64_t layer, int64_t head, int64_t context) : layer_(layer), head_(head), context_(context) {}
+  void after_step(KvCache& cache, const KvStep& step) override {
+    if (!step.prefill || step.first_position + step.tokens != context_) return;
+    const int64_t n = cache.view(layer_, head_).length();  // the context: > sinks + recent (validate)
+    std::vector<KvHeadEdit> edits(static_cast<size_t>(cache.spec().kv_heads));
+    edits[static_cast<size_t>(head_)].keep = torch::cat({torch::arange(kKvAblationSinks, torch::kInt64),
+                                                          torch::arange(n - kKvAblationRecent, n, torch::kInt64)});
+    cache.commit(layer_, edits);
+  }
+
+ private:
+  int64_t layer_, head_, context_;
+};
+
+// The first element equal to an earlier one, or end().
+template <class T>
+typename std::vector<T>::const_iterator first_repeat(const std::vector<T>& v) {
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (std::find(v.begin(), it, *it) != it) return it;
+  }
+  return v.end();
+}
+
+struct RowSamples {
+  std::vector<double> bpb, bpb_full, accuracy, accuracy_full, exact, exact_full, rel, attn, kv_bytes, kv_bytes_full, prefill, decode, abstained;
+  std::vector<std::vector<double>> attn_layers;  // per document, [layers]
+  std::vector<double> abstained_by_head;         // [layers x heads]: documents on which the head abstained
+};
+
+KvEvalRow summarize(const std::string& policy, double budget, const RowSamples& s, const KvEvalOptions& o) {
+  KvEvalRow row;
+  row.policy = policy;
+  row.budget = budget;
+  row.documents = static_cast<int64_t>(s.rel.size());
+  row.bpb = mean_of(s.bpb);
+  row.bpb_full = mean_of(s.bpb_full);
+  row.token_accuracy = mean_of(s.accuracy);
+  row.token_accuracy_full = mean_of(s.accuracy_full);
+  row.exact_match = mean_of(s.exact);
+  row.exact_match_full = mean_of(s.exact_full);
+  row.rel_bpb_increase = bootstrap_stat(s.rel, mean_of, o.bootstrap_resamples, o.seed);
+  row.worst_decile_rel_increase =
+      bootstrap_stat(s.rel, [](const std::vector<double>& v) { return worst_fraction_mean(v, 0.1); },
+                     o.bootstrap_resamples, o.seed);
+  row.attn_rel_err = bootstrap_stat(s.attn, mean_of, o.bootstrap_resamples, o.seed);
+  const size_t layers = s.attn_layers.front().size();
+  for (size_t l = 0; l < layers; ++l) {
+    double sum = 0;
+    for (const auto& d : s.attn_layers) sum += d[l];
+    row.attn_rel_err_per_layer.push_back(sum / static_cast<double>(s.attn_layers.size()));
+  }
+  row.kv_bytes = mean_of(s.kv_bytes);
+  row.kv_bytes_full = mean_of(s.kv_bytes_full);
+  row.prefill_s = mean_of(s.prefill);
+  row.decode_s = mean_of(s.decode);
+  row.abstained_heads = mean_of(s.abstained);
+  for (double n : s.abstained_by_head) row.abstained_by_head.push_back(n / static_cast<double>(row.documents));
+  return row;
+}
+
+}  // namespace
+
+void KvEvalOptions::validate() const {
+  if (policies.empty()) throw std::invalid_argument("kv-eval: no policy given");
+  if (budgets.empty()) throw std::invalid_argument("kv-eval: no budget given");
+  for (double b : budgets) {
+    if (!(b > 0 && b <= 1)) throw std::invalid_argument(fmt::format("kv-eval: budget {} outside (0, 1]", b));
+  }
+  const std::pair<const char*, int64_t> counts[] = {{"context", context},
+                                                    {"continuation", continuation},
+                                                    {"max_docs", max_docs},
+                                                    {"chunk_tokens", chunk_tokens},
+                                                    {"bootstrap_resamples", bootstrap_resamples}};
+  for (const auto& [name, v] : counts) {
+    if (v < 1) throw std::invalid_argument(fmt::format("kv-eval: {} {} must be >= 1", name, v));
+  }
+  if (head_ablation && context <= kKvAblationSinks + kKvAblationRecent) {
+    throw std::invalid_argument(fmt::format("kv-eval: head ablation keeps {} + {} entries per head: context {} must "
+                                            "be longer for the cut to remove anything",
+                                            kKvAblationSinks, kKvAblationRecent, context));
+  }
+  // A repeated row would only cost time; bad names and options fail before any document runs.
+  if (const auto p = first_repeat(policies); p != policies.end()) {
+    throw std::invalid_argument(fmt::format("kv-eval: policy '{}' is given twice", *p));
+  }
+  if (const auto b = first_repeat(budgets); b != budgets.end()) {
+    throw std::invalid_argument(fmt::format("kv-eval: budget {} is given twice", *b));
+  }
+  for (const auto& p : policies) {
+    for (double b : budgets) row_policy(p, b);
+  }
+}
+
+KvEvalDocuments choose_kv_eval_documents(const Corpus& corpus, const std::vector<int64_t>& ids,
+                                         const KvEvalOptions& o) {
+  o.validate();
+  KvEvalDocuments out;
+  out.available = static_cast<int64_t>(ids.size());
+  out.required_tokens = o.context + o.continuation + 1;
+  std::vector<int64_t> eligible;
+  int64_t longest = 0;
+  for (int64_t id : ids) {
+    // A sample of n bytes is n + 1 tokens with its BOS.
+    const int64_t tokens = corpus.samples().at(static_cast<size_t>(id)).length + 1;
+    longest = std::max(longest, tokens);
+    if (tokens >= out.required_tokens) eligible.push_back(id);
+  }
+  out.too_short = out.available - static_cast<int64_t>(eligible.size());
+  if (eligible.empty()) {
+    throw std::invalid_argument(fmt::format(
+        "kv-eval: none of the {} documents has the {} tokens needed (context {} + continuation {} + 1, BOS "
+        "included); the longest has {} (documents are cut at the checkpoint's data.max_seq_len)",
+        out.available, out.required_tokens, o.context, o.continuation, longest));
+  }
+  std::mt19937_64 rng(o.seed);
+  std::shuffle(eligible.begin(), eligible.end(), rng);
+  const size_t chosen = std::min(eligible.size(), static_cast<size_t>(o.max_docs));
+  out.not_chosen = static_cast<int64_t>(eligible.size() - chosen);
+  for (size_t i = 0; i < chosen; ++i) {
+    const int64_t id = eligible[i];
+    const std::string_view bytes = corpus.bytes(id);
+    KvEvalDocument doc;
+    doc.source = corpus.samples().at(static_cast<size_t>(id)).source;
+    doc.tokens.reserve(bytes.size() + 1);
+    doc.tokens.push_back(kBosToken);
+    for (unsigned char c : bytes) doc.tokens.push_back(c);
+    out.documents.push_back(std::move(doc));
+  }
+  return out;
+}
+
+KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& documents,
+                         const KvEvalOptions& o, const std::function<void(int64_t, int64_t)>& on_document) {
+  o.validate();
+  if (documents.empty()) throw std::invalid_argument("kv-eval: no document to evaluate");
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const int64_t layers = model->cfg.n_layers, heads = model->cfg.n_heads;
+
+  KvEvalResult result;
+  result.options = o;
+  // samples[p][b]: per document what the run measured; `full` fills budget 0 and is copied to every budget.
+  RowSamples empty;
+  empty.abstained_by_head.assign(static_cast<size_t>(layers * heads), 0.0);
+  std::vector<std::vector<RowSamples>> samples(o.policies.size(), std::vector<RowSamples>(o.budgets.size(), empty));
+  std::vector<double> ref_prefill, ref_decode;
+  std::vector<RowSamples> ablation(o.head_ablation ? static_cast<size_t>(layers * heads) : 0);
+  for (const auto& doc : documents) {
+    auto recorder = std::make_shared<RecordingFullCache>(layers, o.continuation, o.context + o.continuation - 1);
+    const DocRun ref = run_document(model, doc, o, recorder);
+    ref_prefill.push_back(ref.prefill_s);
+    ref_decode.push_back(ref.decode_s);
+    // The recorded window must be exactly the continuation's queries (positions context .. context + N - 1).
+    for (int64_t l = 0; l < layers; ++l) {
+      const torch::Tensor& pos = recorder->positions(l);
+      if (pos.numel() != o.continuation || pos[0].item<int64_t>() != o.context) {
+        throw std::logic_error(fmt::format("kv-eval: layer {} recorded {} queries from position {}, expected {} "
+                                           "from {}",
+                                           l, pos.numel(), pos.numel() ? pos[0].item<int64_t>() : -1,
+                                           o.continuation, o.context));
+      }
+    }
+    for (size_t i = 0; i < ablation.size(); ++i) {
+      const auto l = static_cast<int64_t>(i) / heads, h = static_cast<int64_t>(i) % heads;
+      const DocRun run = run_document(model, doc, o, std::make_shared<HeadCut>(l, h, o.context));
+      ablation[i].accuracy.push_back(static_cast<double>(run.correct) / static_cast<double>(o.continuation));
+      ablation[i].exact.push_back(run.correct == o.continuation ? 1.0 : 0.0);
+      ablation[i].rel.push_back((run.bpb - ref.bpb) / ref.bpb);
+    }
+    for (size_t p = 0; p < o.policies.size(); ++p) {
+      const bool full = is_full(o.policies[p]);
+      for (size_t b = 0; b < o.budgets.size(); ++b) {
+        if (full && b > 0) continue;
+        auto policy = row_policy(o.policies[p], o.budgets[b]);
+        const DocRun run = run_document(model, doc, o, policy);
+        RowSamples& s = samples[p][b];
+        s.bpb.push_back(run.bpb);
+        s.bpb_full.push_back(ref.bpb);
+        const auto n = static_cast<double>(o.continuation);
+        s.accuracy.push_back(static_cast<double>(run.correct) / n);
+        s.accuracy_full.push_back(static_cast<double>(ref.correct) / n);
+        s.exact.push_back(run.correct == o.continuation ? 1.0 : 0.0);
+        s.exact_full.push_back(ref.correct == o.continuation ? 1.0 : 0.0);
+        s.rel.push_back((run.bpb - ref.bpb) / ref.bpb);
+        s.attn_layers.push_back(layer_errors(ref.after_prefill, run.after_prefill, *recorder, layers, heads));
+        s.attn.push_back(mean_of(s.attn_layers.back()));
+        s.kv_bytes.push_back(static_cast<double>(run.kv_bytes));
+        s.kv_bytes_full.push_back(static_cast<double>(ref.kv_bytes));
+        s.prefill.push_back(run.prefill_s);
+        s.decode.push_back(run.decode_s);
+        s.abstained.push_back(static_cast<double>(run.abstained.size()));
+        for (const auto& [l, h] : run.abstained) s.abstained_by_head[static_cast<size_t>(l * heads + h)] += 1;
+      }
+    }
+    if (on_document) on_document(static_cast<int64_t>(ref_prefill.size()), static_cast<int64_t>(documents.size()));
+  }
+  for (size_t p = 0; p < o.policies.size(); ++p) {
+    for (size_t b = 0; b < o.budgets.size(); ++b) {
+      const bool full = is_full(o.policies[p]);
+      result.rows.push_back(summarize(o.policies[p], o.budgets[b], samples[p][full ? 0 : b], o));
+    }
+  }
+  for (size_t i = 0; i < ablation.size(); ++i) {
+    result.head_ablation.push_back({static_cast<int64_t>(i) / heads, static_cast<int64_t>(i) % heads,
+                                    mean_of(ablation[i].accuracy), mean_of(ablation[i].exact),
+                                    mean_of(ablation[i].rel)});
+  }
+  result.full_prefill_s = mean_of(ref_prefill);
+  result.full_decode_s = mean_of(ref_decode);
+  return result;
+}
+
+}  // namespace dcp

@@ -1,0 +1,273 @@
+// `dcp kv-eval`'s report writers: JSON, markdown, CSV and the gnuplot script.
+#include "tools/kv_eval_report.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "tools/bench_report.h"  // gnuplot_quoted
+
+namespace dcp {
+namespace {
+
+nlohmann::json number(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
+
+nlohmann::json interval(const KvEvalStat& s) { return nlohmann::json::array({number(s.ci[0]), number(s.ci[1])}); }
+
+// A relative change as a percentage with its interval: "+1.23% [0.98, 1.50]".
+std::string percent(const KvEvalStat& s) {
+  return fmt::format("{:+.2f}% [{:+.2f}, {:+.2f}]", 100 * s.value, 100 * s.ci[0], 100 * s.ci[1]);
+}
+
+std::string csv_number(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : std::string(); }
+
+// A layer-major [layers x heads] vector as nested arrays, one per layer.
+nlohmann::json per_layer(const std::vector<double>& flat, size_t layers) {
+  nlohmann::json out = nlohmann::json::array();
+  const size_t heads = layers == 0 ? 0 : flat.size() / layers;
+  for (size_t l = 0; l < layers; ++l) {
+    nlohmann::json row = nlohmann::json::array();
+    for (size_t h = 0; h < heads; ++h) row.push_back(number(flat[l * heads + h]));
+    out.push_back(row);
+  }
+  return out;
+}
+
+nlohmann::json ablation_json(const std::vector<KvHeadAblation>& heads) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& a : heads) {
+    out.push_back({{"layer", a.layer},
+                   {"head", a.head},
+                   {"token_accuracy", number(a.token_accuracy)},
+                   {"exact_match", number(a.exact_match)},
+                   {"rel_bpb_increase", number(a.rel_bpb_increase)}});
+  }
+  return out;
+}
+
+size_t layers_of(const KvEvalResult& r) {
+  return r.rows.empty() ? 0 : r.rows.front().attn_rel_err_per_layer.size();
+}
+
+// Per (layer, head): what cutting the head alone did (--head-ablation) and how often each abstaining row kept it
+// exact. Empty when there is neither.
+std::string heads_table(const KvEvalResult& r) {
+  const size_t layers = layers_of(r);
+  std::vector<const KvEvalRow*> abstaining;
+  for (const auto& row : r.rows) {
+    if (row.abstained_heads > 0) abstaining.push_back(&row);
+  }
+  if (layers == 0 || (r.head_ablation.empty() && abstaining.empty())) return {};
+  const size_t heads = r.rows.front().abstained_by_head.size() / layers;
+  const bool cut = !r.head_ablation.empty();
+  std::ostringstream md;
+  md << "Heads:";
+  if (cut) {
+    md << fmt::format(" `cut` = the run with only this head's cache cut, right after prefill, to its first {} and "
+                      "newest {} entries (every other head full): top-1, exact and the relative bpb increase over "
+                      "the full cache. A head whose cut costs a lot reads the distant context (a retrieval head);",
+                      kKvAblationSinks, kKvAblationRecent);
+  }
+  if (!abstaining.empty()) md << " per policy and budget that abstained, the fraction of documents on which it kept the head exact;";
+  md << "\n\n| layer | head |" << (cut ? " cut top-1 | cut exact | cut rel bpb |" : "");
+  for (const KvEvalRow* row : abstaining) md << fmt::format(" {} {:g} |", row->policy, row->budget);
+  md << "\n|---|---|" << (cut ? "---|---|---|" : "");
+  for (size_t i = 0; i < abstaining.size(); ++i) md << "---|";
+  md << "\n";
+  for (size_t i = 0; i < layers * heads; ++i) {
+    md << fmt::format("| {} | {} |", i / heads, i % heads);
+    if (cut) {
+      const KvHeadAblation& a = r.head_ablation[i];
+      md << fmt::format(" {:.3f} | {:.3f} | {:+.1f}% |", a.token_accuracy, a.exact_match, 100 * a.rel_bpb_increase);
+    }
+    for (const KvEvalRow* row : abstaining) md << fmt::format(" {:.2f} |", row->abstained_by_head[i]);
+    md << "\n";
+  }
+  return md.str() + "\n";
+}
+
+}  // namespace
+
+nlohmann::json kv_eval_json(const KvEvalResult& r, const KvEvalReportInfo& info) {
+  const KvEvalOptions& o = r.options;
+  nlohmann::json results = nlohmann::json::array();
+  for (const auto& row : r.rows) {
+    nlohmann::json layers = nlohmann::json::array();
+    for (double e : row.attn_rel_err_per_layer) layers.push_back(number(e));
+    results.push_back({{"policy", row.policy},
+                       {"budget", row.budget},
+                       {"documents", row.documents},
+                       {"bpb", number(row.bpb)},
+                       {"bpb_full", number(row.bpb_full)},
+                       {"token_accuracy", number(row.token_accuracy)},
+                       {"token_accuracy_full", number(row.token_accuracy_full)},
+                       {"exact_match", number(row.exact_match)},
+                       {"exact_match_full", number(row.exact_match_full)},
+                       {"rel_bpb_increase", number(row.rel_bpb_increase.value)},
+                       {"rel_bpb_increase_ci", interval(row.rel_bpb_increase)},
+                       {"worst_decile_rel_increase", number(row.worst_decile_rel_increase.value)},
+                       {"worst_decile_rel_increase_ci", interval(row.worst_decile_rel_increase)},
+                       {"attn_rel_err", number(row.attn_rel_err.value)},
+                       {"attn_rel_err_ci", interval(row.attn_rel_err)},
+                       {"attn_rel_err_per_layer", layers},
+                       {"kv_bytes", number(row.kv_bytes)},
+                       {"kv_bytes_full", number(row.kv_bytes_full)},
+                       {"kv_bytes_ratio", number(row.kv_bytes / row.kv_bytes_full)},
+                       {"prefill_s", number(row.prefill_s)},
+                       {"decode_s", number(row.decode_s)},
+                       {"abstained_heads", number(row.abstained_heads)},
+                       {"abstained_by_head", per_layer(row.abstained_by_head, layers_of(r))}});
+  }
+  return {{"checkpoint", info.checkpoint},
+          {"data_path", info.data_path},
+          {"split", info.split},
+          {"context", o.context},
+          {"continuation", o.continuation},
+          {"chunk_tokens", o.chunk_tokens},
+          {"seed", o.seed},
+          {"bootstrap_resamples", o.bootstrap_resamples},
+          {"threads", info.threads},
+          {"documents",
+           {{"available", info.documents.available},
+            {"too_short", info.documents.too_short},
+            {"not_chosen", info.documents.not_chosen},
+            {"evaluated", static_cast<int64_t>(info.documents.documents.size())},
+            {"required_tokens", info.documents.required_tokens}}},
+          {"reference", {{"prefill_s", number(r.full_prefill_s)}, {"decode_s", number(r.full_decode_s)}}},
+          {"head_ablation", ablation_json(r.head_ablation)},
+          {"results", results}};
+}
+
+std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info) {
+  const KvEvalOptions& o = r.options;
+  const KvEvalDocuments& d = info.documents;
+  std::ostringstream md;
+  md << "# dcp kv-eval: KV-cache policies on a trained model\n\n";
+  md << "```sh\n" << info.command << "\n```\n\n";
+  md << fmt::format(
+      "Date: {} UTC. Checkpoint `{}`: {} parameters, {}. Documents: `{}` ({}), {} samples, {} shorter than the {} "
+      "tokens needed (context {} + continuation {} + 1, BOS included) skipped, {} long enough but beyond "
+      "--max-docs, **{} evaluated** (chosen with seed {}). Prefill chunk {} tokens, {} intra-op threads, "
+      "1-minute load average {:.2f} at the start, {:.2f} at the end.\n\n",
+      info.date, info.checkpoint, info.parameters, info.model, info.data_path,
+      info.split == "heldout" ? "the checkpoint's held-out split" : "every sample", d.available, d.too_short,
+      d.required_tokens, o.context, o.continuation, d.not_chosen, d.documents.size(), o.seed, o.chunk_tokens,
+      info.threads, info.load_average_start, info.load_average_end);
+  md << fmt::format(
+      "Per document the first {} tokens are prefilled with the policy, the next {} teacher-forced one decode() "
+      "at a time (the policy compresses while decoding as it does in generation), and their true next bytes "
+      "scored. `top-1` = the fraction of those tokens that are the argmax of their logits (greedy decoding would "
+      "emit them), `exact` = the fraction of documents where all are (retrieval accuracy when the continuation is "
+      "the answer). `rel bpb increase` = (bpb - bpb_full) / bpb_full per document, then the mean; `worst decile` = "
+      "the mean of the worst 10% of documents (at least one); intervals are 95% percentile bootstraps over "
+      "documents ({} resamples, seed {}). `attn rel err`: per layer, head and true future query (the full run's "
+      "continuation queries, after rotary), ||o_c - o_f|| / ||o_f|| of the attention output over the cache right "
+      "after prefill, policy vs full, averaged. `kv bytes`: KvCache::bytes() at the end of the continuation, "
+      "over the full cache's. Times are wall seconds per document. Field definitions and what is not measured: "
+      "docs/kv_cache.md, \"`dcp kv-eval`\".\n\n",
+      o.context, o.continuation, o.bootstrap_resamples, o.seed);
+  md << "| policy | budget | bpb | bpb full | top-1 (full) | exact (full) | rel bpb increase [95% CI] | worst "
+        "decile [95% CI] | attn rel err [95% CI] | kv bytes / full | prefill s | decode s | abstained heads |\n";
+  md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& row : r.rows) {
+    md << fmt::format("| {} | {:g} | {:.4f} | {:.4f} | {:.3f} ({:.3f}) | {:.3f} ({:.3f}) | {} | {} | {:.4f} "
+                      "[{:.4f}, {:.4f}] | {:.3f} | {:.3f} | {:.3f} | {:.1f} |\n",
+                      row.policy, row.budget, row.bpb, row.bpb_full, row.token_accuracy, row.token_accuracy_full,
+                      row.exact_match, row.exact_match_full, percent(row.rel_bpb_increase),
+                      percent(row.worst_decile_rel_increase), row.attn_rel_err.value, row.attn_rel_err.ci[0],
+                      row.attn_rel_err.ci[1], row.kv_bytes / row.kv_bytes_full, row.prefill_s, row.decode_s,
+                      row.abstained_heads);
+  }
+  md << fmt::format("\nReference run (full cache, recording the continuation's queries): prefill {:.3f} s, decode "
+                    "{:.3f} s per document. `full` takes no budget: it ran once per document and its row repeats "
+                    "at every budget.\n\n",
+                    r.full_prefill_s, r.full_decode_s);
+  const size_t layers = layers_of(r);
+  md << "Attention relative error per layer:\n\n| policy | budget |";
+  for (size_t l = 0; l < layers; ++l) md << " layer " << l << " |";
+  md << "\n|---|---|";
+  for (size_t l = 0; l < layers; ++l) md << "---|";
+  md << "\n";
+  for (const auto& row : r.rows) {
+    md << fmt::format("| {} | {:g} |", row.policy, row.budget);
+    for (double e : row.attn_rel_err_per_layer) md << fmt::format(" {:.4f} |", e);
+    md << "\n";
+  }
+  md << "\n" << heads_table(r);
+  md << "Not measured: contexts beyond the trained window, the query-agnostic "
+        "protocol, peak memory during compression, and GPU timings.\n";
+  return md.str();
+}
+
+std::string kv_eval_csv(const KvEvalResult& r) {
+  std::string csv =
+      "policy,budget,documents,bpb,bpb_full,rel_bpb_increase,rel_bpb_increase_lo,rel_bpb_increase_hi,"
+      "worst_decile_rel_increase,worst_decile_lo,worst_decile_hi,attn_rel_err,attn_rel_err_lo,attn_rel_err_hi,"
+      "kv_bytes,kv_bytes_full,prefill_s,decode_s,abstained_heads,token_accuracy,token_accuracy_full,exact_match,"
+      "exact_match_full\n";
+  for (const auto& row : r.rows) {
+    const std::vector<std::string> f = {
+        row.policy,
+        csv_number(row.budget),
+        std::to_string(row.documents),
+        csv_number(row.bpb),
+        csv_number(row.bpb_full),
+        csv_number(row.rel_bpb_increase.value),
+        csv_number(row.rel_bpb_increase.ci[0]),
+        csv_number(row.rel_bpb_increase.ci[1]),
+        csv_number(row.worst_decile_rel_increase.value),
+        csv_number(row.worst_decile_rel_increase.ci[0]),
+        csv_number(row.worst_decile_rel_increase.ci[1]),
+        csv_number(row.attn_rel_err.value),
+        csv_number(row.attn_rel_err.ci[0]),
+        csv_number(row.attn_rel_err.ci[1]),
+        csv_number(row.kv_bytes),
+        csv_number(row.kv_bytes_full),
+        csv_number(row.prefill_s),
+        csv_number(row.decode_s),
+        csv_number(row.abstained_heads),
+        csv_number(row.token_accuracy),
+        csv_number(row.token_accuracy_full),
+        csv_number(row.exact_match),
+        csv_number(row.exact_match_full)};
+    csv += fmt::format("{}\n", fmt::join(f, ","));
+  }
+  return csv;
+}
+
+std::string kv_eval_gnuplot_script(const KvEvalResult& r, const std::string& csv_path, const std::string& png_path) {
+  // CSV columns: 1 policy, 2 budget, 6-8 rel_bpb_increase and its interval, 9 worst decile. A policy's rows are
+  // picked by comparing column 1 (other rows are undefined points, which gnuplot skips).
+  std::string mean_plot, worst_plot;
+  for (size_t i = 0; i < r.options.policies.size(); ++i) {
+    const std::string& p = r.options.policies[i];
+    const std::string sep = i + 1 < r.options.policies.size() ? ", \\\n     " : "\n";
+    mean_plot += fmt::format("{csv} skip 1 using 2:(strcol(1) eq {q} ? 100*$6 : 1/0):(100*$7):(100*$8) with "
+                             "yerrorlines title {q}{sep}",
+                             fmt::arg("csv", gnuplot_quoted(csv_path)), fmt::arg("sep", sep),
+                             fmt::arg("q", gnuplot_quoted(p)));
+    worst_plot += fmt::format("{csv} skip 1 using 2:(strcol(1) eq {q} ? 100*$9 : 1/0) with linespoints title "
+                              "{q}{sep}",
+                              fmt::arg("csv", gnuplot_quoted(csv_path)), fmt::arg("sep", sep),
+                              fmt::arg("q", gnuplot_quoted(p)));
+  }
+  return fmt::format(
+      "set terminal pngcairo size 1200,480 font \",10\"\n"
+      "set output {png}\n"
+      "set datafile separator \",\"\n"
+      "set logscale x\n"
+      "set grid\n"
+      "set xlabel \"budget (fraction of the tokens kept)\"\n"
+      "set key top right\n"
+      "set multiplot layout 1,2\n"
+      "set title \"Relative bits-per-byte increase over the full cache, mean (95% CI), %\"\n"
+      "plot {mean}"
+      "set title \"Worst decile of documents, mean, %\"\n"
+      "plot {worst}"
+      "unset multiplot\n",
+      fmt::arg("png", gnuplot_quoted(png_path)), fmt::arg("mean", mean_plot), fmt::arg("worst", worst_plot));
+}
+
+}  // namespace dcp
