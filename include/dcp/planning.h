@@ -38,6 +38,14 @@ double memory_budget_bytes(const MemoryConfig& memory, const DeviceSpec& device)
 MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& shape, const DeviceSpec& device,
                              const MemoryConfig& memory, int64_t longest_sample_tokens);
 
+/// The device models a training run plans with, resolved from train.cost_model before the trainer is built
+/// (resolve_cost_models in dcp/profile.h: auto profiles this machine, a name or a file is read).
+struct RunCostModels {
+  std::string source;  ///< "h200" or the `dcp profile` JSON file (train.cost_model auto resolved to its cache)
+  CostModel cost;      ///< step times of the run's model shape on source's device
+  MemoryModel memory;  ///< per-rank peak bytes and the budget (memory.budget_bytes or memory.fraction)
+};
+
 /// What one sample of `length` tokens needs under a memory budget: the smallest SP size that fits it and the
 /// fewest recomputed layers at that size (MemoryModel::bytes of the one-sample micro-batch).
 struct LengthNeed {

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "cli/commands.h"
+#include "dcp/profile.h"
 #include "dcp/trainer.h"
 
 namespace dcp {
@@ -58,7 +59,9 @@ void add_train_command(CLI::App& app) {
     options->plans = plan_file->empty() ? std::vector<StepPlan>{} : load_plans(*plan_file);
     DistEnv env = DistEnv::from_environment();
     ProcessGroups groups(env, cfg.dist.timeout_s, sp_sizes_for(cfg, env.world_size, options->plans));
-    train(cfg, groups, *options);
+    TrainSetup setup = open_training(cfg, groups, options->resume);
+    RunCostModels models = resolve_cost_models(cfg, setup.shape, setup.threads, setup.lengths.max, groups);
+    Trainer(cfg, groups, std::move(setup), std::move(models), *options).train();
   });
 }
 

@@ -13,6 +13,7 @@
 
 #include "dcp/flexformer.h"
 #include "dcp/plan.h"
+#include "dcp/profile.h"
 #include "dcp/trainer.h"
 #include "dcp/checkpoint.h"
 #include "train/data_fingerprint.h"
@@ -296,10 +297,10 @@ DistillResult distill(const std::string& teacher_dir, const Config& cfg, const A
 
   DistillResult r;
   const auto eval_start = std::chrono::steady_clock::now();
-  r.teacher_bpb = heldout_bits_per_byte(teacher, corpus, cfg, groups);
+  r.teacher_bpb = heldout_bits_per_byte(teacher, corpus, cfg.eval, cfg.train.micro_batch_tokens, world);
   TrainingBatches first(corpus, static_cast<uint64_t>(cfg.run.seed), fit.batch_tokens);
   calibrate_key_offsets(student, capture_attention(teacher, make_batch(corpus, first.next())));
-  r.student_initial_bpb = heldout_bits_per_byte(student, corpus, cfg, groups);
+  r.student_initial_bpb = heldout_bits_per_byte(student, corpus, cfg.eval, cfg.train.micro_batch_tokens, world);
   spdlog::info("held-out bits per byte: teacher {:.4f}, student at init {:.4f}", r.teacher_bpb, r.student_initial_bpb);
   r.eval_seconds = seconds_since(eval_start);
 
@@ -310,7 +311,7 @@ DistillResult distill(const std::string& teacher_dir, const Config& cfg, const A
                  r.fit.mse_final[l] / r.fit.output_variance[l]);
   }
   const auto fitted_eval_start = std::chrono::steady_clock::now();
-  r.student_fitted_bpb = heldout_bits_per_byte(student, corpus, cfg, groups);
+  r.student_fitted_bpb = heldout_bits_per_byte(student, corpus, cfg.eval, cfg.train.micro_batch_tokens, world);
   r.eval_seconds += seconds_since(fitted_eval_start);
   spdlog::info("held-out bits per byte after attention transfer: {:.4f}", r.student_fitted_bpb);
 
@@ -363,7 +364,9 @@ DistillResult distill(const std::string& teacher_dir, const Config& cfg, const A
     const auto finetune_start = std::chrono::steady_clock::now();
     TrainOptions finetune;
     finetune.resume = true;
-    train(cfg, groups, finetune);
+    TrainSetup setup = open_training(cfg, groups, finetune.resume);
+    RunCostModels models = resolve_cost_models(cfg, setup.shape, setup.threads, setup.lengths.max, groups);
+    Trainer(cfg, groups, std::move(setup), std::move(models), finetune).train();
     r.finetune_seconds = seconds_since(finetune_start);
     if (env.rank == 0) {
       r.student_finetuned_bpb =

@@ -1,18 +1,19 @@
+// Held-out bits per byte, sharded over the ranks (include/dcp/trainer.h).
 #include <cmath>
 
 #include "dcp/trainer.h"
 
 namespace dcp {
 
-double heldout_bits_per_byte(Transformer& model, const Corpus& corpus, const Config& cfg, const ProcessGroups& groups) {
-  const Communicator& world = groups.world();
+double heldout_bits_per_byte(Transformer& model, const Corpus& corpus, const EvalConfig& eval, int64_t batch_tokens,
+                             const Communicator& world) {
   torch::NoGradGuard no_grad;
   // The same prefix of held-out samples on every rank, sharded round-robin.
   std::vector<int64_t> mine;
   int64_t taken = 0;
   const auto& ids = corpus.heldout_ids();
   for (size_t i = 0; i < ids.size(); ++i) {
-    if (cfg.eval.max_tokens > 0 && taken >= cfg.eval.max_tokens) break;
+    if (eval.max_tokens > 0 && taken >= eval.max_tokens) break;
     taken += corpus.samples()[static_cast<size_t>(ids[i])].length;
     if (static_cast<int64_t>(i) % world.size() == world.rank()) mine.push_back(ids[i]);
   }
@@ -29,7 +30,7 @@ double heldout_bits_per_byte(Transformer& model, const Corpus& corpus, const Con
   };
   for (int64_t id : mine) {
     int64_t len = corpus.samples()[static_cast<size_t>(id)].length;
-    if (chunk_tokens + len > cfg.train.micro_batch_tokens) flush();
+    if (chunk_tokens + len > batch_tokens) flush();
     chunk.push_back(id);
     chunk_tokens += len;
   }

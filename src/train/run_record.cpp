@@ -56,8 +56,7 @@ std::vector<double> RunRecord::predicted_rank_peaks(const StepPlan& plan) const 
   return out;
 }
 
-json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_s, double lr, double grad_norm,
-                     TrainState& state) {
+std::vector<double> RunRecord::record_memory(const StepPlan& plan, const StepStats& r, int64_t step) {
   const std::vector<double> predicted_peaks = predicted_rank_peaks(plan);
   for (size_t i = 0; i < r.rank_peak_bytes.size(); ++i) {
     peak_bytes_ = std::max(peak_bytes_, r.rank_peak_bytes[i]);
@@ -72,21 +71,23 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
       spdlog::warn("step {}: rank {} measured a peak of {} bytes, over the memory budget of {:.0f} bytes (the "
                    "memory model predicted {:.0f}); such steps are counted as steps_measured_over_budget in "
                    "summary.json: lower memory.budget_bytes or re-profile",
-                   state.step, rank, *measured_peak, memory_.budget_bytes(), predicted_peaks[rank]);
+                   step, rank, *measured_peak, memory_.budget_bytes(), predicted_peaks[rank]);
     }
   }
   const double predicted_peak = *std::max_element(predicted_peaks.begin(), predicted_peaks.end());
   if (predicted_peak > memory_.budget_bytes() && !warned_over_budget_) {
     spdlog::warn("step {}: predicted peak {:.0f} bytes exceeds the memory budget {:.0f} bytes ({} plans do not "
                  "consult the memory model; a planner such as dcp-opt does)",
-                 state.step, predicted_peak, memory_.budget_bytes(), plan_source_);
+                 step, predicted_peak, memory_.budget_bytes(), plan_source_);
     warned_over_budget_ = true;
   }
+  return predicted_peaks;
+}
 
-  // What the plan decided, per group.
-  std::vector<int64_t> sp_sizes, group_micro_batches, rank_recompute(static_cast<size_t>(world_size_), 0);
-  std::vector<std::string> sp_modes;
-  double step_flops = 0;
+RunRecord::PlanRecord RunRecord::record_plan(const StepPlan& plan) {
+  PlanRecord p;
+  p.rank_recompute.assign(static_cast<size_t>(world_size_), 0);
+  auto& [sp_sizes, sp_modes, group_micro_batches, rank_recompute, step_flops] = p;
   for (const auto& g : plan.groups) {
     sp_sizes.push_back(g.sp_size);
     sp_modes.push_back(g.sp_size > 1 ? sp_mode_name(g.sp_mode) : "none");
@@ -111,6 +112,13 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
     ++steps_mixed_sp_;
   }
   flops_ += step_flops;
+  return p;
+}
+
+json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_s, double lr, double grad_norm,
+                     TrainState& state) {
+  const std::vector<double> predicted_peaks = record_memory(plan, r, state.step);
+  const PlanRecord p = record_plan(plan);
   seconds_ += step_time_s;
 
   // Online recalibration: the model's prediction times an EMA of measured / predicted over past steps.
@@ -138,12 +146,12 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
           {"rank_busy_s", r.rank_busy_s},
           {"rank_peak_bytes", r.rank_peak_bytes},
           {"rank_predicted_peak_bytes", predicted_peaks},
-          {"rank_recompute_layers", rank_recompute},
+          {"rank_recompute_layers", p.rank_recompute},
           {"imbalance", max_busy > 0 ? 1.0 - mean_busy / max_busy : 0.0},
-          {"sp_sizes", sp_sizes},
-          {"sp_modes", sp_modes},
-          {"group_micro_batches", group_micro_batches},
-          {"model_flops", step_flops},
+          {"sp_sizes", p.sp_sizes},
+          {"sp_modes", p.sp_modes},
+          {"group_micro_batches", p.group_micro_batches},
+          {"model_flops", p.flops},
           {"predicted_step_s", predicted},
           {"model_step_s", raw_prediction}};
 }

@@ -33,7 +33,19 @@ class RunRecord {
   nlohmann::json summary() const;
 
  private:
+  /// What a step's plan decided, per group (metrics.jsonl), counted into the summary's aggregates.
+  struct PlanRecord {
+    std::vector<int64_t> sp_sizes;
+    std::vector<std::string> sp_modes;      ///< "none" for sp 1
+    std::vector<int64_t> group_micro_batches;
+    std::vector<int64_t> rank_recompute;    ///< per rank: the most layers a micro-batch of its group recomputes
+    double flops = 0;                       ///< the model's FLOPs without recompute
+  };
   std::vector<double> predicted_rank_peaks(const StepPlan& plan) const;
+  /// Measured against predicted peaks per rank; warns once when a measured or predicted peak is over the budget.
+  /// Returns the predicted peaks.
+  std::vector<double> record_memory(const StepPlan& plan, const StepStats& stats, int64_t step);
+  PlanRecord record_plan(const StepPlan& plan);
 
   const std::vector<Sample>& samples_;
   int64_t world_size_;
