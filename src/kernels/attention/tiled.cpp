@@ -149,6 +149,40 @@ Geometry geometry_of(const VarlenBounds& b, int64_t s, bool causal, int64_t bq, 
   return g;
 }
 
+// ---- the passes' shared preamble: tile geometry and units ---------------------------------------------------
+
+// How a pass walks a (sample, head): the forward by query tiles (each costs the key tiles it attends), the
+// backward by key tiles (each costs the query tiles that attend it).
+enum class Walk { kQueryTiles, kKeyTiles };
+
+// A pass's units over the threads, and the largest extents of a sample its per-thread arenas must hold.
+struct PassPlan {
+  std::vector<Unit> units;
+  int64_t most_key_tiles = 0;  // the most key tiles of a sample
+  int64_t most_rows = 0;       // the most query rows of a sample, rounded up to whole query tiles
+};
+
+PassPlan plan_pass(const VarlenBounds& b, bool causal, int64_t bq, int64_t bk, int64_t heads, int64_t threads,
+                   Walk walk) {
+  PassPlan plan;
+  std::vector<int64_t> tiles;
+  for (int64_t s = 0; s < b.samples(); ++s) {
+    const Geometry g = geometry_of(b, s, causal, bq, bk);
+    if (walk == Walk::kQueryTiles) {
+      tiles.push_back(g.lk > 0 ? g.q_tiles() : 0);
+    } else {
+      tiles.push_back(g.lq > 0 ? g.k_tiles() : 0);
+    }
+    plan.most_key_tiles = std::max(plan.most_key_tiles, g.k_tiles());
+    plan.most_rows = std::max(plan.most_rows, round_up(g.lq, bq));
+  }
+  plan.units = schedule(tiles, heads, threads, [&](size_t s, int64_t t) {
+    const Geometry g = geometry_of(b, static_cast<int64_t>(s), causal, bq, bk);
+    return walk == Walk::kQueryTiles ? g.key_tiles_of_q_tile(t) : g.q_tiles() - g.first_q_tile_of_k_tile(t);
+  });
+  return plan;
+}
+
 // ---- forward (FlashAttention-2 Algorithm 1) ------------------------------------------------------------------
 
 template <class P>
@@ -158,16 +192,9 @@ void forward_pass(const P& pol, const Operands<P>& x, const VarlenBounds& b, boo
   using Op = typename P::Op;
   const int64_t H = x.heads, D = x.head_dim, Dp = pol.pad(D);
   const int64_t threads = at::get_num_threads();
-  std::vector<int64_t> q_tiles;
-  int64_t most_key_tiles = 0;
-  for (int64_t s = 0; s < b.samples(); ++s) {
-    const Geometry g = geometry_of(b, s, causal, bq, bk);
-    q_tiles.push_back(g.lk > 0 ? g.q_tiles() : 0);
-    most_key_tiles = std::max(most_key_tiles, g.k_tiles());
-  }
-  const auto units = schedule(q_tiles, H, threads, [&](size_t s, int64_t i) {
-    return geometry_of(b, static_cast<int64_t>(s), causal, bq, bk).key_tiles_of_q_tile(i);
-  });
+  const PassPlan plan = plan_pass(b, causal, bq, bk, H, threads, Walk::kQueryTiles);
+  const std::vector<Unit>& units = plan.units;
+  const int64_t most_key_tiles = plan.most_key_tiles;
   const int64_t pack = Dp * bk;  // one key tile of K^T or V
   const int64_t per_thread = 64 * 12 + sizeof(Op) * (most_key_tiles * pack * (P::kCopiesRowsB ? 2 : 1) + bq * Dp +
                                                      bq * bk) +
@@ -258,33 +285,162 @@ struct SplitDq {
   std::vector<int64_t> bases;   // first query row of each share
 };
 
+// What every unit of one backward pass reads: the operands, the forward's results, the tiles and the outputs.
+template <class P>
+struct BackwardPass {
+  const P& pol;
+  const Operands<P>& x;
+  const BackwardInputs<P>& y;
+  const VarlenBounds& b;
+  bool causal;
+  int64_t bq, bk;
+  typename P::Acc scale2, acc_scale;  // scale / ln 2 for exp2, and the score scale
+  typename P::In* dq;
+  typename P::In* dk;
+  typename P::In* dv;
+  const std::vector<std::unique_ptr<SplitDq<typename P::Acc>>>& splits;
+  // The first query row of the unit's keys (whole query tiles): where its dq rows start.
+  int64_t first_row(const Unit& u) const {
+    return geometry_of(b, u.sample, causal, bq, bk).first_q_tile_of_k_tile(u.begin) * bq;
+  }
+};
+
+// The last unit of a split (sample, head) to finish sums the dq shares in piece order and stores them.
+template <class P>
+void finish_split(const BackwardPass<P>& c, const Geometry& g, SplitDq<typename P::Acc>* split, int64_t cq,
+                  int64_t h) {
+  using Acc = typename P::Acc;
+  const int64_t H = c.x.heads, D = c.x.head_dim, Dp = c.pol.pad(D);
+  // acq_rel: the last unit sees every other unit's share.
+  if (split == nullptr || split->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  // Into the first share (it starts at row 0 of the sample's first key range): its rows are the superset.
+  Acc* total = split->shares[0];
+  for (size_t p = 1; p < split->shares.size(); ++p) {
+    const int64_t from = split->bases[p] - split->bases[0];
+    for (int64_t e = 0; e < (g.lq - split->bases[p]) * Dp; ++e) total[from * Dp + e] += split->shares[p][e];
+  }
+  c.pol.store_rows(total, Dp, g.lq - split->bases[0], D, nullptr, c.dq + ((cq + split->bases[0]) * H + h) * D,
+                   H * D);
+}
+
+// One backward unit: the key tiles [u.begin, u.end) of one (sample, head) with every query tile that attends
+// them (FlashAttention-2 Algorithm 2, the loop over j with the inner loop over i).
+template <class P>
+void backward_unit(const BackwardPass<P>& c, const Unit& u, Arena& arena) {
+  using Acc = typename P::Acc;
+  using Op = typename P::Op;
+  using In = typename P::In;
+  const P& pol = c.pol;
+  const Operands<P>& x = c.x;
+  const BackwardInputs<P>& y = c.y;
+  const int64_t bq = c.bq, bk = c.bk, H = x.heads, D = x.head_dim, Dp = pol.pad(D);
+  const int64_t tile = bq * bk, kpack = Dp * bk;
+  In* const dq = c.dq;
+  const Geometry g = geometry_of(c.b, u.sample, c.causal, bq, bk);
+  const int64_t cq = c.b.q[u.sample], ck = c.b.k[u.sample], h = u.head;
+  arena.reset();
+  // Queries that attend the unit's keys: whole query tiles from the first one on.
+  const int64_t base = c.first_row(u);
+  SplitDq<Acc>* split = u.split < 0 ? nullptr : c.splits[static_cast<size_t>(u.split)].get();
+
+  if (u.piece == 0) {  // queries before the first one that attends a key: no gradient
+    for (int64_t r = 0; r < std::min(base, g.lq); ++r) std::fill_n(dq + ((cq + r) * H + h) * D, D, In(0));
+  }
+  if (base >= g.lq) {
+    finish_split(c, g, split, cq, h);
+    return;
+  }
+  const int64_t rows = g.lq - base, rows_p = round_up(rows, bq);
+  Acc* lse2 = arena.take<Acc>(rows_p);
+  Acc* dlt = arena.take<Acc>(rows_p);
+  // Line 4 of Algorithm 2: D_i = rowsum(dO_i * O_i). Padding rows get no probability mass, no gradient.
+  pol.row_dots(y.out + (cq + base) * y.so0 + h * y.so1, y.so0, y.dout + (cq + base) * y.sd0 + h * y.sd1, y.sd0,
+               rows, D, dlt);
+  for (int64_t r = 0; r < rows_p; ++r) {
+    lse2[r] = r < rows ? y.lse[(cq + base + r) * H + h] * static_cast<Acc>(kLog2e)
+                       : std::numeric_limits<Acc>::infinity();
+    if (r >= rows) dlt[r] = 0;
+  }
+  // Q^T and dO^T are the A operands of dK^T += Q^T dS and dV^T += dO^T P, built once per unit.
+  Op* qt = arena.take<Op>(Dp * rows_p);
+  Op* dot = arena.take<Op>(Dp * rows_p);
+  std::fill(qt, qt + Dp * rows_p, Op(0));
+  std::fill(dot, dot + Dp * rows_p, Op(0));
+  pol.rows_t(x.q + (cq + base) * x.sq0 + h * x.sq1, x.sq0, rows, D, qt, rows_p);
+  pol.rows_t(y.dout + (cq + base) * y.sd0 + h * y.sd1, y.sd0, rows, D, dot, rows_p);
+  Acc* dq_acc = split ? split->shares[static_cast<size_t>(u.piece)] : arena.take<Acc>(rows_p * Dp);
+  if (!split) std::fill(dq_acc, dq_acc + rows_p * Dp, Acc(0));
+  Op* kt_pack = arena.take<Op>(kpack);
+  Op* vt_pack = arena.take<Op>(kpack);
+  Op* kb_pack = arena.take<Op>(kpack);
+  Acc* dkt = arena.take<Acc>(kpack);
+  Acc* dvt = arena.take<Acc>(kpack);
+  Op* q_copy = arena.take<Op>(bq * Dp);
+  Op* do_copy = arena.take<Op>(bq * Dp);
+  Acc* s = arena.take<Acc>(tile);
+  Acc* dp = arena.take<Acc>(tile);
+  Op* ds_a = arena.take<Op>(tile);
+  Op* p_b = arena.take<Op>(tile);
+  Op* ds_b = arena.take<Op>(tile);
+  int32_t* limit = arena.take<int32_t>(bq);
+  for (int64_t j = u.begin; j < u.end; ++j) {
+    const int64_t c0 = j * bk, nk = std::min(bk, g.lk - c0), nk_p = pol.pad(nk);
+    int64_t ld_kt = 0, ld_vt = 0, ld_kb = 0;
+    const In* k_rows = x.k + (ck + c0) * x.sk0 + h * x.sk1;
+    const Op* ktj = pol.rows_bt(k_rows, x.sk0, nk, D, kt_pack, &ld_kt);
+    const Op* vtj = pol.rows_bt(x.v + (ck + c0) * x.sv0 + h * x.sv1, x.sv0, nk, D, vt_pack, &ld_vt);
+    const Op* kbj = pol.rows_b(k_rows, x.sk0, nk, D, kb_pack, &ld_kb);
+    std::fill(dkt, dkt + Dp * nk_p, Acc(0));
+    std::fill(dvt, dvt + Dp * nk_p, Acc(0));
+    for (int64_t i = g.first_q_tile_of_k_tile(j); i < g.q_tiles(); ++i) {
+      const int64_t r0 = i * bq, mq = std::min(bq, g.lq - r0), mq_p = pol.pad(mq), at = r0 - base;
+      int64_t ld_q = 0, ld_do = 0;
+      const Op* qa = pol.rows_a(x.q + (cq + r0) * x.sq0 + h * x.sq1, x.sq0, mq, mq_p, D, q_copy, &ld_q);
+      const Op* doa = pol.rows_a(y.dout + (cq + r0) * y.sd0 + h * y.sd1, y.sd0, mq, mq_p, D, do_copy, &ld_do);
+      // Lines 8-11: S = Q_i K_j^T, P = exp(S - L_i), dP = dO_i V_j^T; lines 12-14: dS = P * (dP - D_i).
+      pol.gemm(mq_p, nk_p, Dp, qa, ld_q, ktj, ld_kt, s, bk, false);
+      pol.gemm(mq_p, nk_p, Dp, doa, ld_do, vtj, ld_vt, dp, bk, false);
+      for (int64_t r = 0; r < mq_p; ++r) {
+        limit[r] = static_cast<int32_t>(r < mq ? std::clamp<int64_t>(g.key_end(r0 + r) - c0, 0, nk) : 0);
+      }
+      pol.softmax_grad(s, dp, bk, mq_p, nk_p, limit, c.scale2, c.acc_scale, lse2 + at, dlt + at);
+      // Lines 10, 15-16: dV_j += P^T dO_i, dQ_i += dS K_j, dK_j += dS^T Q_i (dV, dK kept transposed).
+      int64_t ld_dsa = 0, ld_pb = 0, ld_dsb = 0;
+      const Op* dsa = pol.tile_a(dp, bk, mq_p, nk_p, ds_a, &ld_dsa);
+      pol.gemm(mq_p, Dp, nk_p, dsa, ld_dsa, kbj, ld_kb, dq_acc + at * Dp, Dp, true);
+      const Op* pb = pol.tile_b(s, bk, mq_p, nk_p, p_b, &ld_pb);
+      pol.gemm(Dp, nk_p, mq_p, dot + at, rows_p, pb, ld_pb, dvt, nk_p, true);
+      const Op* dsb = pol.tile_b(dp, bk, mq_p, nk_p, ds_b, &ld_dsb);
+      pol.gemm(Dp, nk_p, mq_p, qt + at, rows_p, dsb, ld_dsb, dkt, nk_p, true);
+    }
+    pol.store_transposed(dkt, nk_p, nk, D, c.dk + ((ck + c0) * H + h) * D, H * D);
+    pol.store_transposed(dvt, nk_p, nk, D, c.dv + ((ck + c0) * H + h) * D, H * D);
+  }
+  if (split) {
+    finish_split(c, g, split, cq, h);
+    return;
+  }
+  pol.store_rows(dq_acc, Dp, rows, D, nullptr, dq + ((cq + base) * H + h) * D, H * D);
+}
+
 template <class P>
 void backward_pass(const P& pol, const Operands<P>& x, const BackwardInputs<P>& y, const VarlenBounds& b,
                    bool causal, double scale, int64_t bq, int64_t bk, typename P::In* dq, typename P::In* dk,
                    typename P::In* dv) {
   using Acc = typename P::Acc;
   using Op = typename P::Op;
-  using In = typename P::In;
   const int64_t H = x.heads, D = x.head_dim, Dp = pol.pad(D);
   const int64_t threads = at::get_num_threads();
-  std::vector<int64_t> k_tiles;
-  int64_t most_rows = 0;
-  for (int64_t s = 0; s < b.samples(); ++s) {
-    const Geometry g = geometry_of(b, s, causal, bq, bk);
-    k_tiles.push_back(g.lq > 0 ? g.k_tiles() : 0);
-    most_rows = std::max(most_rows, round_up(g.lq, bq));
-  }
-  auto units = schedule(k_tiles, H, threads, [&](size_t s, int64_t j) {
-    const Geometry g = geometry_of(b, static_cast<int64_t>(s), causal, bq, bk);
-    return g.q_tiles() - g.first_q_tile_of_k_tile(j);
-  });
+  PassPlan plan = plan_pass(b, causal, bq, bk, H, threads, Walk::kKeyTiles);
+  std::vector<Unit>& units = plan.units;
+  const int64_t most_rows = plan.most_rows;
+  std::vector<std::unique_ptr<SplitDq<Acc>>> splits;
+  const BackwardPass<P> c{pol, x, y, b, causal, bq, bk, static_cast<Acc>(scale * kLog2e), static_cast<Acc>(scale),
+                          dq, dk, dv, splits};
   // Where a (sample, head) is split, its units write their dq shares to storage of their own.
-  auto first_row = [&](const Unit& u) {
-    return geometry_of(b, u.sample, causal, bq, bk).first_q_tile_of_k_tile(u.begin) * bq;
-  };
+  auto first_row = [&](const Unit& u) { return c.first_row(u); };
   std::vector<int64_t> pieces(static_cast<size_t>(b.samples() * H), 0), split_of(pieces.size(), -1);
   for (const Unit& u : units) ++pieces[u.sample * H + u.head];
-  std::vector<std::unique_ptr<SplitDq<Acc>>> splits;
   int64_t share_elems = 0;
   for (Unit& u : units) {
     const size_t sh = static_cast<size_t>(u.sample * H + u.head);
@@ -313,110 +469,11 @@ void backward_pass(const P& pol, const Operands<P>& x, const BackwardInputs<P>& 
   const int64_t per_thread = 64 * 20 + sizeof(Acc) * (2 * most_rows + most_rows * Dp + 2 * kpack + 2 * tile) +
                              sizeof(Op) * (2 * Dp * most_rows + 3 * kpack + 2 * bq * Dp + 3 * tile) +
                              sizeof(int32_t) * bq;
-  const Acc scale2 = static_cast<Acc>(scale * kLog2e), acc_scale = static_cast<Acc>(scale);
   std::atomic<size_t> next{0};
 
   parallel_with_arenas(threads, per_thread, [&](int64_t, Arena& arena) {
     if constexpr (std::is_same_v<P, tiles::AmxPolicy>) tiles::amx_begin();
-    for (size_t n = next++; n < units.size(); n = next++) {
-      const Unit& u = units[n];
-      const Geometry g = geometry_of(b, u.sample, causal, bq, bk);
-      const int64_t cq = b.q[u.sample], ck = b.k[u.sample], h = u.head;
-      arena.reset();
-      // Queries that attend the unit's keys: whole query tiles from the first one on.
-      const int64_t base = first_row(u);
-      SplitDq<Acc>* split = u.split < 0 ? nullptr : splits[static_cast<size_t>(u.split)].get();
-      auto finish_split = [&] {
-        // acq_rel: the last unit sees every other unit's share.
-        if (split == nullptr || split->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-        // Into the first share (it starts at row 0 of the sample's first key range): its rows are the superset.
-        Acc* total = split->shares[0];
-        for (size_t p = 1; p < split->shares.size(); ++p) {
-          const int64_t from = split->bases[p] - split->bases[0];
-          for (int64_t e = 0; e < (g.lq - split->bases[p]) * Dp; ++e) total[from * Dp + e] += split->shares[p][e];
-        }
-        pol.store_rows(total, Dp, g.lq - split->bases[0], D, nullptr,
-                       dq + ((cq + split->bases[0]) * H + h) * D, H * D);
-      };
-      if (u.piece == 0) {  // queries before the first one that attends a key: no gradient
-        for (int64_t r = 0; r < std::min(base, g.lq); ++r) std::fill_n(dq + ((cq + r) * H + h) * D, D, In(0));
-      }
-      if (base >= g.lq) {
-        finish_split();
-        continue;
-      }
-      const int64_t rows = g.lq - base, rows_p = round_up(rows, bq);
-      Acc* lse2 = arena.take<Acc>(rows_p);
-      Acc* dlt = arena.take<Acc>(rows_p);
-      // Line 4 of Algorithm 2: D_i = rowsum(dO_i * O_i). Padding rows get no probability mass, no gradient.
-      pol.row_dots(y.out + (cq + base) * y.so0 + h * y.so1, y.so0, y.dout + (cq + base) * y.sd0 + h * y.sd1, y.sd0,
-                   rows, D, dlt);
-      for (int64_t r = 0; r < rows_p; ++r) {
-        lse2[r] = r < rows ? y.lse[(cq + base + r) * H + h] * static_cast<Acc>(kLog2e)
-                           : std::numeric_limits<Acc>::infinity();
-        if (r >= rows) dlt[r] = 0;
-      }
-      // Q^T and dO^T are the A operands of dK^T += Q^T dS and dV^T += dO^T P, built once per unit.
-      Op* qt = arena.take<Op>(Dp * rows_p);
-      Op* dot = arena.take<Op>(Dp * rows_p);
-      std::fill(qt, qt + Dp * rows_p, Op(0));
-      std::fill(dot, dot + Dp * rows_p, Op(0));
-      pol.rows_t(x.q + (cq + base) * x.sq0 + h * x.sq1, x.sq0, rows, D, qt, rows_p);
-      pol.rows_t(y.dout + (cq + base) * y.sd0 + h * y.sd1, y.sd0, rows, D, dot, rows_p);
-      Acc* dq_acc = split ? split->shares[static_cast<size_t>(u.piece)] : arena.take<Acc>(rows_p * Dp);
-      if (!split) std::fill(dq_acc, dq_acc + rows_p * Dp, Acc(0));
-      Op* kt_pack = arena.take<Op>(kpack);
-      Op* vt_pack = arena.take<Op>(kpack);
-      Op* kb_pack = arena.take<Op>(kpack);
-      Acc* dkt = arena.take<Acc>(kpack);
-      Acc* dvt = arena.take<Acc>(kpack);
-      Op* q_copy = arena.take<Op>(bq * Dp);
-      Op* do_copy = arena.take<Op>(bq * Dp);
-      Acc* s = arena.take<Acc>(tile);
-      Acc* dp = arena.take<Acc>(tile);
-      Op* ds_a = arena.take<Op>(tile);
-      Op* p_b = arena.take<Op>(tile);
-      Op* ds_b = arena.take<Op>(tile);
-      int32_t* limit = arena.take<int32_t>(bq);
-      for (int64_t j = u.begin; j < u.end; ++j) {
-        const int64_t c0 = j * bk, nk = std::min(bk, g.lk - c0), nk_p = pol.pad(nk);
-        int64_t ld_kt = 0, ld_vt = 0, ld_kb = 0;
-        const In* k_rows = x.k + (ck + c0) * x.sk0 + h * x.sk1;
-        const Op* ktj = pol.rows_bt(k_rows, x.sk0, nk, D, kt_pack, &ld_kt);
-        const Op* vtj = pol.rows_bt(x.v + (ck + c0) * x.sv0 + h * x.sv1, x.sv0, nk, D, vt_pack, &ld_vt);
-        const Op* kbj = pol.rows_b(k_rows, x.sk0, nk, D, kb_pack, &ld_kb);
-        std::fill(dkt, dkt + Dp * nk_p, Acc(0));
-        std::fill(dvt, dvt + Dp * nk_p, Acc(0));
-        for (int64_t i = g.first_q_tile_of_k_tile(j); i < g.q_tiles(); ++i) {
-          const int64_t r0 = i * bq, mq = std::min(bq, g.lq - r0), mq_p = pol.pad(mq), at = r0 - base;
-          int64_t ld_q = 0, ld_do = 0;
-          const Op* qa = pol.rows_a(x.q + (cq + r0) * x.sq0 + h * x.sq1, x.sq0, mq, mq_p, D, q_copy, &ld_q);
-          const Op* doa = pol.rows_a(y.dout + (cq + r0) * y.sd0 + h * y.sd1, y.sd0, mq, mq_p, D, do_copy, &ld_do);
-          // Lines 8-11: S = Q_i K_j^T, P = exp(S - L_i), dP = dO_i V_j^T; lines 12-14: dS = P * (dP - D_i).
-          pol.gemm(mq_p, nk_p, Dp, qa, ld_q, ktj, ld_kt, s, bk, false);
-          pol.gemm(mq_p, nk_p, Dp, doa, ld_do, vtj, ld_vt, dp, bk, false);
-          for (int64_t r = 0; r < mq_p; ++r) {
-            limit[r] = static_cast<int32_t>(r < mq ? std::clamp<int64_t>(g.key_end(r0 + r) - c0, 0, nk) : 0);
-          }
-          pol.softmax_grad(s, dp, bk, mq_p, nk_p, limit, scale2, acc_scale, lse2 + at, dlt + at);
-          // Lines 10, 15-16: dV_j += P^T dO_i, dQ_i += dS K_j, dK_j += dS^T Q_i (dV, dK kept transposed).
-          int64_t ld_dsa = 0, ld_pb = 0, ld_dsb = 0;
-          const Op* dsa = pol.tile_a(dp, bk, mq_p, nk_p, ds_a, &ld_dsa);
-          pol.gemm(mq_p, Dp, nk_p, dsa, ld_dsa, kbj, ld_kb, dq_acc + at * Dp, Dp, true);
-          const Op* pb = pol.tile_b(s, bk, mq_p, nk_p, p_b, &ld_pb);
-          pol.gemm(Dp, nk_p, mq_p, dot + at, rows_p, pb, ld_pb, dvt, nk_p, true);
-          const Op* dsb = pol.tile_b(dp, bk, mq_p, nk_p, ds_b, &ld_dsb);
-          pol.gemm(Dp, nk_p, mq_p, qt + at, rows_p, dsb, ld_dsb, dkt, nk_p, true);
-        }
-        pol.store_transposed(dkt, nk_p, nk, D, dk + ((ck + c0) * H + h) * D, H * D);
-        pol.store_transposed(dvt, nk_p, nk, D, dv + ((ck + c0) * H + h) * D, H * D);
-      }
-      if (split) {
-        finish_split();
-        continue;
-      }
-      pol.store_rows(dq_acc, Dp, rows, D, nullptr, dq + ((cq + base) * H + h) * D, H * D);
-    }
+    for (size_t n = next++; n < units.size(); n = next++) backward_unit(c, units[n], arena);
     if constexpr (std::is_same_v<P, tiles::AmxPolicy>) tiles::amx_end();
   });
 }
