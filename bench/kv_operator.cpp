@@ -34,6 +34,7 @@
 
 #include "dcp/infer.h"
 #include "dcp/kv_policies.h"
+#include "infer/kv/policies/minimax.h"
 
 namespace {
 
@@ -251,7 +252,7 @@ struct Compressed {
 
 // Builds the fp32 cache at positions 0..n-1, shows the policy the observed queries (KvObservations::observe, as a
 // DecodeSession would after a prefill), runs one compression step and reads back what each head keeps.
-Compressed compress(const Instance& in, const std::shared_ptr<KvCompressor>& policy, double scale) {
+Compressed compress(const Instance& in, const std::shared_ptr<KvPolicy>& policy, double scale) {
   const int64_t heads = in.keys.size(0), n = in.keys.size(1), d = in.keys.size(2), w = in.observed.size(0);
   KvCache cache(KvCacheSpec{1, heads, d, in.values.size(2), torch::kFloat});
   cache.append(0, in.keys.transpose(0, 1).to(torch::kFloat), in.values.transpose(0, 1).to(torch::kFloat),
@@ -375,7 +376,7 @@ struct Cell {
 };
 
 // ---- minimax calibration: the policy's own estimates against what was measured (MinimaxKvPolicy::risks(),
-// KvCompressor::abstained_heads(); spec section 7.1 "calibration" and "abstain precision/recall") ----
+// KvPolicy::abstained_heads(); spec section 7.1 "calibration" and "abstain precision/recall") ----
 
 // One (generator, values, seed, budget, head) of the minimax policy: its own estimate and what was measured.
 struct MinimaxRecord {
@@ -389,7 +390,7 @@ struct MinimaxRecord {
 
 // Reads the minimax policy's per-head estimates after its compression of the instance (layer 0: risks()[head])
 // and pairs them with the head's measured worst relative error over every query family. No-op for other policies.
-void record_minimax(const std::shared_ptr<KvCompressor>& policy, const std::map<std::string, FamilyErrors>& fam,
+void record_minimax(const std::shared_ptr<KvPolicy>& policy, const std::map<std::string, FamilyErrors>& fam,
                     const std::string& generator, const std::string& values, int64_t seed, double budget,
                     std::vector<MinimaxRecord>& out) {
   const auto mm = std::dynamic_pointer_cast<MinimaxKvPolicy>(policy);
@@ -600,7 +601,7 @@ int main(int argc, char** argv) {
         prof.first += in.perplexity / double(seeds);
         prof.second += in.top5_mass / double(seeds);
         std::vector<Compressed> compressed;
-        std::vector<std::shared_ptr<KvCompressor>> made;  // kept: minimax's estimates are read after scoring
+        std::vector<std::shared_ptr<KvPolicy>> made;  // kept: minimax's estimates are read after scoring
         for (const auto& p : policies) {
           for (double b : budgets) {
             made.push_back(make_kv_policy(p, {{"budget", b}}));

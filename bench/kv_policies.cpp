@@ -41,7 +41,7 @@ struct Run {
 };
 
 Run teacher_forced(Transformer& model, const std::vector<int64_t>& tokens, int64_t prompt, int64_t chunk,
-                   std::shared_ptr<KvCompressor> policy) {
+                   std::shared_ptr<KvPolicy> policy) {
   DecodeSession session(model, chunk, std::move(policy));
   session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + prompt));
   std::vector<torch::Tensor> rows;

@@ -43,7 +43,7 @@ AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch
 /// `positions` (so the chunk never sees itself twice). One object per forward: it carries that chunk's absolute
 /// positions. Only for softmax blocks: throws std::invalid_argument naming the layer when the block's backend is
 /// not SoftmaxAttention, and when the batch is not one sequence of positions.numel() tokens. Inference only: the
-/// cache keeps no autograd history. With `observations` (a compressor asked for them) each layer's queries are
+/// cache keeps no autograd history. With `observations` (a policy asked for them) each layer's queries are
 /// recorded there after the append (KvObservations::observe); without, nothing extra runs.
 class KvCacheAttention : public AttentionWrapper {
  public:
@@ -62,13 +62,13 @@ class KvCacheAttention : public AttentionWrapper {
 /// One sequence decoded through a KV cache by a softmax model: a prompt runs in chunks of `chunk_tokens` (chunk
 /// t attends to the cache plus itself causally), then tokens one at a time; positions are absolute, 0 for the
 /// first token of the sequence (as in training, where they restart at 0 per sample; beyond the trained
-/// data.max_seq_len the model extrapolates). After every chunk and every token the compressor (default
-/// FullKvCache) may commit to the cache. Without compression the logits equal model->forward over the whole
+/// data.max_seq_len the model extrapolates). After every chunk and every token the policy (default
+/// FullKvPolicy) may commit to the cache. Without compression the logits equal model->forward over the whole
 /// sequence up to floating-point rounding (tests/unit/test_kv_cache.cpp). Runs without autograd.
 class DecodeSession {
  public:
   /// Throws std::invalid_argument for chunk_tokens < 1 or a model whose blocks are not all SoftmaxAttention.
-  DecodeSession(Transformer model, int64_t chunk_tokens = 512, std::shared_ptr<KvCompressor> compressor = nullptr);
+  DecodeSession(Transformer model, int64_t chunk_tokens = 512, std::shared_ptr<KvPolicy> policy = nullptr);
 
   /// Runs `tokens` (ids in [0, kVocabSize), at least one) after what the cache holds, in chunks; returns fp32
   /// logits [tokens.size(), kVocabSize], row i predicting the token after tokens[i].
@@ -88,9 +88,9 @@ class DecodeSession {
 
   Transformer model_;
   int64_t chunk_tokens_;
-  std::shared_ptr<KvCompressor> compressor_;
+  std::shared_ptr<KvPolicy> policy_;
   std::shared_ptr<KvCache> cache_;
-  std::shared_ptr<KvObservations> observations_;  // null unless the compressor needs() something
+  std::shared_ptr<KvObservations> observations_;  // null unless the policy needs() something
 };
 
 struct GenerateOptions {
@@ -101,7 +101,7 @@ struct GenerateOptions {
   int64_t context = 1024;     ///< tokens the model sees (the training max_seq_len)
   int64_t chunk_tokens = 512; ///< softmax models: prefill chunk of the KV cache (kv.chunk_tokens)
   /// softmax models: the KV cache's compression policy (null = keep everything); flexformer models have none
-  std::shared_ptr<KvCompressor> kv_policy;
+  std::shared_ptr<KvPolicy> kv_policy;
   /// Called with each byte as soon as it is sampled (e.g. to print it), before the next one runs; may be empty.
   std::function<void(char)> on_byte;
 };

@@ -1,5 +1,5 @@
 // What the queries did, recorded for KV-cache compression policies that score entries by attention (H2O, TOVA,
-// SnapKV, Expected Attention; docs/kv_cache.md "Policies"). A DecodeSession records only what its compressor
+// SnapKV, Expected Attention; docs/kv_cache.md "Policies"). A DecodeSession records only what its policy
 // asks for (KvObservationNeeds); with nothing asked, nothing is recorded and attention runs as without it.
 #pragma once
 
@@ -12,7 +12,7 @@
 
 namespace dcp {
 
-/// What a compressor needs recorded. Both off (the default) = record nothing.
+/// What a policy needs recorded. Both off (the default) = record nothing.
 struct KvObservationNeeds {
   /// Keep the last `window` queries of every head of every layer (after rotary, unscaled); 0 = none.
   int64_t window = 0;
@@ -24,7 +24,7 @@ struct KvObservationNeeds {
 };
 
 /// Recorded observations of one sequence, written by KvCacheAttention after each layer's chunk has attended and
-/// been appended, read by policies in KvCompressor::after_step. Per-entry records are kept with the positions
+/// been appended, read by policies in KvPolicy::after_step. Per-entry records are kept with the positions
 /// they belong to and returned aligned to the cache's current view, so a commit (which drops entries) needs no
 /// notice: a dropped entry's record is simply no longer returned. Probabilities are those of softmax(scale q.k +
 /// bias) over the entries a query saw (the cache as it then was plus the causal part of its chunk), in fp32.

@@ -12,12 +12,12 @@
 
 namespace dcp {
 
-/// What just ran when a KvCompressor is called.
+/// What just ran when a KvPolicy is called.
 struct KvStep {
   bool prefill = true;         ///< a prefill chunk (else one decoded token)
   int64_t first_position = 0;  ///< absolute position of the step's first token
   int64_t tokens = 0;          ///< tokens the step appended to every head of every layer
-  /// What the queries did, recorded as the compressor's needs() asked; null when it asked for nothing.
+  /// What the queries did, recorded as the policy's needs() asked; null when it asked for nothing.
   const KvObservations* observations = nullptr;
 };
 
@@ -25,9 +25,9 @@ struct KvStep {
 /// prefill chunk and every decoded token, with the whole sequence's cache, and may change it only through
 /// KvCache::commit. The next chunk's hidden states are then computed from the compressed cache (true chunked
 /// prefill, spec 4.4).
-class KvCompressor {
+class KvPolicy {
  public:
-  virtual ~KvCompressor() = default;
+  virtual ~KvPolicy() = default;
   virtual void after_step(KvCache& cache, const KvStep& step) = 0;
   /// What the session must record for after_step (KvStep::observations); the default, nothing, costs nothing.
   virtual KvObservationNeeds needs() const { return {}; }
@@ -39,7 +39,7 @@ class KvCompressor {
 };
 
 /// The policy "full": keeps every entry.
-class FullKvCache : public KvCompressor {
+class FullKvPolicy : public KvPolicy {
  public:
   void after_step(KvCache&, const KvStep&) override {}
 };

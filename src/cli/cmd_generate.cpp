@@ -20,7 +20,7 @@ struct KvChoice {
 };
 
 // make_kv_policy_with_budget with KEY=VALUE options; a bad name, option or value is a usage error (exit 2).
-std::shared_ptr<KvCompressor> kv_policy_from_cli(const std::string& policy, double budget,
+std::shared_ptr<KvPolicy> kv_policy_from_cli(const std::string& policy, double budget,
                                                  const std::vector<std::string>& options) {
   KvPolicyOptions parsed;
   try {

@@ -7,10 +7,10 @@
 
 namespace dcp {
 
-DecodeSession::DecodeSession(Transformer model, int64_t chunk_tokens, std::shared_ptr<KvCompressor> compressor)
+DecodeSession::DecodeSession(Transformer model, int64_t chunk_tokens, std::shared_ptr<KvPolicy> policy)
     : model_(std::move(model)),
       chunk_tokens_(chunk_tokens),
-      compressor_(compressor ? std::move(compressor) : std::make_shared<FullKvCache>()) {
+      policy_(policy ? std::move(policy) : std::make_shared<FullKvPolicy>()) {
   if (chunk_tokens < 1) {
     throw std::invalid_argument(fmt::format("DecodeSession: chunk_tokens {} must be >= 1", chunk_tokens));
   }
@@ -23,14 +23,14 @@ DecodeSession::DecodeSession(Transformer model, int64_t chunk_tokens, std::share
     }
   }
   cache_ = std::make_shared<KvCache>(kv_cache_spec(model_));
-  const KvObservationNeeds needs = compressor_->needs();
+  const KvObservationNeeds needs = policy_->needs();
   if (needs.any()) observations_ = std::make_shared<KvObservations>(cache_->spec().layers, cache_->spec().kv_heads, needs);
 }
 
 void DecodeSession::reset() {
   cache_->clear();
   if (observations_) observations_->clear();
-  compressor_->reset();
+  policy_->reset();
 }
 
 torch::Tensor DecodeSession::prefill(const std::vector<int64_t>& tokens) { return run(tokens, /*prefill=*/true); }
@@ -61,7 +61,7 @@ torch::Tensor DecodeSession::run(const std::vector<int64_t>& tokens, bool prefil
     batch.cu_seqlens = torch::tensor({int64_t{0}, t}, torch::kInt64);
     batch.attention = std::make_shared<KvCacheAttention>(cache_, batch.positions, observations_);
     logits.push_back(model_->forward(batch));
-    compressor_->after_step(*cache_, KvStep{prefill, first, t, observations_.get()});
+    policy_->after_step(*cache_, KvStep{prefill, first, t, observations_.get()});
   }
   return logits.size() == 1 ? logits[0] : torch::cat(logits);
 }

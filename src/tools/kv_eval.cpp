@@ -19,7 +19,7 @@ namespace {
 bool is_full(const std::string& policy) { return parse_kv_policy_spec(policy).name == "full"; }
 
 // The policy of one row: a spec (parse_kv_policy_spec) with the row's budget; `full` takes none.
-std::shared_ptr<KvCompressor> row_policy(const std::string& policy, double budget) {
+std::shared_ptr<KvPolicy> row_policy(const std::string& policy, double budget) {
   KvPolicySpec spec = parse_kv_policy_spec(policy);
   if (spec.name == "full") return make_kv_policy(spec.name, spec.options);
   for (const char* key : {"budget", "max_tokens"}) {
@@ -36,10 +36,10 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// The reference run's compressor: keeps everything (as FullKvCache) and asks the session to record the last
+// The reference run's policy: keeps everything (as FullKvPolicy) and asks the session to record the last
 // `window` queries; after the step that ends at `last_position` it copies them, so that they are exactly the
 // continuation's true future queries and outlive the session (which owns the observations).
-class RecordingFullCache : public KvCompressor {
+class RecordingFullCache : public KvPolicy {
  public:
   RecordingFullCache(int64_t layers, int64_t window, int64_t last_position)
       : layers_(layers), window_(window), last_position_(last_position) {}
@@ -94,14 +94,14 @@ struct DocRun {
 
 // Prefills the context, teacher-forces the continuation and scores its true next tokens.
 DocRun run_document(Transformer& model, const KvEvalDocument& doc, const KvEvalOptions& o,
-                    const std::shared_ptr<KvCompressor>& compressor) {
+                    const std::shared_ptr<KvPolicy>& policy) {
   if (static_cast<int64_t>(doc.tokens.size()) < o.context + o.continuation + 1) {
     throw std::invalid_argument(fmt::format("kv-eval: document '{}' has {} tokens, fewer than context {} + "
                                             "continuation {} + 1",
                                             doc.source, doc.tokens.size(), o.context, o.continuation));
   }
   DocRun r;
-  DecodeSession session(model, o.chunk_tokens, compressor);
+  DecodeSession session(model, o.chunk_tokens, policy);
   const auto t0 = std::chrono::steady_clock::now();
   session.prefill(std::vector<int64_t>(doc.tokens.begin(), doc.tokens.begin() + o.context));
   r.prefill_s = seconds_since(t0);
@@ -124,7 +124,7 @@ DocRun run_document(Transformer& model, const KvEvalDocument& doc, const KvEvalO
   }
   r.bpb = nats / std::log(2.0) / static_cast<double>(o.continuation);
   r.kv_bytes = session.cache().bytes();
-  r.abstained = compressor->abstained_heads();
+  r.abstained = policy->abstained_heads();
   return r;
 }
 
@@ -146,7 +146,7 @@ std::vector<double> layer_errors(const std::vector<KvHeadView>& full, const std:
 
 // kv-eval's head ablation: right after the prefill of `context` tokens, cuts (layer, head) to its first
 // kKvAblationSinks and newest kKvAblationRecent entries; every other head, and everything decoded later, is kept.
-class HeadCut : public KvCompressor {
+class HeadCut : public KvPolicy {
  public:
   HeadCut(int64_t layer, int64_t head, int64_t context) : layer_(layer), head_(head), context_(context) {}
   void after_step(KvCache& cache, const KvStep& step) override {

@@ -90,9 +90,9 @@ struct KvEvalRow {
   double kv_bytes_full = 0;  ///< the same with the full cache, bytes
   double prefill_s = 0;      ///< wall seconds of the context's prefill (steady_clock)
   double decode_s = 0;       ///< wall seconds of the continuation's decode() calls, summed
-  double abstained_heads = 0;  ///< KvCompressor::abstained_heads().size() at the end of the document
+  double abstained_heads = 0;  ///< KvPolicy::abstained_heads().size() at the end of the document
   /// [layers x heads], layer-major: the fraction of documents on which the policy abstained on that head
-  /// (kept it exact; KvCompressor::abstained_heads() at the end of the document).
+  /// (kept it exact; KvPolicy::abstained_heads() at the end of the document).
   std::vector<double> abstained_by_head;
 };
 

@@ -52,8 +52,8 @@ inline std::vector<int64_t> random_tokens(int64_t n, uint64_t seed) {
 
 /// The first `prompt` tokens prefilled in chunks of 16, the rest decoded one at a time: logits [n, vocab].
 inline torch::Tensor session_logits(Transformer& model, const std::vector<int64_t>& tokens, int64_t prompt,
-                                    std::shared_ptr<KvCompressor> compressor) {
-  DecodeSession session(model, 16, std::move(compressor));
+                                    std::shared_ptr<KvPolicy> policy) {
+  DecodeSession session(model, 16, std::move(policy));
   std::vector<torch::Tensor> rows{session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + prompt))};
   for (size_t i = static_cast<size_t>(prompt); i < tokens.size(); ++i) {
     rows.push_back(session.decode(tokens[i]).unsqueeze(0));

@@ -411,7 +411,7 @@ TEST(DecodeSession, CachedDecodingEqualsTheFullForwardOver1100TokensFp32) {
   // lse) form, instead of one tiled pass): a few fp32 roundings (6e-8 relative each) per attention output,
   // carried through 3 blocks, the norms and the head onto logits of size ~0.7 here. Measured max difference
   // 3.6e-7; 5e-6 leaves room for other BLAS kernels and thread counts, while a wrong mask, position or entry
-  // moves logits by 1e-2 or more (a sliding window of 8 moves them by 0.2, see the compressor test).
+  // moves logits by 1e-2 or more (a sliding window of 8 moves them by 0.2, see the policy test).
   const double scale = full.abs().max().item<double>();
   EXPECT_LE(max_abs_diff(cached, full), 5e-6 * std::max(1.0, scale)) << "logit scale " << scale;
 }
@@ -469,8 +469,8 @@ TEST(DecodeSession, SavedCacheGivesTheSameNextLogits) {
 
 // The compression seam: called after every chunk and token with what ran; a commit there changes what the next
 // chunk attends to, and positions stay absolute.
-TEST(DecodeSession, CompressorIsCalledAfterEveryStepAndMayCommit) {
-  struct KeepLast : KvCompressor {
+TEST(DecodeSession, PolicyIsCalledAfterEveryStepAndMayCommit) {
+  struct KeepLast : KvPolicy {
     int64_t window;
     std::vector<KvStep> steps;
     explicit KeepLast(int64_t w) : window(w) {}

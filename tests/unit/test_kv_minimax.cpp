@@ -14,6 +14,7 @@
 #include "dcp/kv_cache.h"
 #include "dcp/kv_observations.h"
 #include "dcp/kv_policies.h"
+#include "infer/kv/policies/minimax.h"
 #include "infer/kv/summary.h"
 #include "unit/error_of.h"
 #include "unit/kv_test_model.h"

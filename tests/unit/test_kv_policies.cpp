@@ -13,6 +13,9 @@
 #include "dcp/kv_cache.h"
 #include "dcp/kv_observations.h"
 #include "dcp/kv_policies.h"
+#include "infer/kv/policies/adakv.h"
+#include "infer/kv/policies/scored.h"
+#include "infer/kv/policies/tova.h"
 #include "unit/error_of.h"
 #include "unit/kv_test_model.h"
 
@@ -146,7 +149,7 @@ TEST(KvPolicies, LeaveOneOutIdentity) {
 // Observations
 
 TEST(KvObservations, RecordOnlyWhatThePolicyNeeds) {
-  struct Probe : KvCompressor {
+  struct Probe : KvPolicy {
     KvObservationNeeds wanted;
     std::vector<const KvObservations*> seen;
     void after_step(KvCache&, const KvStep& step) override { seen.push_back(step.observations); }

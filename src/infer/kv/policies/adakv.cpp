@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "dcp/kv_policies.h"
+#include "infer/kv/policies/adakv.h"
 #include "infer/kv/policies/top.h"
 
 namespace dcp {

@@ -5,7 +5,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "dcp/kv_policies.h"
+#include "infer/kv/policies/expected_attention.h"
 
 namespace dcp {
 

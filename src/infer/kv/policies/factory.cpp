@@ -9,6 +9,14 @@
 #include <vector>
 
 #include "dcp/kv_policies.h"
+#include "infer/kv/policies/adakv.h"
+#include "infer/kv/policies/expected_attention.h"
+#include "infer/kv/policies/h2o.h"
+#include "infer/kv/policies/minimax.h"
+#include "infer/kv/policies/scored.h"
+#include "infer/kv/policies/snapkv.h"
+#include "infer/kv/policies/tova.h"
+#include "infer/kv/policies/window.h"
 #include "util/number_text.h"
 
 namespace dcp {
@@ -105,11 +113,11 @@ const std::vector<std::string>& kv_policy_names() {
   return names;
 }
 
-std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPolicyOptions& options) {
+std::shared_ptr<KvPolicy> make_kv_policy(const std::string& name, const KvPolicyOptions& options) {
   Options o(name, options);
   if (name == "full") {
     o.finish();
-    return std::make_shared<FullKvCache>();
+    return std::make_shared<FullKvPolicy>();
   }
   if (name == "minimax") {
     MinimaxOptions m;
@@ -153,7 +161,7 @@ std::shared_ptr<KvCompressor> make_kv_policy(const std::string& name, const KvPo
   return std::make_shared<ScoredKvPolicy>(std::move(scorer), budget);
 }
 
-std::shared_ptr<KvCompressor> make_kv_policy_with_budget(const std::string& name, double budget,
+std::shared_ptr<KvPolicy> make_kv_policy_with_budget(const std::string& name, double budget,
                                                          KvPolicyOptions options) {
   const bool fraction = budget > 0 && budget <= 1;
   const bool tokens = budget >= 2 && budget <= 1e15 && budget == std::floor(budget);

@@ -5,7 +5,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "dcp/kv_policies.h"
+#include "infer/kv/policies/h2o.h"
 
 namespace dcp {
 

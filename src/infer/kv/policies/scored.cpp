@@ -1,4 +1,4 @@
-// A budget ratio and a trigger, and the policy that keeps each head's top-scored entries under it.
+// The policy that keeps each head's top-scored entries under its budget (src/infer/kv/policies/scored.h).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -6,19 +6,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "dcp/kv_policies.h"
+#include "infer/kv/policies/scored.h"
 #include "infer/kv/policies/top.h"
 
 namespace dcp {
-
-int64_t KvBudget::per_head(const KvCache& cache, int64_t layer) const {
-  const auto share = static_cast<int64_t>(std::ceil(ratio * static_cast<double>(cache.next_position(layer))));
-  return max_tokens > 0 ? std::min(share, max_tokens) : share;
-}
-
-bool KvBudget::due(const KvStep& step) const {
-  return step.prefill || (step.first_position + step.tokens) % interval == 0;
-}
 
 ScoredKvPolicy::ScoredKvPolicy(std::shared_ptr<const KvScorer> scorer, KvBudget budget)
     : scorer_(std::move(scorer)), budget_(budget) {

@@ -4,7 +4,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "dcp/kv_policies.h"
+#include "infer/kv/policies/snapkv.h"
 
 namespace dcp {
 

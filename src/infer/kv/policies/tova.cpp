@@ -1,7 +1,7 @@
 // TOVA: the attention of the current (latest) query.
 #include <stdexcept>
 
-#include "dcp/kv_policies.h"
+#include "infer/kv/policies/tova.h"
 
 namespace dcp {
 

@@ -1,7 +1,7 @@
 // StreamingLLM: attention sinks plus the most recent entries.
 #include <limits>
 
-#include "dcp/kv_policies.h"
+#include "infer/kv/policies/window.h"
 
 namespace dcp {
 
