@@ -2,9 +2,9 @@
 #pragma once
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
 #include <functional>
@@ -14,8 +14,8 @@
 #include "dcp/attention_backend.h"
 #include "dcp/config.h"
 #include "dcp/data.h"
-#include "dcp/sp_layout.h"
 #include "dcp/precision.h"
+#include "dcp/sp_layout.h"
 
 namespace dcp {
 

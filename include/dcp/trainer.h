@@ -2,12 +2,12 @@
 // held-out evaluation. One step's gradient is the runtime's (dcp/step_runner.h).
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 

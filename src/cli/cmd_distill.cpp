@@ -5,8 +5,8 @@
 #include <filesystem>
 
 #include "cli/commands.h"
-#include "distill/distill.h"
 #include "dcp/checkpoint.h"
+#include "distill/distill.h"
 
 namespace dcp {
 namespace fs = std::filesystem;

@@ -5,10 +5,10 @@
 #include <optional>
 
 #include "cli/commands.h"
+#include "dcp/checkpoint.h"
 #include "dcp/infer.h"
 #include "dcp/kv_policies.h"
 #include "util/number_text.h"
-#include "dcp/checkpoint.h"
 
 namespace dcp {
 namespace {

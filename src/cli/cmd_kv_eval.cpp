@@ -10,15 +10,15 @@
 #include <fstream>
 #include <sstream>
 
-#include "tools/bench_common.h"
 #include "cli/commands.h"
+#include "dcp/checkpoint.h"
 #include "dcp/data.h"
-#include "tools/kv_eval.h"
-#include "tools/kv_eval_report.h"
 #include "dcp/kv_policies.h"
 #include "dcp/precision.h"
-#include "dcp/checkpoint.h"
 #include "runtime/optimizer.h"
+#include "tools/bench_common.h"
+#include "tools/kv_eval.h"
+#include "tools/kv_eval_report.h"
 #include "util/number_text.h"
 
 namespace dcp {
@@ -63,13 +63,6 @@ std::vector<double> parse_budgets(const std::string& text) {
     out.push_back(*v);
   }
   return out;
-}
-
-std::string utc_now() {
-  std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M", std::gmtime(&t));
-  return buf;
 }
 
 // --out PREFIX must be writable before the evaluation runs (it can take minutes): exit 2 naming it otherwise.
@@ -148,31 +141,7 @@ void run(const KvEvalCli& cli) {
   info.model = fmt::format("d_model {}, {} layers, {} heads, {}", cfg.model.d_model, cfg.model.n_layers,
                            cfg.model.n_heads, resolve_precision(cfg.train.precision).precision == Precision::kBf16
                                                   ? "bf16" : "fp32");
-  info.date = utc_now();
-  info.load_average_start = load_average_1min();
-  const KvEvalResult result = run_kv_eval(model, info.documents.documents, o, [](int64_t done, int64_t total) {
-    fmt::print(stderr, "kv-eval: document {}/{} done\n", done, total);
-  });
-  info.load_average_end = load_average_1min();
-
-  if (cli.json) {
-    fmt::print("{}\n", kv_eval_json(result, info).dump(2));
-  } else {
-    fmt::print("{}", kv_eval_markdown(result, info));
-  }
-  std::fflush(stdout);  // before the messages on stderr, so that one log of both never splits the report
-  if (!cli.out.empty()) {
-    const std::string csv = cli.out + ".csv", png = cli.out + ".png";
-    write_text(cli.out + ".md", kv_eval_markdown(result, info));
-    write_text(csv, kv_eval_csv(result));
-    if (gnuplot_available()) {
-      run_gnuplot(kv_eval_gnuplot_script(result, csv, png), cli.out + ".gnuplot", cli.out + ".gnuplot.log");
-    } else {
-      fmt::print(stderr, "kv-eval: warning: gnuplot not found in PATH, {} not drawn (scripts/install-deps.sh "
-                         "installs gnuplot-nox)\n", png);
-    }
-    fmt::print(stderr, "kv-eval: wrote {}.md, {}{}\n", cli.out, csv, gnuplot_available() ? ", " + png : "");
-  }
+  run_and_report_kv_eval(model, o, std::move(info), cli.json, cli.out);
 }
 
 }  // namespace

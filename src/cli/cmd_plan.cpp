@@ -1,6 +1,5 @@
 // `dcp plan`: print the StepPlans one planner makes for a set of lengths, with predicted times.
 #include <fmt/format.h>
-
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"

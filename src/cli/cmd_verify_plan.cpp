@@ -1,12 +1,11 @@
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
-#include <nlohmann/json.hpp>
-
 #include "cli/commands.h"
-#include "dist/launcher.h"
 #include "dcp/step_runner.h"
+#include "dist/launcher.h"
 
 namespace dcp {
 namespace {

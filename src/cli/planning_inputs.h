@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dcp/planners.h"
+#include "tools/simulate.h"
 
 namespace dcp {
 
@@ -23,16 +24,6 @@ struct PlanningArgs {
   std::vector<std::string> overrides;  // --section.key=value for the model, attention and memory sections
 };
 
-/// Everything a planner needs, built from PlanningArgs.
-struct PlanningInputs {
-  std::string source;  ///< the lengths file or workload name
-  std::vector<int64_t> lengths;
-  std::vector<Sample> samples;
-  ModelShape shape;
-  std::unique_ptr<CostModel> cost;
-  std::unique_ptr<MemoryModel> memory;
-  PlannerOptions options;
-};
 
 /// Registers --lengths/--workload, --world-size, --cost-model, --config, step sizes, --static-sp, --mfu,
 /// --heads, --kv-heads, --sp-modes, --seed and --json on `sub`, and lets it take config overrides (the command stores config_overrides(*sub)

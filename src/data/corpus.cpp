@@ -1,16 +1,16 @@
-#include "dcp/data.h"
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <fnmatch.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <set>
 #include <stdexcept>
+
+#include "dcp/data.h"
 
 namespace dcp {
 namespace {

@@ -1,4 +1,6 @@
 // Every c10d call whose API differs between LibTorch 1.13 (Debian) and 2.x (CUDA machines) lives here.
+#include "dist/c10d_compat.h"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -10,7 +12,6 @@
 #include <chrono>
 
 #include "dcp/dist.h"
-#include "dist/c10d_compat.h"
 #include "util/error_message.h"
 
 namespace dcp {

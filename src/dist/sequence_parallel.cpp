@@ -1,8 +1,8 @@
 #include "dcp/sequence_parallel.h"
 
-#include "dist/ulysses_exchange.h"
-
 #include <fmt/format.h>
+
+#include "dist/ulysses_exchange.h"
 
 namespace dcp {
 namespace {

@@ -3,25 +3,25 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 #include <torch/optim/adam.h>
 
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
 
+#include "dcp/checkpoint.h"
 #include "dcp/flexformer.h"
 #include "dcp/plan.h"
 #include "dcp/profile.h"
 #include "dcp/trainer.h"
-#include "dcp/checkpoint.h"
+#include "runtime/optimizer.h"
 #include "train/data_fingerprint.h"
 #include "train/run_dir_lock.h"
-#include "util/file_write.h"
-#include "runtime/optimizer.h"
-#include "util/logging.h"
 #include "util/clock.h"
+#include "util/file_write.h"
+#include "util/logging.h"
 
 namespace dcp {
 namespace fs = std::filesystem;

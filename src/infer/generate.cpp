@@ -1,8 +1,7 @@
-#include "dcp/infer.h"
-
 #include <fmt/format.h>
 
 #include "dcp/flexformer.h"
+#include "dcp/infer.h"
 
 namespace dcp {
 

@@ -3,9 +3,8 @@
 // the files that include this), so callers must check avx512_usable() (dcp/cpu_features.h) before calling any of them.
 #pragma once
 
-#include <immintrin.h>
-
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 
 #include <cstdint>
 

@@ -1,9 +1,9 @@
 // The Flexformer attention module (per-layer, per-head frequencies), its options and recurrent decoding.
+#include "dcp/flexformer.h"
+
 #include <cmath>
 #include <stdexcept>
 #include <string>
-
-#include "dcp/flexformer.h"
 
 namespace dcp {
 namespace {

@@ -1,13 +1,13 @@
 #include "dcp/cost_model.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <stdexcept>
 
 #include "dcp/precision.h"

@@ -2,9 +2,10 @@
 // the profile depends on.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <functional>
-#include <nlohmann/json.hpp>
 #include <string>
 
 #include "dcp/config.h"

@@ -1,11 +1,11 @@
 // fit_nonnegative_least_squares (dcp/profiler.h): the solver of every fit `dcp profile` makes.
-#include "profile/profiler.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+
+#include "profile/profiler.h"
 
 namespace dcp {
 

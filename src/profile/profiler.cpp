@@ -18,11 +18,11 @@
 #include "dcp/model.h"
 #include "dcp/planning.h"
 #include "dcp/precision.h"
-#include "runtime/optimizer.h"
-#include "profile/over_ranks.h"
 #include "profile/comm.h"
+#include "profile/over_ranks.h"
 #include "profile/runs.h"
 #include "profile/validation.h"
+#include "runtime/optimizer.h"
 #include "util/clock.h"
 #include "util/logging.h"
 #include "util/stats.h"
@@ -270,10 +270,10 @@ std::vector<int64_t> validation_lengths(const Grid& g, const ProfileOptions& opt
 // The SP sizes above 1 that profile_model profiles: those of parallel.sp_sizes (what the cache key names), not
 // every group the caller made (the trainer's also serve parallel.sp_size and plan files). Ulysses shards heads,
 // so a size that does not divide them cannot run this model and no planner chooses it: skipped, with a warning.
-std::vector<int64_t> profiled_sp_sizes(const Config& cfg, const Communicator& world) {
-  const std::vector<int64_t> usable = usable_sp_sizes(cfg.parallel.sp_sizes, world.size(), cfg.model.n_heads);
+std::vector<int64_t> profiled_sp_sizes(const ParallelConfig& parallel, const ModelConfig& model, const Communicator& world) {
+  const std::vector<int64_t> usable = usable_sp_sizes(parallel.sp_sizes, world.size(), model.n_heads);
   std::vector<int64_t> skipped, out;
-  for (int64_t sp : resolve_sp_sizes(cfg.parallel.sp_sizes, world.size())) {
+  for (int64_t sp : resolve_sp_sizes(parallel.sp_sizes, world.size())) {
     if (std::find(usable.begin(), usable.end(), sp) == usable.end()) {
       skipped.push_back(sp);
     } else if (sp > 1) {
@@ -284,7 +284,7 @@ std::vector<int64_t> profiled_sp_sizes(const Config& cfg, const Communicator& wo
     spdlog::warn("profile: {} SP size(s) of parallel.sp_sizes '{}' not profiled: {} do(es) not divide "
                  "model.n_heads {} (Ulysses shards the heads over a group; their ring steps are profiled for the "
                  "ring modes, which have no such bound)",
-                 skipped.size(), cfg.parallel.sp_sizes, fmt::join(skipped, ", "), cfg.model.n_heads);
+                 skipped.size(), parallel.sp_sizes, fmt::join(skipped, ", "), model.n_heads);
   }
   return out;
 }
@@ -293,16 +293,16 @@ std::vector<int64_t> profiled_sp_sizes(const Config& cfg, const Communicator& wo
 
 int64_t min_profile_max_length(int64_t largest_sp_size) { return std::max<int64_t>(4, largest_sp_size); }
 
-int64_t min_profile_max_length(const Config& cfg, int64_t world_size) {
+int64_t min_profile_max_length(const ParallelConfig& parallel, const ModelConfig& model, int64_t world_size) {
   return min_profile_max_length(
-      world_size > 1 ? usable_sp_sizes(cfg.parallel.sp_sizes, world_size, cfg.model.n_heads).back() : 1);
+      world_size > 1 ? usable_sp_sizes(parallel.sp_sizes, world_size, model.n_heads).back() : 1);
 }
 
 ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, const ProfileOptions& options) {
   const auto wall_start = std::chrono::steady_clock::now();
   const Communicator self("self", 0, 1, nullptr);
   const Communicator& world = groups ? groups->world() : self;
-  const std::vector<int64_t> sp_sizes = groups ? profiled_sp_sizes(cfg, world) : std::vector<int64_t>{};
+  const std::vector<int64_t> sp_sizes = groups ? profiled_sp_sizes(cfg.parallel, cfg.model, world) : std::vector<int64_t>{};
   // Ring steps at every size above 1 of parallel.sp_sizes (a ring does not shard heads), for softmax only.
   std::vector<int64_t> ring_sizes;
   if (groups && cfg.attention.backend == "softmax") {

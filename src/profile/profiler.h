@@ -149,7 +149,7 @@ struct ProfileResult {
 int64_t min_profile_max_length(int64_t largest_sp_size);
 /// The same for the SP sizes profile_model profiles under `world_size` ranks: the largest of
 /// usable_sp_sizes(parallel.sp_sizes, world_size, model.n_heads), 1 in one process.
-int64_t min_profile_max_length(const Config& cfg, int64_t world_size);
+int64_t min_profile_max_length(const ParallelConfig& parallel, const ModelConfig& model, int64_t world_size);
 
 /// Least squares with non-negative coefficients: the x >= 0 minimising sum_i (rows[i] . x - targets[i])^2.
 /// Exact for the few columns of a profile fit: every subset of columns is solved by its normal equations

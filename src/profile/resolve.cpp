@@ -1,11 +1,9 @@
 // resolve_cost_models: train.cost_model resolved on this machine (include/dcp/profile.h).
-#include "dcp/profile.h"
-
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include <nlohmann/json.hpp>
-
+#include "dcp/profile.h"
 #include "profile/cache.h"
 #include "profile/profiler.h"
 
@@ -13,36 +11,6 @@ namespace dcp {
 namespace {
 
 using nlohmann::json;
-
-// train.cost_model as a file or device name: auto resolves to this machine's cached (or fresh) profile.
-std::string resolve_cost_model(const Config& cfg, const ModelShape& shape, int64_t threads,
-                               const ProcessGroups& groups) {
-  if (cfg.train.cost_model == "h200") {
-    spdlog::warn("train.cost_model h200: this CPU run is planned with an H200's speeds and {:.0f} GB; its "
-                 "predictions and memory budget do not describe this machine (auto profiles it)",
-                 DeviceSpec{}.memory_bytes / 1e9);
-  }
-  if (cfg.train.cost_model != "auto") return cfg.train.cost_model;
-  const DistEnv& env = groups.env();
-  if (const int64_t shortest = min_profile_max_length(cfg, env.world_size); cfg.data.max_seq_len < shortest) {
-    throw ConfigError(fmt::format("train.cost_model auto: data.max_seq_len {} is below {}, the shortest the "
-                                  "profile's grids can be built from with its SP sizes; raise it or give "
-                                  "train.cost_model a profile file",
-                                  cfg.data.max_seq_len, shortest));
-  }
-  const json key = profile_cache_key(cfg, shape, threads, env);
-  Config profiled = cfg;
-  profiled.train.threads = threads;
-  const CachedProfile c = resolve_cached_profile(cfg, shape, key, groups.world(), [&] {
-    return profile_model(profiled, &groups);
-  });
-  if (c.profiled) {
-    spdlog::info("train.cost_model auto: profiled this model in {:.1f} s; cached at {}", c.seconds, c.path);
-  } else {
-    spdlog::info("train.cost_model auto: cached profile {} (train.profile_dir; delete it to re-profile)", c.path);
-  }
-  return c.path;
-}
 
 // A budget below what the model holds before any token (weights, gradients, AdamW moments) admits nothing.
 void check_resident_bytes(const MemoryModel& memory) {
@@ -59,7 +27,34 @@ void check_resident_bytes(const MemoryModel& memory) {
 
 RunCostModels resolve_cost_models(const Config& cfg, const ModelShape& shape, int64_t threads,
                                   int64_t longest_sample_tokens, const ProcessGroups& groups) {
-  const std::string source = resolve_cost_model(cfg, shape, threads, groups);
+  if (cfg.train.cost_model == "h200") {
+    spdlog::warn("train.cost_model h200: this CPU run is planned with an H200's speeds and {:.0f} GB; its "
+                 "predictions and memory budget do not describe this machine (auto profiles it)",
+                 DeviceSpec{}.memory_bytes / 1e9);
+  }
+  std::string source = cfg.train.cost_model;
+  if (source == "auto") {
+    const DistEnv& env = groups.env();
+    const int64_t shortest = min_profile_max_length(cfg.parallel, cfg.model, env.world_size);
+    if (cfg.data.max_seq_len < shortest) {
+      throw ConfigError(fmt::format("train.cost_model auto: data.max_seq_len {} is below {}, the shortest the "
+                                    "profile's grids can be built from with its SP sizes; raise it or give "
+                                    "train.cost_model a profile file",
+                                    cfg.data.max_seq_len, shortest));
+    }
+    const json key = profile_cache_key(cfg, shape, threads, env);
+    Config profiled = cfg;
+    profiled.train.threads = threads;
+    const CachedProfile c = resolve_cached_profile(cfg, shape, key, groups.world(), [&] {
+      return profile_model(profiled, &groups);
+    });
+    if (c.profiled) {
+      spdlog::info("train.cost_model auto: profiled this model in {:.1f} s; cached at {}", c.seconds, c.path);
+    } else {
+      spdlog::info("train.cost_model auto: cached profile {} (train.profile_dir; delete it to re-profile)", c.path);
+    }
+    source = c.path;
+  }
   const DeviceSpec device = DeviceSpec::named(source);
   RunCostModels models{source, CostModel(shape, device),
                        memory_model_for(source, shape, device, cfg.memory, longest_sample_tokens)};

@@ -1,3 +1,5 @@
+#include "dcp/step_runner.h"
+
 #include <fmt/format.h>
 
 #include <chrono>
@@ -5,7 +7,6 @@
 #include "dcp/memory_meter.h"
 #include "dcp/runtime.h"
 #include "dcp/sequence_parallel.h"
-#include "dcp/step_runner.h"
 #include "util/clock.h"
 
 namespace dcp {

@@ -1,7 +1,7 @@
 #include "tools/attention_bench.h"
 
-#include <fmt/format.h>
 #include <ATen/Parallel.h>
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <algorithm>

@@ -1,4 +1,3 @@
-#include "util/file_write.h"
 #include "tools/bench_common.h"
 
 #include <dlfcn.h>
@@ -17,6 +16,8 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+
+#include "util/file_write.h"
 
 namespace fs = std::filesystem;
 
@@ -110,6 +111,10 @@ void run_gnuplot(const std::string& script, const fs::path& script_path, const f
     throw std::runtime_error(
         fmt::format("gnuplot {} failed with exit code {}; see {}", script_path.string(), code, log_path.string()));
   }
+}
+
+double physical_memory_bytes() {
+  return static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
 }
 
 }  // namespace dcp

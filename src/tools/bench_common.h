@@ -14,6 +14,9 @@ std::string own_command_line();
 /// The current UTC time in a strftime `format`, e.g. "%Y-%m-%d %H:%M".
 std::string utc_now(const std::string& format);
 
+/// Physical RAM of this machine (sysconf pages x page size), bytes.
+double physical_memory_bytes();
+
 /// The 1-minute load average of /proc/loadavg; -1 when it cannot be read.
 double load_average_1min();
 

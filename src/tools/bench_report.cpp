@@ -1,13 +1,14 @@
 #include "tools/bench_report.h"
-#include "util/stats.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <stdexcept>
+
+#include "util/stats.h"
 
 namespace dcp {
 namespace {

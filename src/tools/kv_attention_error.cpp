@@ -5,8 +5,8 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "tools/kv_eval.h"
 #include "infer/kv/summary.h"
+#include "tools/kv_eval.h"
 
 namespace dcp {
 namespace {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "tools/bench_common.h"
 #include "tools/bench_report.h"  // gnuplot_quoted
 
 namespace dcp {
@@ -268,6 +269,35 @@ std::string kv_eval_gnuplot_script(const KvEvalResult& r, const std::string& csv
       "plot {worst}"
       "unset multiplot\n",
       fmt::arg("png", gnuplot_quoted(png_path)), fmt::arg("mean", mean_plot), fmt::arg("worst", worst_plot));
+}
+
+void run_and_report_kv_eval(Transformer& model, const KvEvalOptions& o, KvEvalReportInfo info, bool json,
+                            const std::string& out) {
+  info.date = utc_now("%Y-%m-%d %H:%M");
+  info.load_average_start = load_average_1min();
+  const KvEvalResult result = run_kv_eval(model, info.documents.documents, o, [](int64_t done, int64_t total) {
+    fmt::print(stderr, "kv-eval: document {}/{} done\n", done, total);
+  });
+  info.load_average_end = load_average_1min();
+
+  if (json) {
+    fmt::print("{}\n", kv_eval_json(result, info).dump(2));
+  } else {
+    fmt::print("{}", kv_eval_markdown(result, info));
+  }
+  std::fflush(stdout);  // before the messages on stderr, so that one log of both never splits the report
+  if (!out.empty()) {
+    const std::string csv = out + ".csv", png = out + ".png";
+    write_text(out + ".md", kv_eval_markdown(result, info));
+    write_text(csv, kv_eval_csv(result));
+    if (gnuplot_available()) {
+      run_gnuplot(kv_eval_gnuplot_script(result, csv, png), out + ".gnuplot", out + ".gnuplot.log");
+    } else {
+      fmt::print(stderr, "kv-eval: warning: gnuplot not found in PATH, {} not drawn (scripts/install-deps.sh "
+                         "installs gnuplot-nox)\n", png);
+    }
+    fmt::print(stderr, "kv-eval: wrote {}.md, {}{}\n", out, csv, gnuplot_available() ? ", " + png : "");
+  }
 }
 
 }  // namespace dcp

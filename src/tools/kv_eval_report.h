@@ -47,4 +47,11 @@ std::string kv_eval_csv(const KvEvalResult& result);
 std::string kv_eval_gnuplot_script(const KvEvalResult& result, const std::string& csv_path,
                                    const std::string& png_path);
 
+/// `dcp kv-eval`'s run and report: stamps `info` with the date and the load, runs run_kv_eval over
+/// info.documents (progress on stderr), prints the markdown report (or, with `json`, kv_eval_json) on stdout and,
+/// with a non-empty `out` prefix, writes <out>.md, <out>.csv and <out>.png (a warning on stderr without gnuplot).
+/// Throws what run_kv_eval throws and std::runtime_error when a file cannot be written.
+void run_and_report_kv_eval(Transformer& model, const KvEvalOptions& o, KvEvalReportInfo info, bool json,
+                            const std::string& out);
+
 }  // namespace dcp

@@ -1,15 +1,19 @@
 #include "tools/sp_attention_bench.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <thread>
 
+#include "dcp/cpu_features.h"
 #include "dcp/model.h"
 #include "dcp/plan.h"
 #include "dcp/sequence_parallel.h"
+#include "tools/bench_common.h"
 #include "util/clock.h"
 
 namespace dcp {
@@ -236,6 +240,35 @@ std::string sp_attention_bench_csv(const std::vector<SpAttentionBenchPoint>& poi
                      p.backward_seconds, p.seconds, p.comm_seconds, p.comm_bytes);
   }
   return s;
+}
+
+std::string sp_attention_bench_markdown(const SpAttentionBenchOptions& o, const std::vector<SpAttentionBenchPoint>& points,
+                                        int64_t sp, int64_t threads, const std::string& date, double load_start,
+                                        double load_end, double wall_s, const std::string& note) {
+  return fmt::format(
+      "# dcp bench-sp-attention: sp {sp}, {modes}, {dtype}, {heads} heads x head_dim {dim}, {first} to {last} tokens\n\n"
+      "Command:\n\n```\n{cmd}\n```\n\n"
+      "Date: {date} UTC. Machine: {hw} hardware threads, {sp} ranks of {threads} intra-op thread(s) each (Gloo over "
+      "127.0.0.1); CPU features: {features}; 1-minute load average {l0:.2f} at the start, {l1:.2f} at the end; the run "
+      "took {wall:.0f} s.{note}\n\n"
+      "Setup: one causal sequence of L tokens (cu_seqlens {{0, L}}, padded as the mode needs), q, k, v and the "
+      "output gradient ~ N(0, 1) in {dtype}, identical on every rank; each rank holds its shard (Ulysses: "
+      "contiguous L / sp; ring: zigzag chunks r and 2 sp - 1 - r of 2 sp) and runs the mode's wrapper around the "
+      "tiled softmax (tiles {tq} x {tk}), forward, then backward with its shard of the gradient. Times: the "
+      "slowest rank per run, median of {reps} runs after one warm-up. 'one rank': the whole sequence on rank 0 "
+      "alone (the others wait), so efficiency = one-rank time / sp / the mode's time (1 = perfect scaling; "
+      "ring-flash-attention's table reports the same ratio on GPUs). Transfers alone: the mode's messages of one "
+      "forward + backward (Ulysses: 2 all-to-alls each way; ring: sp - 1 key/value blocks forward, sp - 1 blocks "
+      "and sp fp32 dK/dV blocks backward) with no attention between them, so share = how much of the time would be "
+      "communication if none of it overlapped; MB = bytes leaving a rank.\n\n{tables}",
+      fmt::arg("sp", sp), fmt::arg("modes", fmt::join(o.modes, " vs ")), fmt::arg("dtype", o.dtype),
+      fmt::arg("heads", o.heads), fmt::arg("dim", o.head_dim), fmt::arg("first", o.lengths.front()),
+      fmt::arg("last", o.lengths.back()), fmt::arg("cmd", own_command_line()), fmt::arg("date", date),
+      fmt::arg("hw", std::thread::hardware_concurrency()), fmt::arg("threads", threads),
+      fmt::arg("features", cpu_features().summary()), fmt::arg("l0", load_start), fmt::arg("l1", load_end),
+      fmt::arg("wall", wall_s), fmt::arg("note", note.empty() ? "" : " " + note), fmt::arg("tq", o.attention.tile_q),
+      fmt::arg("tk", o.attention.tile_k), fmt::arg("reps", o.repetitions),
+      fmt::arg("tables", sp_attention_bench_tables(points, sp)));
 }
 
 }  // namespace dcp

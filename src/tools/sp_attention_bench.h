@@ -57,4 +57,10 @@ std::string sp_attention_bench_tables(const std::vector<SpAttentionBenchPoint>& 
 /// The points as CSV (a header line, then one line per point).
 std::string sp_attention_bench_csv(const std::vector<SpAttentionBenchPoint>& points);
 
+/// The markdown report of a bench-sp-attention run on `sp` ranks of `threads` threads each: the command, date,
+/// machine and load, the setup and method, then sp_attention_bench_tables; `note` is appended to the machine line.
+std::string sp_attention_bench_markdown(const SpAttentionBenchOptions& o, const std::vector<SpAttentionBenchPoint>& points,
+                                        int64_t sp, int64_t threads, const std::string& date, double load_start,
+                                        double load_end, double wall_s, const std::string& note);
+
 }  // namespace dcp

@@ -1,10 +1,8 @@
 #include "dcp/checkpoint.h"
 
-#include "util/error_message.h"
-#include "util/file_write.h"
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
@@ -14,7 +12,9 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-#include <nlohmann/json.hpp>
+
+#include "util/error_message.h"
+#include "util/file_write.h"
 
 namespace dcp {
 namespace fs = std::filesystem;

@@ -2,11 +2,11 @@
 #include "train/checkpointer.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
 
 #include "train/data_fingerprint.h"
 #include "util/file_write.h"

@@ -2,17 +2,18 @@
 // aggregates, among them what the plans decided and what they gained over the best static layout.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "dcp/checkpoint.h"
 #include "dcp/cost_model.h"
 #include "dcp/data.h"
 #include "dcp/plan.h"
 #include "dcp/runtime.h"
-#include "dcp/checkpoint.h"
 #include "plan/static_baseline.h"
 
 namespace dcp {

@@ -1,12 +1,11 @@
 #include "dcp/config.h"
 
-#include <fmt/format.h>
-#include <yaml-cpp/yaml.h>
-
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <yaml-cpp/yaml.h>
 
 #include <cerrno>
 #include <cmath>

@@ -2,7 +2,6 @@
 
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
-
 #include <unistd.h>
 
 #include <filesystem>

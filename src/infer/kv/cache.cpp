@@ -1,5 +1,3 @@
-#include "dcp/kv_cache.h"
-
 #include <fmt/format.h>
 #include <torch/types.h>
 
@@ -9,6 +7,7 @@
 #include <iterator>
 #include <stdexcept>
 
+#include "dcp/kv_cache.h"
 #include "util/file_write.h"
 
 namespace dcp {

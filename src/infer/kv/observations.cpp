@@ -1,10 +1,10 @@
 // Recording what the queries did for attention-scoring compression policies.
-#include "dcp/kv_observations.h"
-
 #include <fmt/format.h>
 
 #include <limits>
 #include <stdexcept>
+
+#include "dcp/kv_observations.h"
 
 namespace dcp {
 namespace {

@@ -1,10 +1,10 @@
 #include "kernels/fused/rows.h"
 
-#include "dcp/cpu_features.h"
-
 #include <fmt/format.h>
 
 #include <stdexcept>
+
+#include "dcp/cpu_features.h"
 
 namespace dcp::fused {
 

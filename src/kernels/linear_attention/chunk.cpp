@@ -1,7 +1,7 @@
 // Causal linear attention, the chunked form (fla's naive_chunk_linear_attn, batched over every chunk).
-#include "kernels/linear_attention/forms.h"
-
 #include <algorithm>
+
+#include "kernels/linear_attention/forms.h"
 
 namespace dcp::linear_attention {
 

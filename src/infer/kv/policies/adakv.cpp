@@ -1,4 +1,6 @@
 // Ada-KV: one budget for all heads of a layer, a per-head floor, the rest by scores across heads.
+#include "infer/kv/policies/adakv.h"
+
 #include <fmt/format.h>
 
 #include <cmath>
@@ -6,7 +8,6 @@
 #include <stdexcept>
 #include <vector>
 
-#include "infer/kv/policies/adakv.h"
 #include "infer/kv/policies/top.h"
 
 namespace dcp {

@@ -1,11 +1,11 @@
 // Expected Attention: the attention an entry would get, on average, from queries drawn from a Gaussian fitted to
 // the recent ones.
+#include "infer/kv/policies/expected_attention.h"
+
 #include <fmt/format.h>
 
 #include <limits>
 #include <stdexcept>
-
-#include "infer/kv/policies/expected_attention.h"
 
 namespace dcp {
 

@@ -1,11 +1,11 @@
 // H2O: heavy hitters by accumulated attention, plus a protected recent window.
+#include "infer/kv/policies/h2o.h"
+
 #include <fmt/format.h>
 
 #include <cmath>
 #include <limits>
 #include <stdexcept>
-
-#include "infer/kv/policies/h2o.h"
 
 namespace dcp {
 

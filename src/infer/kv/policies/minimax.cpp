@@ -1,5 +1,7 @@
 // minimax: causal merge-reduce of weighted block summaries, budgets shared across heads by predicted error,
 // abstention on incompressible heads.
+#include "infer/kv/policies/minimax.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -7,7 +9,6 @@
 #include <queue>
 #include <stdexcept>
 
-#include "infer/kv/policies/minimax.h"
 #include "infer/kv/summary.h"
 
 namespace dcp {

@@ -1,4 +1,6 @@
 // The policy that keeps each head's top-scored entries under its budget (src/infer/kv/policies/scored.h).
+#include "infer/kv/policies/scored.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -6,7 +8,6 @@
 #include <stdexcept>
 #include <vector>
 
-#include "infer/kv/policies/scored.h"
 #include "infer/kv/policies/top.h"
 
 namespace dcp {

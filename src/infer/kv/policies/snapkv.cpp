@@ -1,10 +1,10 @@
 // SnapKV: attention of an observation window of recent queries, max-pooled so that neighbours survive together.
+#include "infer/kv/policies/snapkv.h"
+
 #include <fmt/format.h>
 
 #include <limits>
 #include <stdexcept>
-
-#include "infer/kv/policies/snapkv.h"
 
 namespace dcp {
 

@@ -1,7 +1,7 @@
 // TOVA: the attention of the current (latest) query.
-#include <stdexcept>
-
 #include "infer/kv/policies/tova.h"
+
+#include <stdexcept>
 
 namespace dcp {
 

@@ -1,7 +1,7 @@
 // StreamingLLM: attention sinks plus the most recent entries.
-#include <limits>
-
 #include "infer/kv/policies/window.h"
+
+#include <limits>
 
 namespace dcp {
 

@@ -1,0 +1,37 @@
+// `dcp simulate`: plan an epoch with each planner under a cost model and compare their predicted epochs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dcp/cost_model.h"
+#include "dcp/data.h"
+#include "dcp/planners.h"
+
+namespace dcp {
+
+/// Everything a planner needs: the samples, the model shape and the device models (made from `dcp plan` and
+/// `dcp simulate` options by make_planning_inputs, src/cli/planning_inputs.h).
+struct PlanningInputs {
+  std::string source;  ///< the lengths file or workload name
+  std::vector<int64_t> lengths;
+  std::vector<Sample> samples;
+  ModelShape shape;
+  std::unique_ptr<CostModel> cost;
+  std::unique_ptr<MemoryModel> memory;
+  PlannerOptions options;
+};
+
+/// Plans the samples of `in` with every planner of `names` on `world_size` ranks, validates every step (a partition
+/// of the ranks, every sample exactly once, the predicted peak within the budget) and prints, per planner, the
+/// predicted epoch, the lower bound and their ratio, the speed-up over bucket (planned too when not named), the
+/// planning time, samples trained and skipped and the SP sizes used: a markdown table, with `by_sp_size` one more per
+/// SP size and mode, or with `json` one JSON array. `native_iterations`: dcp-intra, dcp-inter and dcp-inter-pac form
+/// their own iterations (PlannerOptions). Throws std::runtime_error naming the planner and the step for an invalid
+/// plan or a predicted peak over the budget, and when a planner fits no sample.
+void run_simulation(const PlanningInputs& in, const std::vector<std::string>& names, int64_t world_size,
+                    bool native_iterations, bool by_sp_size, bool json);
+
+}  // namespace dcp
