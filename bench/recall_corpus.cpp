@@ -21,6 +21,12 @@
 //   build/bench/recall_corpus --out runs/recall_corpus/eval.jsonl --docs 512 --min-pairs 20 --max-pairs 20 \
 //       --min-filler 150 --max-filler 150 --seed 6   # 231 bytes each
 //
+// A natural-text haystack (--haystack text --haystack-path DIR): the filler is a span of real text (the files of
+// DIR, concatenated in name order; e.g. the CPython documentation sources), lowercased and with '|' removed, so
+// that an uppercase byte is always a key and '|' always the question mark: the haystack is then compressible only
+// the way text is (not by identical bytes), and every key must still be found among real words. Each document
+// takes its span at a random offset.
+//
 // The output is a JSON-lines file of {"text": ...} (data.format jsonl). A document of P pairs and F filler bytes
 // has 4P + F + 1 bytes and ends with its last key and value: `dcp kv-eval --context B-1 --continuation 1`
 // prefills BOS and every byte before that key (the other P - 1 questions included), decodes the key through the
@@ -33,6 +39,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -50,8 +57,51 @@ constexpr int kKeys = 26;  // 'A'..'Z': keys are distinct within a document
 constexpr char kFiller = '.';
 constexpr char kQuestions = '|';
 
+// Where the filler comes from: runs of '.' (empty text), or spans of `text` (lowercased, no '|').
+struct Haystack {
+  std::string text;
+  std::string span(std::mt19937_64& rng, int64_t n) const {
+    if (text.empty()) return std::string(static_cast<size_t>(n), kFiller);
+    std::uniform_int_distribution<size_t> at(0, text.size() - static_cast<size_t>(n));
+    return text.substr(at(rng), static_cast<size_t>(n));
+  }
+};
+
+// The haystack text of the regular files under `dir` (every file, name order), lowercased ASCII, '|' removed,
+// control bytes and non-ASCII bytes turned into spaces, runs of whitespace kept. Empty when nothing is read.
+std::string haystack_text(const std::string& dir) {
+  std::vector<std::filesystem::path> files;
+  std::error_code ec;
+  for (auto it = std::filesystem::recursive_directory_iterator(dir, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    if (it->is_regular_file(ec)) files.push_back(it->path());
+  }
+  std::sort(files.begin(), files.end());
+  std::string text;
+  for (const auto& f : files) {
+    std::FILE* in = std::fopen(f.c_str(), "rb");
+    if (in == nullptr) continue;
+    char buf[65536];
+    for (size_t n; (n = std::fread(buf, 1, sizeof buf, in)) > 0;) {
+      for (size_t i = 0; i < n; ++i) {
+        const auto c = static_cast<unsigned char>(buf[i]);
+        if (c == static_cast<unsigned char>(kQuestions)) continue;
+        if (c == '\n' || c == ' ') {
+          text.push_back(static_cast<char>(c));
+        } else if (c < 32 || c >= 127) {
+          text.push_back(' ');
+        } else {
+          text.push_back(static_cast<char>(std::tolower(c)));
+        }
+      }
+    }
+    std::fclose(in);
+  }
+  return text;
+}
+
 // One document: `pairs` pairs with `filler` bytes of filler cut at random points between them, then the questions.
-std::string document(std::mt19937_64& rng, int pairs, int64_t filler) {
+std::string document(std::mt19937_64& rng, int pairs, int64_t filler, const Haystack& haystack) {
   std::vector<char> keys(kKeys);
   std::iota(keys.begin(), keys.end(), 'A');
   std::shuffle(keys.begin(), keys.end(), rng);
@@ -65,9 +115,10 @@ std::string document(std::mt19937_64& rng, int pairs, int64_t filler) {
   std::sort(cuts.begin(), cuts.end());
   cuts.push_back(filler);
   std::string text;
+  const std::string hay = haystack.span(rng, filler);
   int64_t at = 0;
   for (int i = 0; i <= pairs; ++i) {
-    text.append(static_cast<size_t>(cuts[static_cast<size_t>(i)] - at), kFiller);
+    text.append(hay, static_cast<size_t>(at), static_cast<size_t>(cuts[static_cast<size_t>(i)] - at));
     at = cuts[static_cast<size_t>(i)];
     if (i < pairs) text += {keys[static_cast<size_t>(i)], values[static_cast<size_t>(i)]};
   }
@@ -105,6 +156,7 @@ int main(int argc, char** argv) {
   std::string out;
   int64_t docs = 1000, min_pairs = 8, max_pairs = 24, min_filler = 0, max_filler = 160;
   uint64_t seed = 1;
+  std::string haystack_kind = "dots", haystack_path;
   app.add_option("--out", out, "JSON-lines file to write (a new or regular file, replaced only once every document "
                                "is written)")
       ->required()
@@ -120,10 +172,29 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   app.add_option("--seed", seed, "random seed (use different seeds for training and evaluation)")
       ->check(CLI::Validator([](std::string& v) { return seed_error(v); }, "UINT64"));
+  app.add_option("--haystack", haystack_kind, "the filler: dots (runs of '.') or text (spans of --haystack-path)")
+      ->check(CLI::IsMember({"dots", "text"}));
+  app.add_option("--haystack-path", haystack_path, "with --haystack text: a folder whose files are the text");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {  // usage errors exit 2, as dcp's own (--help exits 0)
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  Haystack haystack;
+  if (haystack_kind == "text") {
+    if (haystack_path.empty()) {
+      fmt::print(stderr, "recall_corpus: --haystack text needs --haystack-path\n");
+      return 2;
+    }
+    haystack.text = haystack_text(haystack_path);
+    if (static_cast<int64_t>(haystack.text.size()) < max_filler + 1) {
+      fmt::print(stderr, "recall_corpus: --haystack-path {} holds {} bytes of text, fewer than --max-filler {} + 1\n",
+                 haystack_path, haystack.text.size(), max_filler);
+      return 2;
+    }
+  } else if (!haystack_path.empty()) {
+    fmt::print(stderr, "recall_corpus: --haystack-path needs --haystack text\n");
+    return 2;
   }
   if (min_pairs > max_pairs || min_filler > max_filler) {
     fmt::print(stderr, "recall_corpus: --min-{0} {1} exceeds --max-{0} {2}\n", min_pairs > max_pairs ? "pairs" : "filler",
@@ -162,7 +233,7 @@ int main(int argc, char** argv) {
   int error = 0;
   for (int64_t d = 0; d < docs && written; ++d) {
     const int p = static_cast<int>(pairs(rng));
-    const std::string text = document(rng, p, filler(rng));
+    const std::string text = document(rng, p, filler(rng), haystack);
     bytes += static_cast<int64_t>(text.size());
     const std::string line = nlohmann::json{{"text", text}}.dump() + "\n";
     written = std::fwrite(line.data(), 1, line.size(), f) == line.size();

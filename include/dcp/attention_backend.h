@@ -18,8 +18,10 @@ namespace dcp {
 class AttentionBackend {
  public:
   virtual ~AttentionBackend() = default;
-  /// q, k, v: [T, heads, head_dim] (rotary already applied) holding all heads of the layer; cu_seqlens:
-  /// [n + 1] int64. Returns [T, heads, head_dim].
+  /// q: [T, heads, head_dim], k, v: [T, kv_heads, head_dim] (rotary already applied) holding all heads of the
+  /// layer, kv_heads dividing heads (grouped-query attention: query head h reads K/V head h / (heads /
+  /// kv_heads); a backend without GQA support receives kv_heads == heads, the config refuses otherwise);
+  /// cu_seqlens: [n + 1] int64. Returns [T, heads, head_dim].
   virtual torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const torch::Tensor& cu_seqlens) const = 0;
   /// The same on heads [head_offset, head_offset + heads) of the layer only: under Ulysses sequence
@@ -45,8 +47,9 @@ class AttentionWrapper {
 /// Exact causal softmax attention (scores scaled by 1/sqrt(head_dim)), by one of two implementations of the same
 /// operator (include/dcp/attention_kernels.h): `tiled`, the FlashAttention-2 style operator (memory linear in the
 /// sample length, CPU tensors only), or `reference`, per sample the whole [heads, L, L] score tensor (any
-/// device). fp32, fp64 and bf16 inputs; softmax statistics in fp32 (fp64). Throws std::invalid_argument unless
-/// cu_seqlens runs from 0 to T, and for `tiled` on a non-CPU tensor.
+/// device). fp32, fp64 and bf16 inputs; softmax statistics in fp32 (fp64). K/V with fewer heads than q (GQA)
+/// are expanded per group first (expand_kv_heads). Throws std::invalid_argument unless cu_seqlens runs from 0 to
+/// T, and for `tiled` on a non-CPU tensor.
 class SoftmaxAttention : public AttentionBackend {
  public:
   enum class Impl { tiled, reference };

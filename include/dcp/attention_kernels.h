@@ -80,6 +80,13 @@ AttentionResult reference_attention(const torch::Tensor& q, const torch::Tensor&
                                     const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
                                     bool causal, double scale = 0, bool with_lse = true);
 
+/// Grouped-query attention (Ainslie et al. 2023, GQA) for the operators above, which take as many K/V heads as
+/// query heads: x [T, kv_heads, head_dim] (k or v) repeated to [T, heads, head_dim], head h = K/V head
+/// h / (heads / kv_heads) (Llama's repeat_kv, torch repeat_interleave: differentiable, its backward sums each
+/// group's gradients). Returns x itself when kv_heads == heads. Throws std::invalid_argument when heads is not a
+/// multiple of kv_heads.
+torch::Tensor expand_kv_heads(const torch::Tensor& x, int64_t heads);
+
 /// Exact attention over the union of two disjoint key sets from the two partial results of the same queries:
 /// lse = logaddexp(a.lse, b.lse), out = a.out * exp(a.lse - lse) + b.out * exp(b.lse - lse) (in the dtype of
 /// lse, then cast to out's dtype). A query that attends no key in one part (lse -inf) takes the other's result;

@@ -33,9 +33,14 @@ struct ModelConfig {
   int64_t d_model = 128;
   int64_t n_layers = 4;
   int64_t n_heads = 4;
+  /// K/V heads (grouped-query attention, Ainslie et al. 2023): a divisor of n_heads, query head h reads K/V head
+  /// h / (n_heads / n_kv_heads); 0 (the default) = n_heads, so every checkpoint without the key loads as before.
+  int64_t n_kv_heads = 0;
   int64_t d_ff = 384;                ///< SwiGLU hidden width
   double rope_theta = 10000.0;
   int64_t recompute_layers = 0;      ///< the first N layers recompute activations in backward
+  /// The K/V head count: n_kv_heads, or n_heads when it is 0.
+  int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
 };
 
 /// attention.*: the attention operator of every layer. The flexformer.* keys only matter for backend flexformer
@@ -115,6 +120,10 @@ struct KvConfig {
   std::string policy = "full";  ///< compression policy (make_kv_policy in dcp/kv_policies.h)
   /// (0, 1]: fraction of the tokens seen each head keeps; a whole number >= 2: entries per head (a fixed cap)
   double budget = 1.0;
+  /// > 0: an error target instead of a budget, the largest relative increase of bits per byte to accept (e.g.
+  /// 0.01): policy minimax sizes its cache by the calibration `dcp kv-calibrate` wrote beside the checkpoint
+  /// (docs/kv_cache.md "Error targets"). 0 = off.
+  double max_rel_bpb = 0;
 };
 
 struct DistConfig {

@@ -15,16 +15,17 @@
 
 namespace dcp {
 
-/// The cache a model's layers fill: layers = n_layers, kv_heads = n_heads (the model has no grouped-query
-/// attention), head_dim = value_dim = d_model / n_heads, dtype = compute_dtype(model->precision), the
-/// parameters' device.
+/// The cache a model's layers fill: layers = n_layers, kv_heads = the model's K/V heads (cfg.kv_heads(): n_heads
+/// without grouped-query attention), head_dim = value_dim = d_model / n_heads, dtype =
+/// compute_dtype(model->precision), the parameters' device.
 KvCacheSpec kv_cache_spec(const Transformer& model);
 
 /// Exact softmax attention of a chunk of T new tokens of `layer` over [every cached entry of each head, with its
 /// log-weight bias, not causal | the chunk itself, causal], i.e. softmax(scale q.K^T + bias) V; the cache is only
-/// read (KvCacheAttention appends afterwards). Heads may hold different numbers of entries. q, k: [T, heads,
-/// head_dim], v: [T, heads, value_dim] in the cache dtype, k after rotary, heads == kv_heads, value_dim ==
-/// head_dim; T >= 1. The cache part runs per head as fp32 (fp64 for fp64) matmuls over blocks of keys, the chunk
+/// read (KvCacheAttention appends afterwards). Heads may hold different numbers of entries. q: [T, heads,
+/// head_dim], k: [T, kv_heads, head_dim], v: [T, kv_heads, value_dim] in the cache dtype, k after rotary, heads a
+/// multiple of the cache's kv_heads (grouped-query attention: query head j reads KV head j / (heads / kv_heads)),
+/// value_dim == head_dim; T >= 1. The cache part runs per head as fp32 (fp64 for fp64) matmuls over blocks of keys, the chunk
 /// part through tiled_attention_forward (reference_attention off the CPU) with `options`, and merge_attention
 /// combines the two exactly (spec section 2: attention is a ratio of sums that add over disjoint key sets).
 /// Returns out [T, heads, head_dim] in q's dtype and lse [T, heads] fp32 (fp64). Throws std::invalid_argument for

@@ -5,10 +5,11 @@
 // says what each one keeps, from which paper, its options and what it records.
 //
 // Budget: a ratio of the tokens seen. After a compression of layer l every head holds at most
-// ceil(budget * next_position(l)) entries (adakv: the layer's heads together hold at most kv_heads times that),
-// unless the scorer protects more (sinks, a recent or observation window): protected entries are never evicted.
+// ceil(budget * next_position(l)) entries (adakv and minimax: the layer's heads together hold at most kv_heads times
+// that), unless the scorer protects more (sinks, a recent window): protected entries are never evicted.
 // Compression runs after every prefill chunk and, while decoding, after every `interval`-th token (when the next
-// position is a multiple of interval).
+// position is a multiple of interval), by default the same kKvDefaultInterval for every policy so that all hold
+// the same bytes while decoding.
 #pragma once
 
 #include <cstdint>
@@ -25,23 +26,30 @@ namespace dcp {
 /// Options of make_kv_policy: name -> number (integers where the option counts something).
 using KvPolicyOptions = std::map<std::string, double>;
 
-/// The policy `name` with `options` (unset ones take their defaults):
+/// The default `interval` of every policy: decoding compresses when the next position is a multiple of it (as
+/// kvpress's DecodingPress compresses every compression_steps tokens); one schedule for all, equal memory.
+constexpr int64_t kKvDefaultInterval = 64;
+
+/// The policy `name` with `options` (unset ones take their defaults); every policy but full takes budget (1),
+/// interval (kKvDefaultInterval = 64) and max_tokens (0 = no cap; KvBudget):
 ///   full                                   keeps everything (FullKvPolicy); no options
-///   window              budget, interval (1), n_sink (4)
-///   h2o                 budget, interval (64), recent_fraction (0.5, in [0, 1])
-///   snapkv              budget, interval (64), window (64), kernel (7, odd)
-///   tova                budget, interval (1)
-///   expected-attention  budget, interval (64), window (64), n_sink (4)
+///   window              n_sink (4)
+///   h2o                 recent_fraction (0.5, in [0, 1])
+///   snapkv              window (64), kernel (5, odd)
+///   tova                nothing more
+///   expected-attention  n_future_positions (512), n_sink (4), value_norm (1: scores x ||v||; 0 or 1)
+///   keydiff             nothing more
 ///   adakv-<scorer>      the scorer's options plus alpha_safeguard (0.2, in [0, 1]); <scorer> one of h2o,
-///                       snapkv, tova, expected-attention (not window: its scores do not compare across heads)
-///   minimax             budget, interval (64), window (64), samples (64), probes (64), n_sink (4),
-///                       recent_fraction (0.25), alpha_safeguard (0.2), abstain_tail (0.5, >= 0),
-///                       abstain_heldout (0 = off, >= 0),
-///                       refit_values (0 or 1), seed (0) (MinimaxKvPolicy)
-/// Every policy but full also takes max_tokens (0 = no cap; KvBudget). budget (default 1 = keep all) in (0, 1];
-/// interval, window, kernel >= 1; n_sink, max_tokens >= 0. Throws
-/// std::invalid_argument naming the policy and the option: an unknown name (listing the valid ones), an option
-/// the policy does not take (listing the ones it takes), a value out of range or not an integer.
+///                       snapkv, tova, expected-attention, keydiff (not window: its scores do not compare across
+///                       heads)
+///   minimax             window (64), samples (64), probes (64), n_sink (4), recent_fraction (0.25),
+///                       recent_tokens (0), alpha_safeguard (0.2), abstain_tail (0.5, >= 0), abstain_heldout
+///                       (0 = off, >= 0), exceed_budget (0), unit_weights (0: the no-bias ablation when 1),
+///                       max_rel_error (0 = off: an error target, with budget 1), refit_values (0), seed (0)
+///                       (MinimaxKvPolicy; the 0-or-1 options are flags)
+/// budget in (0, 1]; interval, window, kernel >= 1; n_sink, max_tokens >= 0. Throws std::invalid_argument naming
+/// the policy and the option: an unknown name (listing the valid ones), an option the policy does not take
+/// (listing the ones it takes), a value out of range or not an integer.
 std::shared_ptr<KvPolicy> make_kv_policy(const std::string& name, const KvPolicyOptions& options = {});
 
 /// The policy of kv.policy / --kv.policy with kv.budget / --kv.budget: a budget in (0, 1] is the fraction of the

@@ -78,10 +78,12 @@ struct RMSNormImpl : torch::nn::Module {
 TORCH_MODULE(RMSNorm);
 
 /// Pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Shazeer 2020), rotary positions
-/// (Su et al. 2021, RoFormer) on q and k.
+/// (Su et al. 2021, RoFormer) on q and k; grouped-query attention (Ainslie et al. 2023, GQA) when n_kv_heads <
+/// n_heads: k and v have n_kv_heads heads, query head h reads K/V head h / (n_heads / n_kv_heads).
 struct BlockImpl : torch::nn::Module {
-  /// Throws std::invalid_argument unless d_model is divisible by n_heads or when `attention` is null.
-  /// wqkv's output is [q | k | v]. A backend that is a torch::nn::Module becomes submodule "attention".
+  /// Throws std::invalid_argument unless d_model is divisible by n_heads and n_heads by cfg.kv_heads(), or when
+  /// `attention` is null. wqkv's output is [q | k | v]: d_model rows, then kv_heads x head_dim rows twice.
+  /// A backend that is a torch::nn::Module becomes submodule "attention".
   BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention);
   /// x: [T, d_model] fp32 or bf16; positions: [T] int64; cu_seqlens: [n+1] int64. Returns [T, d_model] in x's
   /// dtype. The block computes in x's dtype: each fp32 weight is cast to it for its matmul (the cast's backward
@@ -91,7 +93,7 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cu_seqlens,
                         const AttentionWrapper* wrapper = nullptr, int64_t layer = 0);
 
-  int64_t n_heads, head_dim;
+  int64_t n_heads, n_kv_heads, head_dim;
   double rope_theta;
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   torch::nn::Linear wqkv{nullptr}, wo{nullptr}, w_gate{nullptr}, w_up{nullptr}, w_down{nullptr};

@@ -8,6 +8,7 @@
 #include "dcp/checkpoint.h"
 #include "dcp/infer.h"
 #include "dcp/kv_policies.h"
+#include "tools/kv_calibrate.h"
 #include "util/number_text.h"
 
 namespace dcp {
@@ -16,8 +17,25 @@ namespace {
 struct KvChoice {
   std::string policy;
   double budget = 0;  // 0 = not given
+  double max_rel_bpb = -1;  // < 0 = not given
   std::vector<std::string> options;
 };
+
+// kv.max_rel_bpb: the calibrated policy (minimax with max_rel_error, CHECKPOINT/kv_calibration.json) plus the
+// --kv.option options. A missing calibration is a runtime error (exit 1), a target it cannot serve a usage error.
+std::shared_ptr<KvPolicy> kv_target_policy(const std::string& checkpoint, double max_rel_bpb,
+                                           const std::vector<std::string>& options) {
+  const KvCalibration cal = read_kv_calibration(kv_calibration_path(checkpoint));
+  try {
+    const KvEvalTarget t = kv_calibrated_target(cal, max_rel_bpb);
+    KvPolicySpec spec = parse_kv_policy_spec(t.policy);
+    for (const std::string& item : options) add_kv_policy_option(item, spec.options);
+    spec.options["max_rel_error"] = t.max_rel_error;
+    return make_kv_policy(spec.name, spec.options);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(fmt::format("--kv.max_rel_bpb {}: {}", max_rel_bpb, e.what()));
+  }
+}
 
 // make_kv_policy_with_budget with KEY=VALUE options; a bad name, option or value is a usage error (exit 2).
 std::shared_ptr<KvPolicy> kv_policy_from_cli(const std::string& policy, double budget,
@@ -60,6 +78,10 @@ void add_generate_command(CLI::App& app) {
                   "checkpoint's kv.budget")
       ->check(finite_number_validator("", 0, false));
   sub->add_option("--kv.option", kv->options, "KEY=VALUE: another option of the policy (repeatable)");
+  sub->add_option("--kv.max_rel_bpb", kv->max_rel_bpb,
+                  "an error target instead of a budget (relative bits-per-byte increase, e.g. 0.01): minimax sized by "
+                  "the checkpoint's calibration (dcp kv-calibrate); 0 = off; default: the checkpoint's kv.max_rel_bpb")
+      ->check(finite_number_validator("", 0, true, 1));
   sub->add_option("--seed", opt->seed, "sampling seed")->check(CLI::Validator(
       [](std::string& text) { return text.rfind('-', 0) == 0 ? std::string("must be >= 0") : std::string(); }, "SEED"));
   sub->callback([checkpoint, prompt, opt, chunk_tokens, kv] {
@@ -70,9 +92,12 @@ void add_generate_command(CLI::App& app) {
     } else if (kv->policy == "full") {
       cfg.kv.budget = 1;  // --kv.policy full turns off a compression the checkpoint's config sets
     }
-    if (cfg.attention.backend == "softmax") {
+    if (kv->max_rel_bpb >= 0) cfg.kv.max_rel_bpb = kv->max_rel_bpb;
+    if (cfg.attention.backend == "softmax" && cfg.kv.max_rel_bpb > 0) {
+      opt->kv_policy = kv_target_policy(*checkpoint, cfg.kv.max_rel_bpb, kv->options);
+    } else if (cfg.attention.backend == "softmax") {
       opt->kv_policy = kv_policy_from_cli(cfg.kv.policy, cfg.kv.budget, kv->options);
-    } else if (!kv->policy.empty() || kv->budget > 0 || !kv->options.empty()) {
+    } else if (!kv->policy.empty() || kv->budget > 0 || !kv->options.empty() || kv->max_rel_bpb > 0) {
       throw ConfigError(fmt::format("--kv.policy, --kv.budget and --kv.option need a softmax checkpoint ({} is "
                                     "attention.backend {})", *checkpoint, cfg.attention.backend));
     }

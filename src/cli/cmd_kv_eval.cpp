@@ -11,48 +11,34 @@
 #include <sstream>
 
 #include "cli/commands.h"
+#include "cli/kv_inputs.h"
 #include "dcp/checkpoint.h"
 #include "dcp/data.h"
 #include "dcp/kv_policies.h"
-#include "dcp/precision.h"
-#include "runtime/optimizer.h"
 #include "tools/bench_common.h"
+#include "tools/kv_calibrate.h"
 #include "tools/kv_eval.h"
 #include "tools/kv_eval_report.h"
 #include "util/number_text.h"
 
 namespace dcp {
-namespace fs = std::filesystem;
-
 namespace {
 
 struct KvEvalCli {
   std::string checkpoint, data_path, policies = "all", budgets = "0.05,0.1,0.25,0.5", out;
+  std::string split, max_rel_bpb, calibration, paired_against;
   int64_t context = 1024, continuation = 128, max_docs = 32, chunk_tokens = 0, threads = 0;
   uint64_t seed = 0;
   bool json = false, head_ablation = false;
 };
 
-std::vector<std::string> split_list(const std::string& text, const std::string& option) {
-  std::vector<std::string> items;
-  std::stringstream ss(text);
-  for (std::string item; std::getline(ss, item, ',');) items.push_back(item);
-  if (!text.empty() && text.back() == ',') items.emplace_back();
-  for (const auto& i : items) {
-    if (i.empty()) throw CLI::ValidationError(fmt::format("{} '{}': empty entry in the comma list", option, text));
-  }
-  if (items.empty()) throw CLI::ValidationError(fmt::format("{}: empty list", option));
-  return items;
-}
-
 std::vector<std::string> parse_policies(const std::string& text) {
   if (text == "all") return kv_policy_names();
-  return split_list(text, "--policies");
+  return kv_split_list(text, "--policies");
 }
 
 std::vector<double> parse_budgets(const std::string& text) {
-  std::vector<double> out;
-  for (const auto& item : split_list(text, "--budgets")) {
+  for (const auto& item : kv_split_list(text, "--budgets")) {
     const std::optional<double> v = parse_decimal(item);
     // parse_decimal takes no nan or inf; the range check also refuses 0 and anything above 1.
     if (!v || !(*v > 0 && *v <= 1)) {
@@ -60,24 +46,8 @@ std::vector<double> parse_budgets(const std::string& text) {
                                              "the tokens seen that each head keeps)",
                                              item));
     }
-    out.push_back(*v);
   }
-  return out;
-}
-
-// --out PREFIX must be writable before the evaluation runs (it can take minutes): exit 2 naming it otherwise.
-void check_out_prefix(const std::string& prefix) {
-  const fs::path md = prefix + ".md";
-  std::error_code ec;
-  if (!md.parent_path().empty()) fs::create_directories(md.parent_path(), ec);
-  // A probe file beside the report, removed again: a failed evaluation leaves no empty report behind.
-  const fs::path probe_path = md.string() + ".probe";
-  const bool ok = !ec && static_cast<bool>(std::ofstream(probe_path));
-  fs::remove(probe_path, ec);
-  if (!ok) {
-    throw CLI::ValidationError(fmt::format("--out '{}': cannot write a file in '{}'", prefix,
-                                           md.parent_path().empty() ? "." : md.parent_path().string()));
-  }
+  return kv_parse_numbers(text, "--budgets");
 }
 
 void run(const KvEvalCli& cli) {
@@ -89,59 +59,59 @@ void run(const KvEvalCli& cli) {
   o.max_docs = cli.max_docs;
   o.seed = cli.seed;
   o.head_ablation = cli.head_ablation;
-  o.chunk_tokens = cli.chunk_tokens;
-  Config cfg = load_checkpoint_config(cli.checkpoint);
+  o.paired_against = cli.paired_against;
+  const Config cfg = load_checkpoint_config(cli.checkpoint);
   o.chunk_tokens = cli.chunk_tokens > 0 ? cli.chunk_tokens : cfg.kv.chunk_tokens;
+  std::string calibration_note;
+  if (!cli.max_rel_bpb.empty()) {
+    // Error targets: minimax sized by the checkpoint's calibration (dcp kv-calibrate).
+    const std::string path = cli.calibration.empty() ? kv_calibration_path(cli.checkpoint) : cli.calibration;
+    const std::vector<double> targets = kv_parse_numbers(cli.max_rel_bpb, "--max-rel-bpb");
+    const KvCalibration cal = read_kv_calibration(path);  // a missing or bad file: exit 1 with its name
+    for (double t : targets) {
+      try {
+        o.targets.push_back(kv_calibrated_target(cal, t));
+      } catch (const std::invalid_argument& e) {
+        throw CLI::ValidationError(fmt::format("--max-rel-bpb: {} ({})", e.what(), path));
+      }
+    }
+    calibration_note = fmt::format(
+        "`{}` (policy {}, {} documents from {} source files of `{}`, split {}, context {}, continuation {}, {}; "
+        "coverage {:g}): ",
+        path, cal.policy, cal.documents, cal.source_files, cal.data_path, cal.split, cal.context, cal.continuation,
+        cal.date, cal.coverage);
+    for (const auto& t : o.targets) {
+      calibration_note += fmt::format("max_rel_bpb {:g} -> max_rel_error {:g} (q90 {:+.2f}%, bytes {:.3f}); ",
+                                      t.max_rel_bpb, t.max_rel_error, 100 * t.calibrated_q90, t.calibrated_bytes_ratio);
+    }
+  }
   // Usage errors (a policy name or option, a count) exit 2 before the model and the corpus are loaded.
   try {
     o.validate();
   } catch (const std::invalid_argument& e) {
     throw CLI::ValidationError(e.what());
   }
-  if (!cli.out.empty()) check_out_prefix(cli.out);
+  if (!cli.out.empty()) check_kv_out_prefix(cli.out);
+  KvModel m = load_kv_model(cli.checkpoint, cfg, cli.threads, "kv-eval");
 
-  if (cfg.attention.backend != "softmax") {
-    throw CLI::ValidationError(fmt::format("--checkpoint '{}': attention.backend is '{}'; kv-eval needs a softmax "
-                                           "model (flexformer models decode from recurrent states, with no KV "
-                                           "cache to compress)",
-                                           cli.checkpoint, cfg.attention.backend));
-  }
-  // --threads, else the trainer's rule (train.threads, else every core of this one process).
-  const int64_t threads = cli.threads > 0 ? cli.threads : threads_per_rank(cfg.train, DistEnv{});
-  torch::set_num_threads(static_cast<int>(threads));
-  Transformer model(cfg.model, cfg.attention, resolve_precision(cfg.train.precision).precision);
-  load_checkpoint(cli.checkpoint, model, nullptr);
-  model->eval();
-
-  // The checkpoint's data config (max_seq_len cuts documents as in training). Another path is read whole: its
-  // format detected, every sample evaluated (its split would say nothing about what the model trained on).
-  DataConfig data = cfg.data;
-  const bool own_corpus = cli.data_path.empty();
-  if (!own_corpus) {
-    data.path = cli.data_path;
-    data.format = "auto";
-    data.heldout_fraction = 0;
-  }
-  const Corpus corpus = Corpus::load(data);
-  std::vector<int64_t> ids = own_corpus ? corpus.heldout_ids() : corpus.train_ids();
+  // The checkpoint's data config (max_seq_len cuts documents as in training); --data.path is read whole.
+  Corpus corpus;
+  const KvEvalSource source = kv_eval_source(cfg.data, cli.data_path, cli.split, corpus);
   KvEvalReportInfo info;
   try {
-    info.documents = choose_kv_eval_documents(corpus, ids, o);
+    info.documents = choose_kv_eval_documents(corpus, source.ids, o);
   } catch (const std::invalid_argument& e) {
-    throw CLI::ValidationError(fmt::format("{} ({})", e.what(),
-                                           own_corpus ? "the checkpoint's held-out split of " + data.path
-                                                      : "--data.path " + data.path));
+    throw CLI::ValidationError(fmt::format("{} (split {} of {})", e.what(), source.split, source.data_path));
   }
   info.command = own_command_line();
   info.checkpoint = cli.checkpoint;
-  info.data_path = data.path;
-  info.split = own_corpus ? "heldout" : "all";
-  info.threads = threads;
-  for (const auto& p : model->parameters()) info.parameters += p.numel();
-  info.model = fmt::format("d_model {}, {} layers, {} heads, {}", cfg.model.d_model, cfg.model.n_layers,
-                           cfg.model.n_heads, resolve_precision(cfg.train.precision).precision == Precision::kBf16
-                                                  ? "bf16" : "fp32");
-  run_and_report_kv_eval(model, o, std::move(info), cli.json, cli.out);
+  info.data_path = source.data_path;
+  info.split = source.split;
+  info.calibration = calibration_note;
+  info.threads = m.threads;
+  info.parameters = m.parameters;
+  info.model = m.description;
+  run_and_report_kv_eval(m.model, o, std::move(info), cli.json, cli.out);
 }
 
 }  // namespace
@@ -189,6 +159,17 @@ void add_kv_eval_command(CLI::App& app) {
                 fmt::format("also run every document once per (layer, head) with only that head's cache cut after "
                             "prefill to its first {} and newest {} entries: which heads need the distant context",
                             kKvAblationSinks, kKvAblationRecent));
+  sub->add_option("--split", cli->split,
+                  "calibration or evaluation: one half of the documents by source file (disjoint halves; kv-calibrate "
+                  "uses calibration); default: all of them")
+      ->check(CLI::IsMember({"calibration", "evaluation"}));
+  sub->add_option("--max-rel-bpb", cli->max_rel_bpb,
+                  "comma list of error targets (relative bits-per-byte increase, e.g. 0.005,0.01,0.02): one minimax "
+                  "row each, sized by the checkpoint's calibration (dcp kv-calibrate)");
+  sub->add_option("--calibration", cli->calibration,
+                  "the calibration file of --max-rel-bpb (default: CHECKPOINT/kv_calibration.json)");
+  sub->add_option("--paired-against", cli->paired_against,
+                  "the policy compared per document with every other at each budget (default: minimax when run)");
   sub->add_flag("--json", cli->json, "print the results as one JSON object instead of the markdown report");
   sub->add_option("--out", cli->out, "write PREFIX.md, PREFIX.csv and PREFIX.png (gnuplot)");
   sub->callback([cli] { run(*cli); });

@@ -19,7 +19,7 @@ std::vector<int64_t> sp_sizes_for(const Config& cfg, int64_t world_size, const s
   std::set<int64_t> all(sizes.begin(), sizes.end());
   if (cfg.parallel.sp_size > 0) all.insert(cfg.parallel.sp_size);  // 0: sized to a size of parallel.sp_sizes
   if (cfg.parallel.sp_mode == "ulysses-ring" && cfg.parallel.sp_size > 0) {  // its Ulysses subgroups
-    all.insert(ulysses_ring_size(cfg.parallel.sp_size, cfg.parallel.ulysses_size, cfg.model.n_heads));
+    all.insert(ulysses_ring_size(cfg.parallel.sp_size, cfg.parallel.ulysses_size, cfg.model.kv_heads()));
   }
   for (const auto& p : plans) {
     for (const auto& g : p.groups) {

@@ -22,6 +22,7 @@ void add_bench_attention_command(CLI::App& app);
 void add_bench_sp_attention_command(CLI::App& app);
 void add_distill_command(CLI::App& app);
 void add_kv_eval_command(CLI::App& app);
+void add_kv_calibrate_command(CLI::App& app);
 
 /// SP sizes to create groups for: parallel.sp_sizes, parallel.sp_size and every size `plans` use.
 /// Throws ConfigError when parallel.sp_sizes or parallel.sp_size names one that does not divide world_size (a

@@ -32,6 +32,13 @@ struct Ring : torch::CustomClassHolder {
 };
 
 torch::Tensor rows(const torch::Tensor& t, int64_t begin, int64_t end) { return t.slice(0, begin, end); }
+
+// Grouped-query attention: the ring carries K/V at their own head count; a block's K/V are expanded to the
+// query heads for the operator (expand_kv_heads), and its dK/dV summed back over each group.
+torch::Tensor reduce_kv_heads(const torch::Tensor& dx, int64_t kv_heads) {
+  if (dx.size(1) == kv_heads) return dx;
+  return dx.view({dx.size(0), kv_heads, dx.size(1) / kv_heads, dx.size(2)}).sum(2);
+}
 torch::Tensor host(const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64); }
 
 struct RingFunction : torch::autograd::Function<RingFunction> {
@@ -46,9 +53,11 @@ struct RingFunction : torch::autograd::Function<RingFunction> {
       if (i + 1 < ring->size) pending = ring->group.exchange(kv, ring->next, ring->prev);  // hidden behind this block
       const RingBlock& b = ring->blocks[static_cast<size_t>(i)];
       if (!b.empty) {
+        const int64_t heads = q.size(1);
         AttentionResult part = tiled_attention_forward(
-            rows(q, b.q_begin, b.q_end), rows(kv[0], b.k_begin, b.k_end), rows(kv[1], b.k_begin, b.k_end),
-            host(b.cu_q), host(b.cu_k), b.causal, ring->options);
+            rows(q, b.q_begin, b.q_end), expand_kv_heads(rows(kv[0], b.k_begin, b.k_end), heads),
+            expand_kv_heads(rows(kv[1], b.k_begin, b.k_end), heads), host(b.cu_q), host(b.cu_k), b.causal,
+            ring->options);
         auto o = rows(out, b.q_begin, b.q_end), l = rows(lse, b.q_begin, b.q_end);
         AttentionResult merged = merge_attention({o, l}, {part.out.to(acc), part.lse.to(acc)});
         o.copy_(merged.out);
@@ -77,10 +86,14 @@ struct RingFunction : torch::autograd::Function<RingFunction> {
       const RingBlock& b = ring->blocks[static_cast<size_t>(i)];
       AttentionGrads g;
       if (!b.empty) {
+        const int64_t heads = q.size(1);
         g = tiled_attention_backward(rows(dout, b.q_begin, b.q_end), rows(q, b.q_begin, b.q_end),
-                                     rows(kv[0], b.k_begin, b.k_end), rows(kv[1], b.k_begin, b.k_end),
+                                     expand_kv_heads(rows(kv[0], b.k_begin, b.k_end), heads),
+                                     expand_kv_heads(rows(kv[1], b.k_begin, b.k_end), heads),
                                      rows(out, b.q_begin, b.q_end), rows(lse, b.q_begin, b.q_end),
                                      host(b.cu_q), host(b.cu_k), b.causal, ring->options);
+        g.dk = reduce_kv_heads(g.dk, k.size(1));
+        g.dv = reduce_kv_heads(g.dv, k.size(1));
       }
       // The accumulator of this step's block comes from the previous position, which added its share.
       if (i > 0) dkv = dkv_pending.wait();

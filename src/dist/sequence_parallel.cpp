@@ -56,6 +56,25 @@ std::array<torch::Tensor, 3> ulysses_to_heads(const torch::Tensor& q, const torc
         heads, sp));
   }
   const int64_t part = heads / sp;
+  const int64_t kv_heads = k.size(1);
+  if (kv_heads != heads) {
+    // Grouped-query attention: member j takes query heads [j H/sp, (j+1) H/sp) and the K/V heads that serve
+    // them, [j Hkv/sp, (j+1) Hkv/sp) (aligned because Hkv/sp divides H/sp), so K/V travel at their own width.
+    if (kv_heads < 1 || heads % kv_heads != 0 || kv_heads % sp != 0 || v.size(1) != kv_heads) {
+      throw std::invalid_argument(fmt::format(
+          "sequence parallelism: {} K/V heads (v {}) do not divide into the Ulysses group size {} with {} query heads "
+          "(Ulysses shards K/V heads too; sp_mode ring does not)",
+          kv_heads, v.size(1), sp, heads));
+    }
+    const int64_t kv_part = kv_heads / sp;
+    // [T_local, sp, H/sp + 2 Hkv/sp, D] -> [sp, T_local, ...]: chunk j holds member j's query, key, value heads.
+    auto chunk = torch::cat({q.view({local, sp, part, head_dim}), k.view({local, sp, kv_part, head_dim}),
+                             v.view({local, sp, kv_part, head_dim})},
+                            2)
+                     .permute({1, 0, 2, 3});
+    auto full = all_to_all(chunk.contiguous(), group).view({sp * local, part + 2 * kv_part, head_dim});
+    return {full.narrow(1, 0, part), full.narrow(1, part, kv_part), full.narrow(1, part + kv_part, kv_part)};
+  }
   // [T_local, 3, sp, H/sp, D] -> [sp, T_local, 3, H/sp, D]: chunk j holds the heads member j attends over.
   auto qkv = torch::stack({q, k, v}, 1).view({local, 3, sp, part, head_dim}).permute({2, 0, 1, 3, 4});
   // Received chunk j is member j's shard of the sequence, so the result is the group's tokens in order.

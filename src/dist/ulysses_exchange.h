@@ -9,9 +9,11 @@
 
 namespace dcp {
 
-/// q, k, v [T_local, heads, head_dim] of every member -> each [T_local x size, heads / size, head_dim]: the
-/// group's tokens in member order, heads [rank x heads / size, (rank + 1) x heads / size). One differentiable
-/// all-to-all for the three. Throws std::invalid_argument when heads is not divisible by the group size.
+/// q [T_local, heads, head_dim], k, v [T_local, kv_heads, head_dim] of every member -> [T_local x size,
+/// heads / size, head_dim] and [T_local x size, kv_heads / size, head_dim]: the group's tokens in member order,
+/// query heads [rank x heads / size, (rank + 1) x heads / size) and the K/V heads that serve them (grouped-query
+/// attention, kv_heads dividing heads). One differentiable all-to-all for the three. Throws
+/// std::invalid_argument when heads or kv_heads is not divisible by the group size.
 std::array<torch::Tensor, 3> ulysses_to_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                               const Communicator& group);
 

@@ -22,12 +22,15 @@ void check_chunk(const char* who, const torch::Tensor& q, const torch::Tensor& k
     throw std::invalid_argument(fmt::format("{}: layer {} outside [0, {})", who, layer, s.layers));
   }
   auto shape = [](const torch::Tensor& t) { return t.defined() ? c10::str(t.sizes()) : std::string("undefined"); };
-  if (!q.defined() || q.dim() != 3 || q.size(0) < 1 || q.size(1) != s.kv_heads || q.size(2) != s.head_dim ||
-      !k.defined() || k.sizes() != q.sizes() || !v.defined() || v.dim() != 3 || v.size(0) != q.size(0) ||
+  if (!q.defined() || q.dim() != 3 || q.size(0) < 1 || q.size(1) < s.kv_heads || q.size(1) % s.kv_heads != 0 ||
+      q.size(2) != s.head_dim || !k.defined() || k.dim() != 3 || k.size(0) != q.size(0) || k.size(1) != s.kv_heads ||
+      k.size(2) != s.head_dim || !v.defined() || v.dim() != 3 || v.size(0) != q.size(0) ||
       v.size(1) != s.kv_heads || v.size(2) != s.value_dim) {
     throw std::invalid_argument(fmt::format(
-        "{}: layer {}: q, k must be [T >= 1, {}, {}] and v [T, {}, {}] (the cache's heads and dims), got q {}, k {}, v {}",
-        who, layer, s.kv_heads, s.head_dim, s.kv_heads, s.value_dim, shape(q), shape(k), shape(v)));
+        "{}: layer {}: q must be [T >= 1, a multiple of {}, {}], k [T, {}, {}] and v [T, {}, {}] (the cache's heads "
+        "and dims), got q {}, k {}, v {}",
+        who, layer, s.kv_heads, s.head_dim, s.kv_heads, s.head_dim, s.kv_heads, s.value_dim, shape(q), shape(k),
+        shape(v)));
   }
   if (s.value_dim != s.head_dim) {
     throw std::invalid_argument(fmt::format("{}: value_dim {} != head_dim {} is not supported by the chunk operator",
@@ -50,7 +53,7 @@ torch::Tensor one_sequence(int64_t tokens) { return torch::tensor({int64_t{0}, t
 KvCacheSpec kv_cache_spec(const Transformer& model) {
   KvCacheSpec s;
   s.layers = model->cfg.n_layers;
-  s.kv_heads = model->cfg.n_heads;
+  s.kv_heads = model->cfg.kv_heads();
   s.head_dim = model->cfg.n_heads > 0 ? model->cfg.d_model / model->cfg.n_heads : 0;
   s.value_dim = s.head_dim;
   s.dtype = compute_dtype(model->precision);
@@ -62,22 +65,24 @@ AttentionResult kv_cache_attention(const torch::Tensor& q, const torch::Tensor& 
                                    const KvCache& cache, int64_t layer, const AttentionOptions& options) {
   check_chunk("kv_cache_attention", q, k, v, cache, layer);
   torch::NoGradGuard no_grad;
-  const int64_t T = q.size(0), heads = q.size(1), dv = v.size(2);
+  const int64_t T = q.size(0), heads = q.size(1), dv = v.size(2), kv_heads = k.size(1), g = heads / kv_heads;
   const double scale = options.scale > 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   const torch::Tensor cu = one_sequence(T);
-  AttentionResult chunk = q.is_cpu() ? tiled_attention_forward(q, k, v, cu, cu, /*causal=*/true, options)
-                                     : reference_attention(q, k, v, cu, cu, /*causal=*/true, scale);
+  const torch::Tensor ke = expand_kv_heads(k, heads), ve = expand_kv_heads(v, heads);
+  AttentionResult chunk = q.is_cpu() ? tiled_attention_forward(q, ke, ve, cu, cu, /*causal=*/true, options)
+                                     : reference_attention(q, ke, ve, cu, cu, /*causal=*/true, scale);
   const auto st = stat_dtype(q.scalar_type());
   const auto opt = q.options().dtype(st);
   torch::Tensor out = torch::zeros({T, heads, dv}, opt);
   torch::Tensor lse = torch::full({T, heads}, -std::numeric_limits<double>::infinity(), opt);
   bool any = false;
-  for (int64_t h = 0; h < heads; ++h) {
+  for (int64_t h = 0; h < kv_heads; ++h) {
     const KvHeadView view = cache.view(layer, h);
     const int64_t n = view.length();
     if (n == 0) continue;
     any = true;
-    const torch::Tensor qh = q.select(1, h).to(st) * scale;  // [T, d]
+    // The group's queries of KV head h, [g x T, d] head-major (one matmul per key block for the whole group).
+    const torch::Tensor qh = q.narrow(1, h * g, g).transpose(0, 1).reshape({g * T, q.size(2)}).to(st) * scale;
     AttentionResult acc;
     for (int64_t b0 = 0; b0 < n; b0 += kKeyBlock) {
       const int64_t nb = std::min(kKeyBlock, n - b0);
@@ -89,8 +94,8 @@ AttentionResult kv_cache_attention(const torch::Tensor& q, const torch::Tensor& 
       AttentionResult block{block_out.unsqueeze(1), block_lse.unsqueeze(1)};
       acc = acc.out.defined() ? merge_attention(acc, block) : block;
     }
-    out.select(1, h).copy_(acc.out.squeeze(1));
-    lse.select(1, h).copy_(acc.lse.squeeze(1));
+    out.narrow(1, h * g, g).copy_(acc.out.squeeze(1).view({g, T, dv}).transpose(0, 1));
+    lse.narrow(1, h * g, g).copy_(acc.lse.squeeze(1).view({g, T}).t());
   }
   if (!any) return chunk;
   AttentionResult merged = merge_attention({out, lse}, chunk);
@@ -101,16 +106,17 @@ AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch
                                              const KvCache& cache, int64_t layer, double scale) {
   check_chunk("reference_kv_cache_attention", q, k, v, cache, layer);
   torch::NoGradGuard no_grad;
-  const int64_t T = q.size(0), heads = q.size(1);
+  const int64_t T = q.size(0), heads = q.size(1), g = heads / k.size(1);
   if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   std::vector<torch::Tensor> outs, lses;
-  for (int64_t h = 0; h < heads; ++h) {
+  for (int64_t qh = 0; qh < heads; ++qh) {
+    const int64_t h = qh / g;  // the KV head query head qh reads
     const KvHeadView view = cache.view(layer, h);
     const int64_t n = view.length();
     auto keys = torch::cat({view.keys.to(torch::kDouble), k.select(1, h).to(torch::kDouble)});
     auto values = torch::cat({view.values.to(torch::kDouble), v.select(1, h).to(torch::kDouble)});
     auto bias = torch::cat({view.bias.to(torch::kDouble), torch::zeros({T}, view.bias.options().dtype(torch::kDouble))});
-    auto logits = scale * torch::matmul(q.select(1, h).to(torch::kDouble), keys.t()) + bias.unsqueeze(0);  // [T, n+T]
+    auto logits = scale * torch::matmul(q.select(1, qh).to(torch::kDouble), keys.t()) + bias.unsqueeze(0);  // [T, n+T]
     // Cache columns are visible to every query; chunk column n + j to queries i >= j.
     auto row = torch::arange(T, logits.options().dtype(torch::kInt64)).unsqueeze(1);
     auto col = torch::arange(n + T, logits.options().dtype(torch::kInt64)).unsqueeze(0);

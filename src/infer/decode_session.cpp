@@ -24,7 +24,10 @@ DecodeSession::DecodeSession(Transformer model, int64_t chunk_tokens, std::share
   }
   cache_ = std::make_shared<KvCache>(kv_cache_spec(model_));
   const KvObservationNeeds needs = policy_->needs();
-  if (needs.any()) observations_ = std::make_shared<KvObservations>(cache_->spec().layers, cache_->spec().kv_heads, needs);
+  if (needs.any()) {
+    observations_ = std::make_shared<KvObservations>(cache_->spec().layers, cache_->spec().kv_heads, needs,
+                                                     model_->cfg.n_heads, model_->cfg.rope_theta);
+  }
 }
 
 void DecodeSession::reset() {

@@ -16,6 +16,11 @@ std::shared_ptr<AttentionBackend> make_attention_backend(const AttentionConfig& 
         cfg.impl == "reference" ? SoftmaxAttention::Impl::reference : SoftmaxAttention::Impl::tiled, options);
   }
   if (cfg.backend == "flexformer") {
+    if (model.kv_heads() != model.n_heads) {
+      throw std::invalid_argument("attention: backend flexformer needs as many K/V heads as query heads (n_kv_heads " +
+                                  std::to_string(model.n_kv_heads) + ", n_heads " + std::to_string(model.n_heads) +
+                                  "); grouped-query attention is softmax only");
+    }
     if (model.n_heads <= 0 || model.d_model % model.n_heads != 0) {
       throw std::invalid_argument("attention: d_model " + std::to_string(model.d_model) +
                                   " is not divisible by n_heads " + std::to_string(model.n_heads));

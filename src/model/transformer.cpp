@@ -37,6 +37,7 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& position
 
 BlockImpl::BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> attention)
     : n_heads(cfg.n_heads),
+      n_kv_heads(cfg.kv_heads()),
       head_dim(cfg.n_heads > 0 ? cfg.d_model / cfg.n_heads : 0),
       rope_theta(cfg.rope_theta),
       attention(std::move(attention)) {
@@ -44,11 +45,16 @@ BlockImpl::BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> a
     throw std::invalid_argument("Block: d_model " + std::to_string(cfg.d_model) + " is not divisible by n_heads " +
                                 std::to_string(cfg.n_heads));
   }
+  if (n_kv_heads < 1 || cfg.n_heads % n_kv_heads != 0) {
+    throw std::invalid_argument("Block: n_kv_heads " + std::to_string(cfg.n_kv_heads) + " does not divide n_heads " +
+                                std::to_string(cfg.n_heads));
+  }
   if (!this->attention) throw std::invalid_argument("Block: attention backend is null");
   const int64_t d = cfg.d_model;
   auto linear = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
   attn_norm = register_module("attn_norm", RMSNorm(d));
-  wqkv = register_module("wqkv", linear(d, 3 * d));
+  // [q | k | v]: d rows of queries, then n_kv_heads x head_dim rows each of keys and values (3 d without GQA).
+  wqkv = register_module("wqkv", linear(d, d + 2 * n_kv_heads * head_dim));
   wo = register_module("wo", linear(d, d));
   mlp_norm = register_module("mlp_norm", RMSNorm(d));
   w_gate = register_module("w_gate", linear(d, cfg.d_ff));
@@ -72,13 +78,15 @@ BlockImpl::BlockImpl(const ModelConfig& cfg, std::shared_ptr<AttentionBackend> a
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
                                  const torch::Tensor& cu_seqlens, const AttentionWrapper* wrapper, int64_t layer) {
-  const int64_t tokens = x.size(0);
-  // wqkv's output is laid out as [q | k | v], each [heads, head_dim].
-  auto qkv = linear_in_dtype_of(wqkv, attn_norm(x)).view({tokens, 3, n_heads, head_dim}).unbind(1);
-  auto q = apply_rotary(qkv[0], positions, rope_theta);
-  auto k = apply_rotary(qkv[1], positions, rope_theta);
-  auto attn = (wrapper ? wrapper->forward(*attention, layer, q, k, qkv[2], cu_seqlens)
-                       : attention->forward(q, k, qkv[2], cu_seqlens))
+  const int64_t tokens = x.size(0), kv_width = n_kv_heads * head_dim;
+  // wqkv's output is laid out as [q | k | v]: [heads, head_dim], then [kv_heads, head_dim] twice (views, no copy).
+  auto qkv = linear_in_dtype_of(wqkv, attn_norm(x));
+  auto q = apply_rotary(qkv.narrow(1, 0, n_heads * head_dim).view({tokens, n_heads, head_dim}), positions, rope_theta);
+  auto k = apply_rotary(qkv.narrow(1, n_heads * head_dim, kv_width).view({tokens, n_kv_heads, head_dim}), positions,
+                        rope_theta);
+  auto v = qkv.narrow(1, n_heads * head_dim + kv_width, kv_width).view({tokens, n_kv_heads, head_dim});
+  // k and v carry n_kv_heads heads: the backend and the wrappers group the query heads over them.
+  auto attn = (wrapper ? wrapper->forward(*attention, layer, q, k, v, cu_seqlens) : attention->forward(q, k, v, cu_seqlens))
                   .reshape({tokens, n_heads * head_dim});
   auto h = x + linear_in_dtype_of(wo, attn);
   auto m = mlp_norm(h);

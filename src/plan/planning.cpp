@@ -57,6 +57,7 @@ ModelShape model_shape_of(const Config& cfg, int64_t bytes_per_element) {
   s.hidden = cfg.model.d_model;
   s.layers = cfg.model.n_layers;
   s.heads = cfg.model.n_heads;
+  s.kv_heads = cfg.model.kv_heads() != cfg.model.n_heads ? cfg.model.kv_heads() : 0;  // 0 = heads, as before
   s.ffn = cfg.model.d_ff;
   s.mlp_matrices = 3;
   s.vocab = kVocabSize;

@@ -271,7 +271,7 @@ std::vector<int64_t> validation_lengths(const Grid& g, const ProfileOptions& opt
 // every group the caller made (the trainer's also serve parallel.sp_size and plan files). Ulysses shards heads,
 // so a size that does not divide them cannot run this model and no planner chooses it: skipped, with a warning.
 std::vector<int64_t> profiled_sp_sizes(const ParallelConfig& parallel, const ModelConfig& model, const Communicator& world) {
-  const std::vector<int64_t> usable = usable_sp_sizes(parallel.sp_sizes, world.size(), model.n_heads);
+  const std::vector<int64_t> usable = usable_sp_sizes(parallel.sp_sizes, world.size(), model.kv_heads());
   std::vector<int64_t> skipped, out;
   for (int64_t sp : resolve_sp_sizes(parallel.sp_sizes, world.size())) {
     if (std::find(usable.begin(), usable.end(), sp) == usable.end()) {
@@ -295,7 +295,7 @@ int64_t min_profile_max_length(int64_t largest_sp_size) { return std::max<int64_
 
 int64_t min_profile_max_length(const ParallelConfig& parallel, const ModelConfig& model, int64_t world_size) {
   return min_profile_max_length(
-      world_size > 1 ? usable_sp_sizes(parallel.sp_sizes, world_size, model.n_heads).back() : 1);
+      world_size > 1 ? usable_sp_sizes(parallel.sp_sizes, world_size, model.kv_heads()).back() : 1);
 }
 
 ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, const ProfileOptions& options) {

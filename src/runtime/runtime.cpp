@@ -113,8 +113,8 @@ std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::
     if (layout_fits_heads(g.layout(), heads)) continue;
     const bool ring = g.sp_mode == SpMode::kUlyssesRing;
     throw std::invalid_argument(fmt::format(
-        "step plan (epoch {}, index {}): {} {} does not divide model.n_heads {} (the group at rank {}: Ulysses shards "
-        "heads; sp_mode ring does not)",
+        "step plan (epoch {}, index {}): {} {} does not divide the K/V heads {} (model.n_kv_heads, n_heads without "
+        "grouped-query attention; the group at rank {}: Ulysses shards heads; sp_mode ring does not)",
         plan.epoch, plan.index, ring ? "ulysses_size" : "sp_size", ring ? g.ulysses_size : g.sp_size, heads,
         g.first_rank));
   }

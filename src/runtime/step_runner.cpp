@@ -35,7 +35,7 @@ StepStats compute_step_gradients(Transformer& model, const Corpus& corpus, const
   std::vector<int64_t> lengths;
   lengths.reserve(corpus.samples().size());
   for (const auto& s : corpus.samples()) lengths.push_back(s.length);
-  const auto work = rank_micro_batches(plan, lengths, groups, model->cfg.n_heads);
+  const auto work = rank_micro_batches(plan, lengths, groups, model->cfg.kv_heads());
   check_ring_backend(model, plan);
   const GroupPlan& group = plan.group_of(world.rank());
   const std::shared_ptr<const AttentionWrapper> sp_attention = group_attention(group.layout(), groups);

@@ -12,11 +12,25 @@
 
 #include "dcp/infer.h"
 #include "dcp/kv_policies.h"
+#include "dcp/data.h"
 
 namespace dcp {
 namespace {
 
 bool is_full(const std::string& policy) { return parse_kv_policy_spec(policy).name == "full"; }
+
+// The policy of an error-target row: its spec with the calibrated max_rel_error (budget 1).
+std::shared_ptr<KvPolicy> target_policy(const KvEvalTarget& t) {
+  KvPolicySpec spec = parse_kv_policy_spec(t.policy);
+  for (const char* key : {"budget", "max_tokens", "max_rel_error"}) {
+    if (spec.options.count(key) != 0) {
+      throw std::invalid_argument(fmt::format("kv-eval: error-target policy '{}' sets {}; the target sets it", t.policy,
+                                              key));
+    }
+  }
+  spec.options["max_rel_error"] = t.max_rel_error;
+  return make_kv_policy(spec.name, spec.options);
+}
 
 // The policy of one row: a spec (parse_kv_policy_spec) with the row's budget; `full` takes none.
 std::shared_ptr<KvPolicy> row_policy(const std::string& policy, double budget) {
@@ -87,6 +101,7 @@ struct DocRun {
   double bpb = 0;
   int64_t correct = 0;  // continuation tokens that are their logits' argmax
   int64_t kv_bytes = 0;
+  double kv_bytes_mean = 0, kv_bytes_max = 0;  // what each scored token's attention read
   double prefill_s = 0, decode_s = 0;
   std::vector<KvHeadView> after_prefill;  // layer-major
   std::vector<std::pair<int64_t, int64_t>> abstained;  // (layer, head)
@@ -109,7 +124,14 @@ DocRun run_document(Transformer& model, const KvEvalDocument& doc, const KvEvalO
   // Token C + i is decoded and its logits score token C + i + 1: the continuation's N queries are the ones
   // that predict, as in generation.
   double nats = 0;
+  const KvCacheSpec& cs = session.cache().spec();
+  const int64_t token_bytes = session.cache().entry_bytes() * cs.layers * cs.kv_heads;  // one token, every head
+  double bytes_sum = 0;
   for (int64_t i = 0; i < o.continuation; ++i) {
+    // The token attends to the cache as it is now (compressed at the schedule's last step) and to itself.
+    const auto held = static_cast<double>(session.cache().bytes() + token_bytes);
+    bytes_sum += held;
+    r.kv_bytes_max = std::max(r.kv_bytes_max, held);
     const auto t = std::chrono::steady_clock::now();
     torch::Tensor logits = session.decode(doc.tokens[static_cast<size_t>(o.context + i)]);
     r.decode_s += seconds_since(t);
@@ -124,20 +146,25 @@ DocRun run_document(Transformer& model, const KvEvalDocument& doc, const KvEvalO
   }
   r.bpb = nats / std::log(2.0) / static_cast<double>(o.continuation);
   r.kv_bytes = session.cache().bytes();
+  r.kv_bytes_mean = bytes_sum / static_cast<double>(o.continuation);
   r.abstained = policy->abstained_heads();
   return r;
 }
 
-// Per layer, the mean over heads and queries of the attention error of `compressed` against `full`.
+// Per layer, the mean over heads and queries of the attention error of `compressed` against `full` (each KV
+// head with its group's queries).
 std::vector<double> layer_errors(const std::vector<KvHeadView>& full, const std::vector<KvHeadView>& compressed,
                                  const RecordingFullCache& ref, int64_t layers, int64_t heads) {
   std::vector<double> out;
   for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor& q = ref.queries(l);  // [heads, N, head_dim]
+    const torch::Tensor& q = ref.queries(l);  // [query_heads, N, head_dim]
+    const int64_t g = q.size(0) / heads;
     double sum = 0;
     for (int64_t h = 0; h < heads; ++h) {
       const size_t i = static_cast<size_t>(l * heads + h);
-      sum += kv_attention_rel_err(full[i], compressed[i], q[h], ref.scale()).mean().item<double>();
+      sum += kv_attention_rel_err(full[i], compressed[i], q.narrow(0, h * g, g).reshape({-1, q.size(2)}), ref.scale())
+                 .mean()
+                 .item<double>();
     }
     out.push_back(sum / static_cast<double>(heads));
   }
@@ -172,12 +199,14 @@ typename std::vector<T>::const_iterator first_repeat(const std::vector<T>& v) {
 }
 
 struct RowSamples {
-  std::vector<double> bpb, bpb_full, accuracy, accuracy_full, exact, exact_full, rel, attn, kv_bytes, kv_bytes_full, prefill, decode, abstained;
+  std::vector<double> bpb, bpb_full, accuracy, accuracy_full, exact, exact_full, rel, attn, kv_bytes, kv_bytes_full,
+      kv_bytes_mean, kv_bytes_max, kv_bytes_full_mean, prefill, decode, abstained;
   std::vector<std::vector<double>> attn_layers;  // per document, [layers]
   std::vector<double> abstained_by_head;         // [layers x heads]: documents on which the head abstained
 };
 
-KvEvalRow summarize(const std::string& policy, double budget, const RowSamples& s, const KvEvalOptions& o) {
+KvEvalRow summarize(const std::string& policy, double budget, const RowSamples& s, const KvEvalOptions& o,
+                    const std::vector<int64_t>& clusters) {
   KvEvalRow row;
   row.policy = policy;
   row.budget = budget;
@@ -188,11 +217,11 @@ KvEvalRow summarize(const std::string& policy, double budget, const RowSamples& 
   row.token_accuracy_full = mean_of(s.accuracy_full);
   row.exact_match = mean_of(s.exact);
   row.exact_match_full = mean_of(s.exact_full);
-  row.rel_bpb_increase = bootstrap_stat(s.rel, mean_of, o.bootstrap_resamples, o.seed);
-  row.worst_decile_rel_increase =
-      bootstrap_stat(s.rel, [](const std::vector<double>& v) { return worst_fraction_mean(v, 0.1); },
-                     o.bootstrap_resamples, o.seed);
-  row.attn_rel_err = bootstrap_stat(s.attn, mean_of, o.bootstrap_resamples, o.seed);
+  row.rel_bpb_increase = kv_eval_bootstrap(s.rel, clusters, o.bootstrap_resamples, o.seed);
+  row.worst_decile_rel_increase = kv_quantile_with_ci(s.rel, 0.9);
+  row.worst_decile_mean = worst_fraction_mean(s.rel, 0.1);
+  row.rel_per_document = s.rel;
+  row.attn_rel_err = kv_eval_bootstrap(s.attn, clusters, o.bootstrap_resamples, o.seed);
   const size_t layers = s.attn_layers.front().size();
   for (size_t l = 0; l < layers; ++l) {
     double sum = 0;
@@ -201,6 +230,9 @@ KvEvalRow summarize(const std::string& policy, double budget, const RowSamples& 
   }
   row.kv_bytes = mean_of(s.kv_bytes);
   row.kv_bytes_full = mean_of(s.kv_bytes_full);
+  row.kv_bytes_mean = mean_of(s.kv_bytes_mean);
+  row.kv_bytes_max = mean_of(s.kv_bytes_max);
+  row.kv_bytes_full_mean = mean_of(s.kv_bytes_full_mean);
   row.prefill_s = mean_of(s.prefill);
   row.decode_s = mean_of(s.decode);
   row.abstained_heads = mean_of(s.abstained);
@@ -239,6 +271,62 @@ void KvEvalOptions::validate() const {
   for (const auto& p : policies) {
     for (double b : budgets) row_policy(p, b);
   }
+  for (const auto& t : targets) {
+    if (!(t.max_rel_bpb > 0) || !(t.max_rel_error > 0)) {
+      throw std::invalid_argument(fmt::format("kv-eval: error target {} with max_rel_error {}: both must be > 0",
+                                              t.max_rel_bpb, t.max_rel_error));
+    }
+    target_policy(t);
+  }
+  if (!paired_against.empty() && std::find(policies.begin(), policies.end(), paired_against) == policies.end()) {
+    throw std::invalid_argument(fmt::format("kv-eval: paired_against '{}' is not among the policies", paired_against));
+  }
+}
+
+std::string kv_source_file(const std::string& source) {
+  const auto hash = source.rfind('#');
+  return hash == std::string::npos ? source : source.substr(0, hash);
+}
+
+std::vector<int64_t> kv_eval_split(const Corpus& corpus, const std::vector<int64_t>& ids, const std::string& side) {
+  if (side != "calibration" && side != "evaluation") {
+    throw std::invalid_argument(fmt::format("kv-eval: split '{}' is neither calibration nor evaluation", side));
+  }
+  const bool want_calibration = side == "calibration";
+  std::vector<int64_t> out;
+  for (int64_t id : ids) {
+    const std::string file = kv_source_file(corpus.samples().at(static_cast<size_t>(id)).source);
+    // A hash of its own (not the held-out one's residue), so the halves do not follow the held-out choice.
+    const bool calibration = (fnv1a64("kv-calibration:" + file) >> 32) % 2 == 0;
+    if (calibration == want_calibration) out.push_back(id);
+  }
+  return out;
+}
+
+KvEvalSource kv_eval_source(const DataConfig& data_config, const std::string& data_path, const std::string& half,
+                            Corpus& corpus) {
+  if (!half.empty() && half != "calibration" && half != "evaluation") {
+    throw std::invalid_argument(fmt::format("kv-eval: --split '{}' must be calibration or evaluation (or absent)", half));
+  }
+  DataConfig data = data_config;
+  const bool own = data_path.empty();
+  if (!own) {
+    // Another path is read whole: its format detected, every sample (its split would say nothing about what the
+    // model trained on).
+    data.path = data_path;
+    data.format = "auto";
+    data.heldout_fraction = 0;
+  }
+  corpus = Corpus::load(data);
+  KvEvalSource out;
+  out.data_path = data.path;
+  out.ids = own ? corpus.heldout_ids() : corpus.train_ids();
+  out.split = own ? "heldout" : "all";
+  if (!half.empty()) {
+    out.ids = kv_eval_split(corpus, out.ids, half);
+    out.split = half;
+  }
+  return out;
 }
 
 KvEvalDocuments choose_kv_eval_documents(const Corpus& corpus, const std::vector<int64_t>& ids,
@@ -285,7 +373,7 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
   if (documents.empty()) throw std::invalid_argument("kv-eval: no document to evaluate");
   model->eval();
   torch::NoGradGuard no_grad;
-  const int64_t layers = model->cfg.n_layers, heads = model->cfg.n_heads;
+  const int64_t layers = model->cfg.n_layers, heads = model->cfg.kv_heads();
 
   KvEvalResult result;
   result.options = o;
@@ -293,6 +381,7 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
   RowSamples empty;
   empty.abstained_by_head.assign(static_cast<size_t>(layers * heads), 0.0);
   std::vector<std::vector<RowSamples>> samples(o.policies.size(), std::vector<RowSamples>(o.budgets.size(), empty));
+  std::vector<RowSamples> target_samples(o.targets.size(), empty);
   std::vector<double> ref_prefill, ref_decode;
   std::vector<RowSamples> ablation(o.head_ablation ? static_cast<size_t>(layers * heads) : 0);
   for (const auto& doc : documents) {
@@ -317,37 +406,97 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
       ablation[i].exact.push_back(run.correct == o.continuation ? 1.0 : 0.0);
       ablation[i].rel.push_back((run.bpb - ref.bpb) / ref.bpb);
     }
+    auto record = [&](RowSamples& s, const DocRun& run) {
+      s.bpb.push_back(run.bpb);
+      s.bpb_full.push_back(ref.bpb);
+      const auto n = static_cast<double>(o.continuation);
+      s.accuracy.push_back(static_cast<double>(run.correct) / n);
+      s.accuracy_full.push_back(static_cast<double>(ref.correct) / n);
+      s.exact.push_back(run.correct == o.continuation ? 1.0 : 0.0);
+      s.exact_full.push_back(ref.correct == o.continuation ? 1.0 : 0.0);
+      s.rel.push_back((run.bpb - ref.bpb) / ref.bpb);
+      s.attn_layers.push_back(layer_errors(ref.after_prefill, run.after_prefill, *recorder, layers, heads));
+      s.attn.push_back(mean_of(s.attn_layers.back()));
+      s.kv_bytes.push_back(static_cast<double>(run.kv_bytes));
+      s.kv_bytes_full.push_back(static_cast<double>(ref.kv_bytes));
+      s.kv_bytes_mean.push_back(run.kv_bytes_mean);
+      s.kv_bytes_max.push_back(run.kv_bytes_max);
+      s.kv_bytes_full_mean.push_back(ref.kv_bytes_mean);
+      s.prefill.push_back(run.prefill_s);
+      s.decode.push_back(run.decode_s);
+      s.abstained.push_back(static_cast<double>(run.abstained.size()));
+      for (const auto& [l, h] : run.abstained) s.abstained_by_head[static_cast<size_t>(l * heads + h)] += 1;
+    };
     for (size_t p = 0; p < o.policies.size(); ++p) {
       const bool full = is_full(o.policies[p]);
       for (size_t b = 0; b < o.budgets.size(); ++b) {
         if (full && b > 0) continue;
-        auto policy = row_policy(o.policies[p], o.budgets[b]);
-        const DocRun run = run_document(model, doc, o, policy);
-        RowSamples& s = samples[p][b];
-        s.bpb.push_back(run.bpb);
-        s.bpb_full.push_back(ref.bpb);
-        const auto n = static_cast<double>(o.continuation);
-        s.accuracy.push_back(static_cast<double>(run.correct) / n);
-        s.accuracy_full.push_back(static_cast<double>(ref.correct) / n);
-        s.exact.push_back(run.correct == o.continuation ? 1.0 : 0.0);
-        s.exact_full.push_back(ref.correct == o.continuation ? 1.0 : 0.0);
-        s.rel.push_back((run.bpb - ref.bpb) / ref.bpb);
-        s.attn_layers.push_back(layer_errors(ref.after_prefill, run.after_prefill, *recorder, layers, heads));
-        s.attn.push_back(mean_of(s.attn_layers.back()));
-        s.kv_bytes.push_back(static_cast<double>(run.kv_bytes));
-        s.kv_bytes_full.push_back(static_cast<double>(ref.kv_bytes));
-        s.prefill.push_back(run.prefill_s);
-        s.decode.push_back(run.decode_s);
-        s.abstained.push_back(static_cast<double>(run.abstained.size()));
-        for (const auto& [l, h] : run.abstained) s.abstained_by_head[static_cast<size_t>(l * heads + h)] += 1;
+        record(samples[p][b], run_document(model, doc, o, row_policy(o.policies[p], o.budgets[b])));
       }
+    }
+    for (size_t t = 0; t < o.targets.size(); ++t) {
+      record(target_samples[t], run_document(model, doc, o, target_policy(o.targets[t])));
     }
     if (on_document) on_document(static_cast<int64_t>(ref_prefill.size()), static_cast<int64_t>(documents.size()));
   }
+  // The bootstrap's clusters: documents cut from the same source file.
+  std::vector<std::string> files;
+  std::vector<int64_t> clusters;
+  for (const auto& doc : documents) {
+    result.sources.push_back(doc.source);
+    const std::string file = kv_source_file(doc.source);
+    auto it = std::find(files.begin(), files.end(), file);
+    clusters.push_back(it - files.begin());
+    if (it == files.end()) files.push_back(file);
+  }
+  result.source_files = static_cast<int64_t>(files.size());
   for (size_t p = 0; p < o.policies.size(); ++p) {
     for (size_t b = 0; b < o.budgets.size(); ++b) {
       const bool full = is_full(o.policies[p]);
-      result.rows.push_back(summarize(o.policies[p], o.budgets[b], samples[p][full ? 0 : b], o));
+      result.rows.push_back(summarize(o.policies[p], o.budgets[b], samples[p][full ? 0 : b], o, clusters));
+    }
+  }
+  for (size_t t = 0; t < o.targets.size(); ++t) {
+    const KvEvalTarget& target = o.targets[t];
+    KvEvalRow row = summarize(target.policy, 1.0, target_samples[t], o, clusters);
+    row.target = target.max_rel_bpb;
+    row.max_rel_error = target.max_rel_error;
+    row.calibrated_q90 = target.calibrated_q90;
+    row.calibrated_bytes_ratio = target.calibrated_bytes_ratio;
+    double within = 0;
+    for (double v : row.rel_per_document) within += v <= target.max_rel_bpb ? 1.0 : 0.0;
+    row.within_target = within / static_cast<double>(row.rel_per_document.size());
+    result.rows.push_back(std::move(row));
+  }
+  // Paired differences against the candidate at each budget (the same documents, so document-level noise
+  // cancels), bootstrapped over source files like the rows.
+  std::string candidate = o.paired_against;
+  if (candidate.empty() && std::find(o.policies.begin(), o.policies.end(), "minimax") != o.policies.end()) {
+    candidate = "minimax";
+  }
+  if (!candidate.empty()) {
+    const size_t c = static_cast<size_t>(std::find(o.policies.begin(), o.policies.end(), candidate) - o.policies.begin());
+    for (size_t b = 0; b < o.budgets.size(); ++b) {
+      const RowSamples& cs = samples[c][b];
+      for (size_t p = 0; p < o.policies.size(); ++p) {
+        if (p == c || is_full(o.policies[p])) continue;
+        const RowSamples& bs = samples[p][b];
+        KvEvalPaired pair;
+        pair.budget = o.budgets[b];
+        pair.candidate = candidate;
+        pair.baseline = o.policies[p];
+        std::vector<double> diff;
+        double wins = 0;
+        for (size_t i = 0; i < cs.rel.size(); ++i) {
+          diff.push_back(cs.rel[i] - bs.rel[i]);
+          wins += diff.back() < 0 ? 1.0 : 0.0;
+        }
+        pair.documents = static_cast<int64_t>(diff.size());
+        pair.diff = kv_eval_bootstrap(diff, clusters, o.bootstrap_resamples, o.seed);
+        pair.wins = wins / static_cast<double>(diff.size());
+        pair.bytes_ratio = mean_of(cs.kv_bytes_mean) / mean_of(bs.kv_bytes_mean);
+        result.paired.push_back(pair);
+      }
     }
   }
   for (size_t i = 0; i < ablation.size(); ++i) {

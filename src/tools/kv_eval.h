@@ -20,6 +20,17 @@
 
 namespace dcp {
 
+/// An error-target row (`kv.max_rel_bpb`, docs/kv_cache.md "Error targets"): minimax with max_rel_error set by
+/// the per-model calibration (`dcp kv-calibrate`) for the target relative bits-per-byte increase.
+struct KvEvalTarget {
+  double max_rel_bpb = 0;    ///< the target, > 0
+  double max_rel_error = 0;  ///< minimax's per-block relative error the calibration chose for it, > 0
+  /// What the calibration measured at that max_rel_error on its own documents: the 90th percentile of the
+  /// relative increase (the prediction for held-out documents) and the bytes held over the full cache's.
+  double calibrated_q90 = 0, calibrated_bytes_ratio = 0;
+  std::string policy = "minimax";  ///< the spec the target's option is added to (its other options)
+};
+
 /// What one evaluation runs.
 struct KvEvalOptions {
   /// Policy specs, "NAME" or "NAME:KEY=VALUE:..." (parse_kv_policy_spec; the budget comes from `budgets`);
@@ -36,6 +47,11 @@ struct KvEvalOptions {
   /// kKvAblationSinks and newest kKvAblationRecent entries (every other head full): which heads the
   /// continuation needs the distant context of (KvEvalResult::head_ablation). layers x heads more runs.
   bool head_ablation = false;
+  /// Error-target rows, run after the budget rows (one run each, budget 1).
+  std::vector<KvEvalTarget> targets;
+  /// The policy whose per-document increases are compared, paired, with every other policy's at the same
+  /// budget (KvEvalResult::paired); empty = "minimax" when it is among `policies`, else none.
+  std::string paired_against;
   /// Throws std::invalid_argument naming the field and its value: no policy, no budget, a budget outside (0, 1]
   /// or NaN, context, continuation, max_docs, chunk_tokens or bootstrap_resamples < 1; and for a policy spec
   /// that does not build (make_kv_policy's and parse_kv_policy_spec's messages) or sets budget or max_tokens, a
@@ -58,22 +74,43 @@ struct KvEvalDocuments {
   int64_t required_tokens = 0;  ///< context + continuation + 1: the prefill, the decoded tokens and the last target
 };
 
+/// Where a kv-eval or kv-calibrate run takes its documents from (the commands' --data.path and --split).
+struct KvEvalSource {
+  std::string data_path;  ///< the corpus read
+  /// "heldout" (the checkpoint's held-out split), "all" (every sample of --data.path), or a half of either by
+  /// source file: "calibration" or "evaluation" (kv_eval_split; disjoint)
+  std::string split;
+  std::vector<int64_t> ids;  ///< the samples of that split
+};
+
+/// The samples a run may use: without `data_path`, the held-out samples of the checkpoint's corpus (`data`, its
+/// data.* config, so documents are cut at its max_seq_len as in training); with it, every sample of that path
+/// (format detected, the checkpoint's max_seq_len and glob). `half` "" keeps them all, "calibration" or
+/// "evaluation" one half by source file. `corpus` receives the loaded corpus. Throws std::invalid_argument for
+/// another half, and what Corpus::load throws.
+KvEvalSource kv_eval_source(const DataConfig& data, const std::string& data_path, const std::string& half,
+                            Corpus& corpus);
+
 /// Picks the samples of `ids` with at least context + continuation + 1 tokens (BOS + bytes), shuffled with
 /// `seed`, the first max_docs of them. Throws std::invalid_argument when none is long enough, saying how many
 /// samples there are, the longest one and the tokens needed.
 KvEvalDocuments choose_kv_eval_documents(const Corpus& corpus, const std::vector<int64_t>& ids,
                                          const KvEvalOptions& options);
 
-/// Mean and 95% bootstrap interval of a statistic over documents.
+/// A statistic over documents and its 95% interval.
 struct KvEvalStat {
   double value = 0;
-  std::array<double, 2> ci{0, 0};  ///< [2.5%, 97.5%] percentiles of the statistic over the resamples
+  std::array<double, 2> ci{0, 0};  ///< [lo, hi]: see where each is computed
 };
 
 /// One (policy, budget) over the documents. Per-document quantities are averaged over documents.
 struct KvEvalRow {
   std::string policy;
   double budget = 1;
+  double target = 0;         ///< an error-target row's max_rel_bpb (its budget is then 1); 0 = a budget row
+  double max_rel_error = 0;  ///< an error-target row's calibrated max_rel_error
+  double calibrated_q90 = 0, calibrated_bytes_ratio = 0;  ///< an error-target row's prediction (KvEvalTarget)
+  double within_target = 0;  ///< an error-target row: the fraction of documents whose increase is <= target
   int64_t documents = 0;
   double bpb = 0;       ///< bits per byte of the continuation with the policy: -sum log2 p / continuation
   double bpb_full = 0;  ///< the same with the full cache
@@ -82,12 +119,22 @@ struct KvEvalRow {
   /// On a retrieval corpus whose continuation is the answer (a pass key), exact_match is retrieval accuracy.
   double token_accuracy = 0, token_accuracy_full = 0;
   double exact_match = 0, exact_match_full = 0;
-  KvEvalStat rel_bpb_increase;           ///< mean over documents of (bpb - bpb_full) / bpb_full
-  KvEvalStat worst_decile_rel_increase;  ///< mean of the worst ceil(10%) of the documents' increases (>= 1 doc)
+  /// mean over documents of (bpb - bpb_full) / bpb_full; interval: bootstrap over source files (all documents of
+  /// a file resampled together, kv_eval_bootstrap)
+  KvEvalStat rel_bpb_increase;
+  /// The worst decile: the 90th percentile of the documents' increases (the smallest increase of the worst 10%),
+  /// with its distribution-free order-statistic interval (kv_quantile_with_ci)
+  KvEvalStat worst_decile_rel_increase;
+  double worst_decile_mean = 0;          ///< mean of the worst ceil(10%) of the documents' increases (>= 1 doc)
   KvEvalStat attn_rel_err;               ///< mean over layers, heads, queries and documents (kv_attention_rel_err)
   std::vector<double> attn_rel_err_per_layer;  ///< [layers]: the same mean per layer
   double kv_bytes = 0;       ///< KvCache::bytes() after the continuation with the policy, bytes
   double kv_bytes_full = 0;  ///< the same with the full cache, bytes
+  /// The bytes each scored token's attention read (the cache before its decode() plus its own entries), averaged
+  /// over the continuation's tokens, and their maximum; then means over documents. The equal-memory measure.
+  double kv_bytes_mean = 0, kv_bytes_max = 0;
+  double kv_bytes_full_mean = 0;  ///< kv_bytes_mean of the full cache
+  std::vector<double> rel_per_document;  ///< the documents' increases, in document order
   double prefill_s = 0;      ///< wall seconds of the context's prefill (steady_clock)
   double decode_s = 0;       ///< wall seconds of the continuation's decode() calls, summed
   double abstained_heads = 0;  ///< KvPolicy::abstained_heads().size() at the end of the document
@@ -110,9 +157,23 @@ struct KvHeadAblation {
   double rel_bpb_increase = 0;  ///< mean over documents of (bpb - bpb_full) / bpb_full
 };
 
+/// A paired comparison at one budget: per document d_i = increase(candidate) - increase(baseline), both runs on
+/// the same document (negative: the candidate is better).
+struct KvEvalPaired {
+  double budget = 0;
+  std::string candidate, baseline;
+  int64_t documents = 0;
+  KvEvalStat diff;      ///< mean of d_i with its bootstrap interval over source files
+  double wins = 0;      ///< the fraction of documents with d_i < 0
+  double bytes_ratio = 0;  ///< candidate's kv_bytes_mean over the baseline's
+};
+
 struct KvEvalResult {
   KvEvalOptions options;
-  std::vector<KvEvalRow> rows;  ///< per policy in the given order, per budget in the given order
+  std::vector<KvEvalRow> rows;  ///< per policy in the given order, per budget in the given order; then targets
+  std::vector<KvEvalPaired> paired;  ///< options.paired_against against every other non-full row, per budget
+  std::vector<std::string> sources;  ///< the documents' sources, in document order
+  int64_t source_files = 0;          ///< distinct files among them (the bootstrap's clusters)
   double full_prefill_s = 0;    ///< the reference run (full cache, recording the continuation's queries)
   double full_decode_s = 0;
   /// With KvEvalOptions::head_ablation: one per (layer, head), layer-major (else empty).
@@ -146,6 +207,32 @@ double worst_fraction_mean(const std::vector<double>& values, double fraction = 
 /// together). Throws std::invalid_argument for no values or resamples < 1.
 KvEvalStat bootstrap_stat(const std::vector<double>& values, double (*statistic)(const std::vector<double>&),
                           int64_t resamples, uint64_t seed);
+
+/// The cluster (case-resampling) bootstrap of the mean (Davison & Hinkley 1997, 3.8): values come in clusters
+/// (`cluster[i]` in [0, k), the documents cut from one source file), and each of `resamples` draws takes k
+/// clusters with replacement and every value of each, so that correlated documents count as one unit; the
+/// interval is the [2.5%, 97.5%] percentiles of the resampled means (value = the plain mean). Seeded by `seed`
+/// (the same seed draws the same clusters for every row). Throws std::invalid_argument for no values, a cluster
+/// list of another length, an id outside [0, k) or resamples < 1.
+KvEvalStat kv_eval_bootstrap(const std::vector<double>& values, const std::vector<int64_t>& cluster,
+                             int64_t resamples, uint64_t seed);
+
+/// The q-quantile of `values` as an order statistic, x_(ceil(q n)) of the sorted values, with the
+/// distribution-free interval [x_(l), x_(u)] whose coverage of the true quantile is >= `level` for independent
+/// draws (the binomial order-statistic interval, David & Nagaraja 2003, 7.1: P(x_(l) <= xi_q < x_(u)) =
+/// sum_{i=l}^{u-1} C(n, i) q^i (1-q)^(n-i), l and u the equal-tailed choice). An end that needs an order statistic
+/// beyond the sample is -inf / +inf (too few documents to bound it). Throws std::invalid_argument for no values,
+/// q or level outside (0, 1).
+KvEvalStat kv_quantile_with_ci(const std::vector<double>& values, double q, double level = 0.95);
+
+/// Which held-out documents calibrate and which evaluate: the held-out split's source files divided in two
+/// halves by a hash of the file (the part of a sample's source before its last '#', so every chunk of a file
+/// falls on the same side). Returns the ids of `ids` whose file falls on `side` ("calibration" or
+/// "evaluation"). Throws std::invalid_argument for another side.
+std::vector<int64_t> kv_eval_split(const Corpus& corpus, const std::vector<int64_t>& ids, const std::string& side);
+
+/// The source file of a sample's source "path#chunk": what comes before the last '#' (the whole text without one).
+std::string kv_source_file(const std::string& source);
 
 /// The plain mean (a statistic for bootstrap_stat). Throws std::invalid_argument for no values.
 double mean_of(const std::vector<double>& values);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "dcp/kv_policies.h"
 #include "tools/bench_common.h"
 #include "tools/bench_report.h"  // gnuplot_quoted
 
@@ -21,6 +22,19 @@ nlohmann::json interval(const KvEvalStat& s) { return nlohmann::json::array({num
 std::string percent(const KvEvalStat& s) {
   return fmt::format("{:+.2f}% [{:+.2f}, {:+.2f}]", 100 * s.value, 100 * s.ci[0], 100 * s.ci[1]);
 }
+
+// A relative change with an interval whose ends may be infinite (an order statistic beyond the sample).
+std::string percent_open(const KvEvalStat& s) {
+  auto end = [](double v) { return std::isfinite(v) ? fmt::format("{:+.2f}", 100 * v) : std::string(v > 0 ? "+inf" : "-inf"); };
+  return fmt::format("{:+.2f}% [{}, {}]", 100 * s.value, end(s.ci[0]), end(s.ci[1]));
+}
+
+// A row's name in tables: the policy, and for an error-target row its target.
+std::string row_label(const KvEvalRow& row) {
+  return row.target > 0 ? fmt::format("{} @ max_rel_bpb {:g}", row.policy, row.target) : row.policy;
+}
+
+double bytes_ratio(const KvEvalRow& row) { return row.kv_bytes_mean / row.kv_bytes_full_mean; }
 
 std::string csv_number(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : std::string(); }
 
@@ -46,6 +60,13 @@ nlohmann::json ablation_json(const std::vector<KvHeadAblation>& heads) {
                    {"rel_bpb_increase", number(a.rel_bpb_increase)}});
   }
   return out;
+}
+
+std::string split_text(const std::string& split) {
+  if (split == "heldout") return "the checkpoint's held-out split";
+  if (split == "calibration") return "the calibration half of the documents' source files";
+  if (split == "evaluation") return "the evaluation half of the documents' source files (disjoint from the calibration half)";
+  return "every sample";
 }
 
 size_t layers_of(const KvEvalResult& r) {
@@ -97,8 +118,15 @@ nlohmann::json kv_eval_json(const KvEvalResult& r, const KvEvalReportInfo& info)
   for (const auto& row : r.rows) {
     nlohmann::json layers = nlohmann::json::array();
     for (double e : row.attn_rel_err_per_layer) layers.push_back(number(e));
+    nlohmann::json per_doc = nlohmann::json::array();
+    for (double v : row.rel_per_document) per_doc.push_back(number(v));
     results.push_back({{"policy", row.policy},
                        {"budget", row.budget},
+                       {"max_rel_bpb", number(row.target)},
+                       {"max_rel_error", number(row.max_rel_error)},
+                       {"calibrated_q90", number(row.calibrated_q90)},
+                       {"calibrated_bytes_ratio", number(row.calibrated_bytes_ratio)},
+                       {"within_target", number(row.within_target)},
                        {"documents", row.documents},
                        {"bpb", number(row.bpb)},
                        {"bpb_full", number(row.bpb_full)},
@@ -110,20 +138,41 @@ nlohmann::json kv_eval_json(const KvEvalResult& r, const KvEvalReportInfo& info)
                        {"rel_bpb_increase_ci", interval(row.rel_bpb_increase)},
                        {"worst_decile_rel_increase", number(row.worst_decile_rel_increase.value)},
                        {"worst_decile_rel_increase_ci", interval(row.worst_decile_rel_increase)},
+                       {"worst_decile_mean", number(row.worst_decile_mean)},
+                       {"rel_bpb_increase_per_document", per_doc},
                        {"attn_rel_err", number(row.attn_rel_err.value)},
                        {"attn_rel_err_ci", interval(row.attn_rel_err)},
                        {"attn_rel_err_per_layer", layers},
                        {"kv_bytes", number(row.kv_bytes)},
                        {"kv_bytes_full", number(row.kv_bytes_full)},
                        {"kv_bytes_ratio", number(row.kv_bytes / row.kv_bytes_full)},
+                       {"kv_bytes_mean", number(row.kv_bytes_mean)},
+                       {"kv_bytes_max", number(row.kv_bytes_max)},
+                       {"kv_bytes_full_mean", number(row.kv_bytes_full_mean)},
+                       {"kv_bytes_mean_ratio", number(bytes_ratio(row))},
                        {"prefill_s", number(row.prefill_s)},
                        {"decode_s", number(row.decode_s)},
                        {"abstained_heads", number(row.abstained_heads)},
                        {"abstained_by_head", per_layer(row.abstained_by_head, layers_of(r))}});
   }
+  nlohmann::json paired = nlohmann::json::array();
+  for (const auto& p : r.paired) {
+    paired.push_back({{"budget", p.budget},
+                      {"candidate", p.candidate},
+                      {"baseline", p.baseline},
+                      {"documents", p.documents},
+                      {"diff", number(p.diff.value)},
+                      {"diff_ci", interval(p.diff)},
+                      {"wins", number(p.wins)},
+                      {"bytes_ratio", number(p.bytes_ratio)}});
+  }
   return {{"checkpoint", info.checkpoint},
           {"data_path", info.data_path},
           {"split", info.split},
+          {"calibration", info.calibration},
+          {"source_files", r.source_files},
+          {"sources", r.sources},
+          {"paired", paired},
           {"context", o.context},
           {"continuation", o.continuation},
           {"chunk_tokens", o.chunk_tokens},
@@ -150,36 +199,66 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
   md << fmt::format(
       "Date: {} UTC. Checkpoint `{}`: {} parameters, {}. Documents: `{}` ({}), {} samples, {} shorter than the {} "
       "tokens needed (context {} + continuation {} + 1, BOS included) skipped, {} long enough but beyond "
-      "--max-docs, **{} evaluated** (chosen with seed {}). Prefill chunk {} tokens, {} intra-op threads, "
-      "1-minute load average {:.2f} at the start, {:.2f} at the end.\n\n",
-      info.date, info.checkpoint, info.parameters, info.model, info.data_path,
-      info.split == "heldout" ? "the checkpoint's held-out split" : "every sample", d.available, d.too_short,
-      d.required_tokens, o.context, o.continuation, d.not_chosen, d.documents.size(), o.seed, o.chunk_tokens,
-      info.threads, info.load_average_start, info.load_average_end);
+      "--max-docs, **{} evaluated** (chosen with seed {}) from {} source files. Prefill chunk {} tokens, {} "
+      "intra-op threads, 1-minute load average {:.2f} at the start, {:.2f} at the end.\n\n",
+      info.date, info.checkpoint, info.parameters, info.model, info.data_path, split_text(info.split), d.available,
+      d.too_short, d.required_tokens, o.context, o.continuation, d.not_chosen, d.documents.size(), o.seed,
+      r.source_files, o.chunk_tokens, info.threads, info.load_average_start, info.load_average_end);
+  if (!info.calibration.empty()) md << "Calibration: " << info.calibration << "\n\n";
   md << fmt::format(
       "Per document the first {} tokens are prefilled with the policy, the next {} teacher-forced one decode() "
       "at a time (the policy compresses while decoding as it does in generation), and their true next bytes "
       "scored. `top-1` = the fraction of those tokens that are the argmax of their logits (greedy decoding would "
       "emit them), `exact` = the fraction of documents where all are (retrieval accuracy when the continuation is "
-      "the answer). `rel bpb increase` = (bpb - bpb_full) / bpb_full per document, then the mean; `worst decile` = "
-      "the mean of the worst 10% of documents (at least one); intervals are 95% percentile bootstraps over "
-      "documents ({} resamples, seed {}). `attn rel err`: per layer, head and true future query (the full run's "
-      "continuation queries, after rotary), ||o_c - o_f|| / ||o_f|| of the attention output over the cache right "
-      "after prefill, policy vs full, averaged. `kv bytes`: KvCache::bytes() at the end of the continuation, "
-      "over the full cache's. Times are wall seconds per document. Field definitions and what is not measured: "
-      "docs/kv_cache.md, \"`dcp kv-eval`\".\n\n",
+      "the answer). `rel bpb increase` = (bpb - bpb_full) / bpb_full per document, then the mean, with a 95% "
+      "bootstrap interval over source files (every document of a file resampled together; {} resamples, seed "
+      "{}); `worst decile` = the 90th percentile of the documents' increases with its distribution-free "
+      "order-statistic 95% interval (+inf: too few documents to bound it), and the mean of the worst 10%. `attn "
+      "rel err`: per layer, head and true future query (the full run's continuation queries, after rotary), "
+      "||o_c - o_f|| / ||o_f|| of the attention output over the cache right after prefill, policy vs full, "
+      "averaged. `bytes`: what each scored token's attention read (the cache before its decode() plus its own "
+      "entries), mean and maximum over the continuation, over the full cache's mean: every comparison is at these "
+      "measured bytes, not at the nominal budget. Times are wall seconds per document. Field definitions and what "
+      "is not measured: docs/kv_cache.md, \"`dcp kv-eval`\".\n\n",
       o.context, o.continuation, o.bootstrap_resamples, o.seed);
-  md << "| policy | budget | bpb | bpb full | top-1 (full) | exact (full) | rel bpb increase [95% CI] | worst "
-        "decile [95% CI] | attn rel err [95% CI] | kv bytes / full | prefill s | decode s | abstained heads |\n";
-  md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  md << "| policy | budget | bytes mean / full (max) | bpb | bpb full | top-1 (full) | exact (full) | rel bpb increase "
+        "[95% CI] | worst decile q90 [95% CI] | worst 10% mean | attn rel err [95% CI] | prefill s | decode s | "
+        "abstained heads |\n";
+  md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& row : r.rows) {
-    md << fmt::format("| {} | {:g} | {:.4f} | {:.4f} | {:.3f} ({:.3f}) | {:.3f} ({:.3f}) | {} | {} | {:.4f} "
-                      "[{:.4f}, {:.4f}] | {:.3f} | {:.3f} | {:.3f} | {:.1f} |\n",
-                      row.policy, row.budget, row.bpb, row.bpb_full, row.token_accuracy, row.token_accuracy_full,
-                      row.exact_match, row.exact_match_full, percent(row.rel_bpb_increase),
-                      percent(row.worst_decile_rel_increase), row.attn_rel_err.value, row.attn_rel_err.ci[0],
-                      row.attn_rel_err.ci[1], row.kv_bytes / row.kv_bytes_full, row.prefill_s, row.decode_s,
-                      row.abstained_heads);
+    md << fmt::format("| {} | {} | {:.3f} ({:.3f}) | {:.4f} | {:.4f} | {:.3f} ({:.3f}) | {:.3f} ({:.3f}) | {} | {} | "
+                      "{:+.2f}% | {:.4f} [{:.4f}, {:.4f}] | {:.3f} | {:.3f} | {:.1f} |\n",
+                      row_label(row), row.target > 0 ? std::string("-") : fmt::format("{:g}", row.budget),
+                      bytes_ratio(row), row.kv_bytes_max / row.kv_bytes_full_mean, row.bpb, row.bpb_full,
+                      row.token_accuracy, row.token_accuracy_full, row.exact_match, row.exact_match_full,
+                      percent(row.rel_bpb_increase), percent_open(row.worst_decile_rel_increase),
+                      100 * row.worst_decile_mean, row.attn_rel_err.value, row.attn_rel_err.ci[0],
+                      row.attn_rel_err.ci[1], row.prefill_s, row.decode_s, row.abstained_heads);
+  }
+  if (!r.paired.empty()) {
+    md << "\nPaired per document: d = increase(candidate) - increase(baseline) on the same document (negative: "
+          "the candidate is better), its mean with a 95% bootstrap interval over source files, the share of "
+          "documents the candidate wins, and the candidate's measured bytes over the baseline's.\n\n";
+    md << "| budget | candidate | baseline | mean d [95% CI] | wins | bytes ratio |\n|---|---|---|---|---|---|\n";
+    for (const auto& p : r.paired) {
+      md << fmt::format("| {:g} | {} | {} | {} | {:.2f} | {:.3f} |\n", p.budget, p.candidate, p.baseline,
+                        percent(p.diff), p.wins, p.bytes_ratio);
+    }
+  }
+  bool targets = false;
+  for (const auto& row : r.rows) targets = targets || row.target > 0;
+  if (targets) {
+    md << "\nError targets: the calibration's prediction (the 90th percentile of the increase on its own documents "
+          "at the chosen max_rel_error, and the bytes it held) against what these documents measured.\n\n";
+    md << "| target | max_rel_error | predicted q90 | measured q90 [95% CI] | measured mean | within target | "
+          "bytes predicted | bytes measured |\n|---|---|---|---|---|---|---|---|\n";
+    for (const auto& row : r.rows) {
+      if (row.target <= 0) continue;
+      md << fmt::format("| {:g} | {:g} | {:+.2f}% | {} | {:+.2f}% | {:.1f}% | {:.3f} | {:.3f} |\n", row.target,
+                        row.max_rel_error, 100 * row.calibrated_q90, percent_open(row.worst_decile_rel_increase),
+                        100 * row.rel_bpb_increase.value, 100 * row.within_target, row.calibrated_bytes_ratio,
+                        bytes_ratio(row));
+    }
   }
   md << fmt::format("\nReference run (full cache, recording the continuation's queries): prefill {:.3f} s, decode "
                     "{:.3f} s per document. `full` takes no budget: it ran once per document and its row repeats "
@@ -192,7 +271,7 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
   for (size_t l = 0; l < layers; ++l) md << "---|";
   md << "\n";
   for (const auto& row : r.rows) {
-    md << fmt::format("| {} | {:g} |", row.policy, row.budget);
+    md << fmt::format("| {} | {} |", row_label(row), row.target > 0 ? std::string("-") : fmt::format("{:g}", row.budget));
     for (double e : row.attn_rel_err_per_layer) md << fmt::format(" {:.4f} |", e);
     md << "\n";
   }
@@ -207,7 +286,8 @@ std::string kv_eval_csv(const KvEvalResult& r) {
       "policy,budget,documents,bpb,bpb_full,rel_bpb_increase,rel_bpb_increase_lo,rel_bpb_increase_hi,"
       "worst_decile_rel_increase,worst_decile_lo,worst_decile_hi,attn_rel_err,attn_rel_err_lo,attn_rel_err_hi,"
       "kv_bytes,kv_bytes_full,prefill_s,decode_s,abstained_heads,token_accuracy,token_accuracy_full,exact_match,"
-      "exact_match_full\n";
+      "exact_match_full,kv_bytes_mean,kv_bytes_max,kv_bytes_full_mean,kv_bytes_mean_ratio,worst_decile_mean,"
+      "max_rel_bpb,max_rel_error,within_target\n";
   for (const auto& row : r.rows) {
     const std::vector<std::string> f = {
         row.policy,
@@ -232,27 +312,44 @@ std::string kv_eval_csv(const KvEvalResult& r) {
         csv_number(row.token_accuracy),
         csv_number(row.token_accuracy_full),
         csv_number(row.exact_match),
-        csv_number(row.exact_match_full)};
+        csv_number(row.exact_match_full),
+        csv_number(row.kv_bytes_mean),
+        csv_number(row.kv_bytes_max),
+        csv_number(row.kv_bytes_full_mean),
+        csv_number(bytes_ratio(row)),
+        csv_number(row.worst_decile_mean),
+        csv_number(row.target),
+        csv_number(row.max_rel_error),
+        csv_number(row.within_target)};
     csv += fmt::format("{}\n", fmt::join(f, ","));
   }
   return csv;
 }
 
 std::string kv_eval_gnuplot_script(const KvEvalResult& r, const std::string& csv_path, const std::string& png_path) {
-  // CSV columns: 1 policy, 2 budget, 6-8 rel_bpb_increase and its interval, 9 worst decile. A policy's rows are
-  // picked by comparing column 1 (other rows are undefined points, which gnuplot skips).
+  // CSV columns: 1 policy, 6-8 rel_bpb_increase and its interval, 9 worst decile (q90), 27 the measured bytes
+  // over the full cache's (the x axis: equal memory, not the nominal budget), 29 max_rel_bpb (0 on budget rows).
+  // A policy's budget rows are picked by comparing column 1 (other rows are undefined points, which gnuplot
+  // skips); full is left out (it sits at 1).
+  std::vector<std::string> shown;
+  for (const auto& p : r.options.policies) {
+    if (parse_kv_policy_spec(p).name != "full") shown.push_back(p);
+  }
   std::string mean_plot, worst_plot;
-  for (size_t i = 0; i < r.options.policies.size(); ++i) {
-    const std::string& p = r.options.policies[i];
-    const std::string sep = i + 1 < r.options.policies.size() ? ", \\\n     " : "\n";
-    mean_plot += fmt::format("{csv} skip 1 using 2:(strcol(1) eq {q} ? 100*$6 : 1/0):(100*$7):(100*$8) with "
-                             "yerrorlines title {q}{sep}",
+  for (size_t i = 0; i < shown.size(); ++i) {
+    const std::string& p = shown[i];
+    const std::string sep = i + 1 < shown.size() ? ", \\\n     " : "\n";
+    mean_plot += fmt::format("{csv} skip 1 using 27:(strcol(1) eq {q} && $29 == 0 ? 100*$6 : 1/0):(100*$7):(100*$8) "
+                             "with yerrorlines title {q}{sep}",
                              fmt::arg("csv", gnuplot_quoted(csv_path)), fmt::arg("sep", sep),
                              fmt::arg("q", gnuplot_quoted(p)));
-    worst_plot += fmt::format("{csv} skip 1 using 2:(strcol(1) eq {q} ? 100*$9 : 1/0) with linespoints title "
-                              "{q}{sep}",
+    worst_plot += fmt::format("{csv} skip 1 using 27:(strcol(1) eq {q} && $29 == 0 ? 100*$9 : 1/0) with linespoints "
+                              "title {q}{sep}",
                               fmt::arg("csv", gnuplot_quoted(csv_path)), fmt::arg("sep", sep),
                               fmt::arg("q", gnuplot_quoted(p)));
+  }
+  if (shown.empty()) {
+    mean_plot = worst_plot = "NaN notitle\n";
   }
   return fmt::format(
       "set terminal pngcairo size 1200,480 font \",10\"\n"
@@ -260,12 +357,12 @@ std::string kv_eval_gnuplot_script(const KvEvalResult& r, const std::string& csv
       "set datafile separator \",\"\n"
       "set logscale x\n"
       "set grid\n"
-      "set xlabel \"budget (fraction of the tokens kept)\"\n"
+      "set xlabel \"measured bytes over the full cache's (mean over the scored continuation)\"\n"
       "set key top right\n"
       "set multiplot layout 1,2\n"
       "set title \"Relative bits-per-byte increase over the full cache, mean (95% CI), %\"\n"
       "plot {mean}"
-      "set title \"Worst decile of documents, mean, %\"\n"
+      "set title \"Worst decile of documents (90th percentile), %\"\n"
       "plot {worst}"
       "unset multiplot\n",
       fmt::arg("png", gnuplot_quoted(png_path)), fmt::arg("mean", mean_plot), fmt::arg("worst", worst_plot));

@@ -24,13 +24,13 @@ EpochPlanner::EpochPlanner(const TrainConfig& train, const ParallelConfig& paral
   const SpMode sp_mode = sp_mode_from_name(parallel.sp_mode);
   const std::vector<int64_t> sp_sizes = sp_mode == SpMode::kRing
                                             ? resolve_sp_sizes(parallel.sp_sizes, world_size)
-                                            : usable_sp_sizes(parallel.sp_sizes, world_size, model.n_heads);
+                                            : usable_sp_sizes(parallel.sp_sizes, world_size, model.kv_heads());
   needs_ = memory_needs(models.memory, sp_sizes, longest);
   spdlog::info("memory: one sample of {}", describe_memory_needs(needs_));
   dp_ = DataParallelOptions{world_size, train.global_batch_tokens, train.micro_batch_tokens, model.recompute_layers,
                             parallel.sp_size, sp_mode,
                             sp_mode == SpMode::kUlyssesRing
-                                ? ulysses_ring_size(parallel.sp_size, parallel.ulysses_size, model.n_heads)
+                                ? ulysses_ring_size(parallel.sp_size, parallel.ulysses_size, model.kv_heads())
                                 : 0};
   if (train.planner == "static" && parallel.sp_size == 0) {
     const StaticSizing sizing = size_static_planner(dp_, models.memory, sp_sizes, train_lengths);

@@ -49,6 +49,7 @@ void visit(C& c, F&& f) {
   f("model.d_model", c.model.d_model, IntRule{2, 1 << 16});
   f("model.n_layers", c.model.n_layers, IntRule{1, 1024});
   f("model.n_heads", c.model.n_heads, IntRule{1, 1024});
+  f("model.n_kv_heads", c.model.n_kv_heads, IntRule{0, 1024});
   f("model.d_ff", c.model.d_ff, IntRule{1, 1 << 20});
   f("model.rope_theta", c.model.rope_theta, RealRule{1.0});
   f("model.recompute_layers", c.model.recompute_layers, IntRule{0, 1024});
@@ -92,6 +93,7 @@ void visit(C& c, F&& f) {
   f("kv.chunk_tokens", c.kv.chunk_tokens, IntRule{1, 1 << 24});
   f("kv.policy", c.kv.policy, Choices{});  // checked by make_kv_policy where a cache is built (dcp generate)
   f("kv.budget", c.kv.budget, RealRule{0.0, 1e15});
+  f("kv.max_rel_bpb", c.kv.max_rel_bpb, RealRule{0.0, 1.0});
 }
 
 std::string join(const Choices& v) {
@@ -249,11 +251,21 @@ void Config::validate() const {
         "embeddings; d_model={})",
         model.n_heads, model.d_model));
   }
-  if (parallel.sp_mode == "ulysses" && parallel.sp_size > 0 && model.n_heads % parallel.sp_size != 0) {
+  if (model.n_heads % model.kv_heads() != 0) {
+    throw ConfigError(fmt::format("config key 'model.n_kv_heads': bad value '{}' (allowed: 0 = n_heads, or a divisor "
+                                  "of model.n_heads={})",
+                                  model.n_kv_heads, model.n_heads));
+  }
+  if (model.kv_heads() != model.n_heads && attention.backend != "softmax") {
+    throw ConfigError(fmt::format("config key 'model.n_kv_heads': bad value '{}' with attention.backend {} (allowed: "
+                                  "grouped-query attention with the softmax backend only; 0 = n_heads)",
+                                  model.n_kv_heads, attention.backend));
+  }
+  if (parallel.sp_mode == "ulysses" && parallel.sp_size > 0 && model.kv_heads() % parallel.sp_size != 0) {
     throw ConfigError(fmt::format(
-        "config key 'parallel.sp_size': bad value '{}' (allowed: a divisor of model.n_heads={}; Ulysses shards heads; "
-        "parallel.sp_mode ring has no such bound)",
-        parallel.sp_size, model.n_heads));
+        "config key 'parallel.sp_size': bad value '{}' (allowed: a divisor of the K/V heads, {}; Ulysses shards "
+        "heads; parallel.sp_mode ring has no such bound)",
+        parallel.sp_size, model.kv_heads()));
   }
   if (parallel.sp_mode != "ulysses" && attention.backend != "softmax") {
     throw ConfigError(fmt::format(
@@ -273,12 +285,12 @@ void Config::validate() const {
           "splits a fixed size into subgroups of 1 < ulysses_size < sp_size; use ulysses or ring below 4)",
           parallel.sp_size));
     }
-    const int64_t u = ulysses_ring_size(parallel.sp_size, parallel.ulysses_size, model.n_heads);
+    const int64_t u = ulysses_ring_size(parallel.sp_size, parallel.ulysses_size, model.kv_heads());
     if (u == 0) {
       throw ConfigError(fmt::format(
-          "config key 'parallel.ulysses_size': bad value '{}' with parallel.sp_size {} and model.n_heads {} "
+          "config key 'parallel.ulysses_size': bad value '{}' with parallel.sp_size {} and {} K/V heads "
           "(allowed: a divisor of both, strictly between 1 and sp_size; 0 picks the largest)",
-          parallel.ulysses_size, parallel.sp_size, model.n_heads));
+          parallel.ulysses_size, parallel.sp_size, model.kv_heads()));
     }
   }
   if (model.recompute_layers > model.n_layers) {

@@ -138,7 +138,9 @@ TEST(CliKvEval, JsonHasEveryFieldFullIsExactAndWindowLosesOnPeakedAttention) {
     for (const char* key : {"policy", "budget", "documents", "bpb", "bpb_full", "rel_bpb_increase",
                             "rel_bpb_increase_ci", "worst_decile_rel_increase", "worst_decile_rel_increase_ci",
                             "attn_rel_err", "attn_rel_err_ci", "attn_rel_err_per_layer", "kv_bytes",
-                            "kv_bytes_full", "prefill_s", "decode_s", "abstained_heads", "abstained_by_head"}) {
+                            "kv_bytes_full", "prefill_s", "decode_s", "abstained_heads", "abstained_by_head",
+                            "kv_bytes_mean", "kv_bytes_max", "kv_bytes_full_mean", "worst_decile_mean",
+                            "rel_bpb_increase_per_document"}) {
       ASSERT_TRUE(r.contains(key)) << key << " in " << r.dump();
     }
     EXPECT_EQ(r["documents"], 6);
@@ -158,7 +160,14 @@ TEST(CliKvEval, JsonHasEveryFieldFullIsExactAndWindowLosesOnPeakedAttention) {
   EXPECT_GT(w10["attn_rel_err"].get<double>(), j["results"][3]["attn_rel_err"].get<double>());
   EXPECT_GT(w10["worst_decile_rel_increase"].get<double>(), 0) << w10.dump();
   EXPECT_NE(w10["rel_bpb_increase"].get<double>(), 0);
-  EXPECT_NEAR(w10["kv_bytes"].get<double>() / w10["kv_bytes_full"].get<double>(), 0.1, 1e-9);
+  // Every policy compresses every 64 positions while decoding (one schedule, equal memory): after the prefill of
+  // 128 each head holds ceil(0.1 x 128) = 13 entries, and decoding 129..160 reaches no multiple of 64, so the 32
+  // decoded tokens stay. At the end 45 of 160 entries; the scored token i (0..31) read 13 + i + 1 entries against
+  // the full cache's 128 + i + 1: mean 29.5 / 144.5, maximum 45 / 160.
+  EXPECT_NEAR(w10["kv_bytes"].get<double>() / w10["kv_bytes_full"].get<double>(), 45.0 / 160.0, 1e-9);
+  EXPECT_NEAR(w10["kv_bytes_mean"].get<double>() / w10["kv_bytes_full_mean"].get<double>(), 29.5 / 144.5, 1e-9);
+  EXPECT_NEAR(w10["kv_bytes_max"].get<double>() / w10["kv_bytes_full_mean"].get<double>(), 45.0 / 144.5, 1e-9);
+  EXPECT_EQ(w10["rel_bpb_increase_per_document"].size(), 6u);
   // --out: the markdown starts with the command, the CSV has a row per (policy, budget).
   const std::string md = read(out.string() + ".md");
   EXPECT_NE(md.find("kv-eval --checkpoint"), std::string::npos);
@@ -203,4 +212,73 @@ TEST(CliKvEval, RefusesAFlexformerCheckpointAndAMissingOne) {
   ASSERT_TRUE(status >= 0 && WIFEXITED(status)) << m.log();
   EXPECT_EQ(WEXITSTATUS(status), 1) << m.log();
   EXPECT_NE(m.log().find(missing), std::string::npos) << m.log();
+}
+
+// dcp kv-calibrate writes CHECKPOINT/kv_calibration.json (two grid points, two targets), and kv-eval --max-rel-bpb
+// runs an error-target row from it; a target below every calibrated one is a usage error, a missing file exit 1.
+TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarget) {
+  const fs::path dir = setup().dir / "calibrate";
+  fs::create_directories(dir);
+  const fs::path ckpt = write_checkpoint(dir, setup().corpus, "softmax");
+  auto spawn = [&](const std::vector<std::string>& args, const std::string& name) {
+    Child c = Child::spawn(args, {{"OMP_NUM_THREADS", "1"}}, (dir / (name + ".log")).string());
+    const int status = c.wait(240);
+    return std::pair<int, std::string>{status >= 0 && WIFEXITED(status) ? WEXITSTATUS(status) : -1, c.log()};
+  };
+  const auto [code, log] = spawn({DCP_BINARY, "kv-calibrate", "--checkpoint", ckpt.string(), "--data.path",
+                                  setup().corpus.string(), "--split", "all", "--context", "128", "--continuation",
+                                  "32", "--grid", "0.5,0.02", "--targets", "1,0.01"},
+                                 "calibrate");
+  ASSERT_EQ(code, 0) << log;
+  EXPECT_NE(log.find("| max_rel_error | mean rel bpb increase |"), std::string::npos) << log;
+  const fs::path file = ckpt / "kv_calibration.json";
+  ASSERT_TRUE(fs::exists(file)) << log;
+  const nlohmann::json cal = nlohmann::json::parse(read(file));
+  EXPECT_EQ(cal["format"], "dcp-kv-calibration-1");
+  EXPECT_EQ(cal["split"], "all");
+  EXPECT_EQ(cal["documents"], 6);
+  ASSERT_EQ(cal["grid"].size(), 2u);
+  EXPECT_EQ(cal["grid"][0]["max_rel_error"], 0.02);  // sorted
+  EXPECT_EQ(cal["grid"][1]["max_rel_error"], 0.5);
+  for (const auto& p : cal["grid"]) {
+    EXPECT_GT(p["bytes_ratio"].get<double>(), 0) << p.dump();
+    EXPECT_LE(p["bytes_ratio"].get<double>(), 1.0 + 1e-9) << p.dump();
+  }
+  // A 25x looser bound on each block's predicted error keeps no more of the cache.
+  EXPECT_LE(cal["grid"][1]["bytes_ratio"].get<double>(), cal["grid"][0]["bytes_ratio"].get<double>()) << cal.dump();
+  ASSERT_EQ(cal["choices"].size(), 2u);
+  EXPECT_EQ(cal["choices"][1]["max_rel_bpb"], 1.0);
+  // At a 2% predicted relative error per block the bpb of the random model does not double: target 1 is met.
+  const double chosen = cal["choices"][1]["max_rel_error"].get<double>();
+  ASSERT_GT(chosen, 0) << cal.dump();
+
+  const std::vector<std::string> eval = {DCP_BINARY, "kv-eval", "--checkpoint", ckpt.string(), "--data.path",
+                                         setup().corpus.string(), "--context", "128", "--continuation", "32",
+                                         "--policies", "full", "--budgets", "1"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = eval;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const auto [ecode, elog] = spawn(with({"--max-rel-bpb", "1", "--json"}), "eval_target");
+  ASSERT_EQ(ecode, 0) << elog;
+  const size_t start = elog.find("\n{");
+  ASSERT_NE(start, std::string::npos) << elog;
+  const nlohmann::json j = nlohmann::json::parse(elog.substr(start + 1, elog.rfind('}') - start));
+  ASSERT_EQ(j["results"].size(), 2u) << j.dump();
+  const auto& row = j["results"][1];
+  EXPECT_EQ(row["policy"], "minimax");
+  EXPECT_EQ(row["max_rel_bpb"], 1.0);
+  EXPECT_EQ(row["max_rel_error"].get<double>(), chosen);
+  EXPECT_GE(row["within_target"].get<double>(), 0.0);
+  EXPECT_LE(row["within_target"].get<double>(), 1.0);
+  EXPECT_NE(j["calibration"].get<std::string>().find("kv_calibration.json"), std::string::npos);
+
+  const auto [bcode, blog] = spawn(with({"--max-rel-bpb", "0.001"}), "eval_below");
+  EXPECT_EQ(bcode, 2) << blog;
+  EXPECT_NE(blog.find("lists no target at or below it"), std::string::npos) << blog;
+  const std::string missing = (dir / "none.json").string();
+  const auto [mcode, mlog] = spawn(with({"--max-rel-bpb", "1", "--calibration", missing}), "eval_missing");
+  EXPECT_EQ(mcode, 1) << mlog;
+  EXPECT_NE(mlog.find(missing), std::string::npos) << mlog;
 }

@@ -151,7 +151,7 @@ TEST(SequenceParallel, HeadsNotDivisibleBySpSizeIsAClearError) {
     compute_step_gradients(model, corpus, plan, groups());
     FAIL() << "expected an error";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("sp_size 4 does not divide model.n_heads 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sp_size 4 does not divide the K/V heads 2"), std::string::npos) << e.what();
   }
 }
 
@@ -278,4 +278,50 @@ TEST(RingAttention, RingModesNeedTheSoftmaxBackendAndSayWhy) {
   }
   StepPlan odd = make_plan({ring_group(0, 4, {micro_batch(corpus, {1}, 0)}, SpMode::kUlyssesRing, 4)});
   EXPECT_THROW(odd.validate(4, corpus.samples(), 3), std::invalid_argument);  // ulysses_size must be < sp_size
+}
+
+// ---------------------------------------------------------------------------------------------- grouped-query attention
+
+TEST(GroupedQueryAttention, SpForwardAndGradientsEqualSingleProcess) {
+  // 4 query heads over 2 K/V heads: Ulysses at sp 2 carries each member's K/V heads at their own width, a ring of
+  // 4 passes K/V blocks of 2 heads, ulysses-ring 2 x 2 combines both; all equal one process (which expands K/V).
+  Config cfg = tiny_config({"--model.n_kv_heads=2"});
+  Corpus corpus = tiny_corpus(cfg);
+  const std::vector<int64_t> ids = {1, 5, 2, 9};
+  Transformer model = fresh_model(cfg);
+  {
+    torch::NoGradGuard no_grad;
+    torch::Tensor full = model->forward(make_batch(corpus, ids));
+    const Communicator& group = groups().group(2);
+    PackedBatch shard = make_shard(corpus, ids, group.rank(), 2);
+    shard.attention = std::make_shared<SequenceParallelAttention>(group);
+    torch::Tensor local = model->forward(shard);
+    const int64_t begin = group.rank() * shard.num_tokens();
+    const int64_t real = std::max<int64_t>(0, std::min(full.size(0) - begin, shard.num_tokens()));
+    EXPECT_TRUE(torch::allclose(local.slice(0, 0, real), full.slice(0, begin, begin + real), 1e-5, 1e-5));
+  }
+  const std::vector<StepPlan> plans{
+      make_plan({GroupPlan{0, 2, {micro_batch(corpus, {0, 3}, 1)}}, GroupPlan{2, 2, {micro_batch(corpus, {2, 1}, 0)}}}),
+      make_plan({ring_group(0, 4, {micro_batch(corpus, {1, 2, 3}, 2), micro_batch(corpus, {0}, 0)}, SpMode::kRing)}),
+      make_plan({ring_group(0, 4, {micro_batch(corpus, {10, 0}, 1)}, SpMode::kUlyssesRing, 2)}),
+  };
+  for (size_t i = 0; i < plans.size(); ++i) {
+    SCOPED_TRACE("plan " + std::to_string(i));
+    plans[i].validate(4, corpus.samples(), cfg.model.n_layers);
+    expect_step_matches_reference(cfg, corpus, plans[i]);
+  }
+}
+
+TEST(GroupedQueryAttention, UlyssesBeyondTheKvHeadsIsAClearError) {
+  // sp 4 divides the 4 query heads but not the 2 K/V heads: the plan check names them before any work.
+  Config cfg = tiny_config({"--model.n_kv_heads=2"});
+  Corpus corpus = tiny_corpus(cfg);
+  StepPlan plan = make_plan({GroupPlan{0, 4, {micro_batch(corpus, {1}, 0)}}});
+  Transformer model = fresh_model(cfg);
+  try {
+    compute_step_gradients(model, corpus, plan, groups());
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("sp_size 4 does not divide the K/V heads 2"), std::string::npos) << e.what();
+  }
 }

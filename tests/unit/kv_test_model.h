@@ -29,13 +29,17 @@ inline ModelConfig kv_tiny_config(int64_t layers = 3) {
 /// A random model whose attention is peaked, in eval mode. At init (std 0.02) scores are ~0.1 and every head
 /// averages its whole context, which would hide a wrong mask, position or evicted entry; scaling the q and k
 /// rows of wqkv by 8 makes scores O(5).
-inline Transformer sharp_model(uint64_t seed, Precision precision = Precision::kFp32, int64_t layers = 3) {
+/// kv_heads < 4: grouped-query attention (the q and k rows scaled are then d_model + kv_heads x head_dim).
+inline Transformer sharp_model(uint64_t seed, Precision precision = Precision::kFp32, int64_t layers = 3,
+                               int64_t kv_heads = 0) {
   torch::manual_seed(seed);
-  const ModelConfig cfg = kv_tiny_config(layers);
+  ModelConfig cfg = kv_tiny_config(layers);
+  cfg.n_kv_heads = kv_heads;
   Transformer model(cfg, AttentionConfig{}, precision);
   torch::NoGradGuard no_grad;
+  const int64_t qk_rows = cfg.d_model + cfg.kv_heads() * (cfg.d_model / cfg.n_heads);
   for (const auto& item : model->named_parameters()) {
-    if (item.key().find("wqkv") != std::string::npos) item.value().narrow(0, 0, 2 * cfg.d_model).mul_(8.0);
+    if (item.key().find("wqkv") != std::string::npos) item.value().narrow(0, 0, qk_rows).mul_(8.0);
   }
   model->eval();
   return model;

@@ -163,6 +163,23 @@ TEST(Config, FifosDevicesAndFoldersAreRefusedPipesWithDataRead) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Config, KvHeadsDivideTheHeadsBoundUlyssesAndNeedSoftmax) {
+  EXPECT_EQ(Config::load("", {}).model.kv_heads(), Config::load("", {}).model.n_heads);  // default 0 = n_heads
+  EXPECT_EQ(Config::load("", {"--model.n_kv_heads=2"}).model.kv_heads(), 2);
+  std::string msg = error_of([] { Config::load("", {"--model.n_kv_heads=3"}); });
+  EXPECT_NE(msg.find("'model.n_kv_heads': bad value '3'"), std::string::npos) << msg;
+  msg = error_of([] { Config::load("", {"--model.n_kv_heads=2", "--attention.backend=flexformer"}); });
+  EXPECT_NE(msg.find("softmax backend only"), std::string::npos) << msg;
+  // Ulysses shards K/V heads too: sp_size 4 divides the 4 query heads but not 2 K/V heads; a ring is free.
+  msg = error_of([] { Config::load("", {"--model.n_kv_heads=2", "--parallel.sp_size=4"}); });
+  EXPECT_NE(msg.find("a divisor of the K/V heads, 2"), std::string::npos) << msg;
+  EXPECT_NO_THROW(Config::load("", {"--model.n_kv_heads=2", "--parallel.sp_size=2"}));
+  EXPECT_NO_THROW(Config::load("", {"--model.n_kv_heads=2", "--parallel.sp_size=4", "--parallel.sp_mode=ring"}));
+  EXPECT_NO_THROW(Config::load("", {"--model.n_kv_heads=1", "--parallel.sp_size=4", "--parallel.sp_mode=ring"}));
+  msg = error_of([] { Config::load("", {"--kv.max_rel_bpb=2"}); });
+  EXPECT_NE(msg.find("kv.max_rel_bpb"), std::string::npos) << msg;
+}
+
 TEST(Config, SpModesLiftTheHeadBoundAndNeedSoftmax) {
   // Ulysses: sp_size must divide the heads; a ring need not; ulysses-ring's subgroup must.
   EXPECT_NE(error_of([] { Config::load("", {"--model.n_heads=4", "--parallel.sp_size=8"}); }).find("parallel.sp_size"),

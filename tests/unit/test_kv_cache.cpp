@@ -369,6 +369,33 @@ TEST(KvCacheAttention, PerHeadLengthsAndBiasesMatchTheReferenceTwin) {
   }
 }
 
+TEST(KvCacheAttention, GroupedQueryHeadsReadTheirKvHeadLikeExpandedHeads) {
+  // 4 query heads over a cache of 2 KV heads (of different lengths, with biases) equal the same queries over a
+  // cache of 4 heads where each KV head is stored twice (fp64: the same sums; the twin agrees to 1e-12).
+  torch::manual_seed(30);
+  const int64_t dim = 8, n = 40, T = 5;
+  KvCache grouped(small_spec(torch::kDouble, 2, dim));
+  KvCache expanded(small_spec(torch::kDouble, 4, dim));
+  const torch::Tensor ck = torch::randn({n, 2, dim}, torch::kDouble), cv = torch::randn({n, 2, dim}, torch::kDouble);
+  for (int64_t layer = 0; layer < 2; ++layer) {
+    grouped.append(layer, ck, cv, torch::arange(n, torch::kInt64));
+    expanded.append(layer, ck.repeat_interleave(2, 1), cv.repeat_interleave(2, 1), torch::arange(n, torch::kInt64));
+  }
+  const torch::Tensor keep = idx({0, 3, 9, 20, 39}), bias = torch::randn({5});
+  grouped.commit(1, {KvHeadEdit{keep, bias}, KvHeadEdit{}});
+  expanded.commit(1, {KvHeadEdit{keep, bias}, KvHeadEdit{keep, bias}, KvHeadEdit{}, KvHeadEdit{}});
+  const torch::Tensor q = torch::randn({T, 4, dim}, torch::kDouble) * 1.5, k = torch::randn({T, 2, dim}, torch::kDouble),
+                      v = torch::randn({T, 2, dim}, torch::kDouble);
+  const AttentionResult got = kv_cache_attention(q, k, v, grouped, 1);
+  const AttentionResult want = kv_cache_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), expanded, 1);
+  EXPECT_LE(max_abs_diff(got.out, want.out), 1e-12);
+  EXPECT_LE(max_abs_diff(got.lse, want.lse), 1e-12);
+  EXPECT_LE(max_abs_diff(reference_kv_cache_attention(q, k, v, grouped, 1).out, got.out), 1e-12);
+  EXPECT_NE(error_of([&] { kv_cache_attention(torch::randn({T, 3, dim}, torch::kDouble), k, v, grouped, 1); })
+                .find("a multiple of 2"),
+            std::string::npos);
+}
+
 TEST(KvCacheAttention, WrapperAttendsBeforeAppendingAndNeedsSoftmax) {
   torch::manual_seed(9);
   auto cache = std::make_shared<KvCache>(small_spec(torch::kFloat, 4, 16));
@@ -412,6 +439,18 @@ TEST(DecodeSession, CachedDecodingEqualsTheFullForwardOver1100TokensFp32) {
   // carried through 3 blocks, the norms and the head onto logits of size ~0.7 here. Measured max difference
   // 3.6e-7; 5e-6 leaves room for other BLAS kernels and thread counts, while a wrong mask, position or entry
   // moves logits by 1e-2 or more (a sliding window of 8 moves them by 0.2, see the policy test).
+  const double scale = full.abs().max().item<double>();
+  EXPECT_LE(max_abs_diff(cached, full), 5e-6 * std::max(1.0, scale)) << "logit scale " << scale;
+}
+
+TEST(DecodeSession, GroupedQueryCachedDecodingEqualsTheFullForward) {
+  // A GQA model (4 query heads, 2 K/V heads): the cache holds 2 heads per layer, and decoding through it equals
+  // the full forward as for MHA (same tolerance and reasoning as the 1100-token test).
+  Transformer model = sharp_model(20, Precision::kFp32, 3, 2);
+  EXPECT_EQ(kv_cache_spec(model).kv_heads, 2);
+  const auto tokens = random_tokens(300, 21);
+  const torch::Tensor full = full_forward(model, tokens);
+  const torch::Tensor cached = cached_logits(model, tokens, 100, 32);
   const double scale = full.abs().max().item<double>();
   EXPECT_LE(max_abs_diff(cached, full), 5e-6 * std::max(1.0, scale)) << "logit scale " << scale;
 }

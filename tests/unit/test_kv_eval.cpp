@@ -6,11 +6,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "dcp/config.h"
 #include "dcp/infer.h"
+#include "tools/kv_calibrate.h"
 #include "tools/kv_eval.h"
 #include "tools/kv_eval_report.h"
 #include "dcp/kv_policies.h"
@@ -92,6 +95,117 @@ TEST(KvEvalStats, BootstrapIsSeededAndBracketsTheMean) {
   EXPECT_NE(error_of([] { bootstrap_stat({1}, mean_of, 0, 1); }).find("resamples 0"), std::string::npos);
 }
 
+TEST(KvEvalStats, ClusterBootstrapResamplesFilesNotDocuments) {
+  std::vector<double> v;
+  std::vector<int64_t> own;
+  for (int i = 0; i < 30; ++i) {
+    v.push_back(std::cos(i) + 0.05 * i);
+    own.push_back(i);
+  }
+  // One document per file: the cluster bootstrap is the plain bootstrap (the same draws, seed for seed).
+  const KvEvalStat plain = bootstrap_stat(v, mean_of, 500, 9), single = kv_eval_bootstrap(v, own, 500, 9);
+  EXPECT_DOUBLE_EQ(single.value, plain.value);
+  EXPECT_NEAR(single.ci[0], plain.ci[0], 1e-12);
+  EXPECT_NEAR(single.ci[1], plain.ci[1], 1e-12);
+  // Each file cut into three identical documents: resampling files gives the interval of the 30 files, while
+  // treating the 90 documents as independent would claim one about sqrt(3) narrower.
+  std::vector<double> triple;
+  std::vector<int64_t> files;
+  for (int i = 0; i < 30; ++i) {
+    for (int c = 0; c < 3; ++c) {
+      triple.push_back(v[static_cast<size_t>(i)]);
+      files.push_back(i);
+    }
+  }
+  const KvEvalStat clustered = kv_eval_bootstrap(triple, files, 500, 9);
+  EXPECT_NEAR(clustered.ci[0], plain.ci[0], 1e-12);
+  EXPECT_NEAR(clustered.ci[1], plain.ci[1], 1e-12);
+  const KvEvalStat naive = bootstrap_stat(triple, mean_of, 500, 9);
+  EXPECT_LT(naive.ci[1] - naive.ci[0], 0.8 * (clustered.ci[1] - clustered.ci[0]));
+  EXPECT_NE(error_of([] { kv_eval_bootstrap({1, 2}, {0}, 10, 1); }).find("1 cluster ids for 2 values"), std::string::npos);
+  EXPECT_NE(error_of([] { kv_eval_bootstrap({1, 2}, {0, 2}, 10, 1); }).find("cluster id 1 has no value"),
+            std::string::npos);
+}
+
+TEST(KvEvalStats, QuantileIntervalIsTheBinomialOrderStatisticsAndCovers) {
+  // 1..64: the 0.9 quantile is x_(58); the equal-tailed 95% interval by hand from Binomial(64, 0.9).
+  std::vector<double> v;
+  for (int i = 1; i <= 64; ++i) v.push_back(i);
+  std::vector<double> cdf;
+  double acc = 0;
+  for (int j = 0; j <= 64; ++j) {
+    double log_c = 0;
+    for (int t = 1; t <= j; ++t) log_c += std::log(static_cast<double>(64 - j + t) / t);
+    acc += std::exp(log_c + j * std::log(0.9) + (64 - j) * std::log(0.1));
+    cdf.push_back(acc);
+  }
+  int l = 0, u = 65;
+  for (int i = 1; i <= 64; ++i) if (cdf[i - 1] <= 0.025) l = i;
+  for (int i = 64; i >= 1; --i) if (cdf[i - 1] >= 0.975) u = i;
+  const KvEvalStat q = kv_quantile_with_ci(v, 0.9);
+  EXPECT_EQ(q.value, 58);
+  EXPECT_EQ(q.ci[0], l);
+  if (u <= 64) EXPECT_EQ(q.ci[1], u); else EXPECT_TRUE(std::isinf(q.ci[1]));
+  EXPECT_LT(q.ci[0], 58);
+  EXPECT_GT(q.ci[1], 58);
+  // Coverage over 2000 samples of 64 uniform draws: the true 0.9 quantile is 0.9; the interval holds it in
+  // >= 95% of samples (>= 93.5% allows for the simulation's own noise, sd 0.5%).
+  std::mt19937_64 rng(5);
+  int covered = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<double> x;
+    for (int i = 0; i < 64; ++i) x.push_back(static_cast<double>(rng() >> 11) / 9007199254740992.0);
+    const KvEvalStat s = kv_quantile_with_ci(x, 0.9);
+    covered += s.ci[0] <= 0.9 && 0.9 <= s.ci[1];
+  }
+  EXPECT_GE(covered, 1870);
+  // Too few documents to bound the upper end: +inf, not a made-up number.
+  EXPECT_TRUE(std::isinf(kv_quantile_with_ci({1, 2, 3, 4, 5}, 0.9).ci[1]));
+  EXPECT_NE(error_of([] { kv_quantile_with_ci({}, 0.9); }).find("no values"), std::string::npos);
+  EXPECT_NE(error_of([] { kv_quantile_with_ci({1}, 1.0); }).find("must lie in (0, 1)"), std::string::npos);
+}
+
+TEST(KvEvalSplit, CalibrationAndEvaluationAreDisjointHalvesBySourceFile) {
+  DataConfig cfg;
+  cfg.max_seq_len = 50;  // longer documents are several samples: "name#0", "name#1", ...
+  cfg.heldout_fraction = 0;
+  std::vector<std::pair<std::string, std::string>> docs;
+  for (int i = 0; i < 40; ++i) docs.push_back({"file" + std::to_string(i) + ".py", std::string(120 + i, 'a' + i % 26)});
+  const Corpus corpus = Corpus::from_documents(docs, cfg);
+  const auto cal = kv_eval_split(corpus, corpus.train_ids(), "calibration");
+  const auto eval = kv_eval_split(corpus, corpus.train_ids(), "evaluation");
+  EXPECT_EQ(cal.size() + eval.size(), corpus.train_ids().size());
+  std::set<std::string> cal_files, eval_files;
+  for (int64_t id : cal) cal_files.insert(kv_source_file(corpus.samples()[static_cast<size_t>(id)].source));
+  for (int64_t id : eval) eval_files.insert(kv_source_file(corpus.samples()[static_cast<size_t>(id)].source));
+  for (const auto& f : cal_files) EXPECT_EQ(eval_files.count(f), 0u) << f;  // every chunk of a file on one side
+  EXPECT_GT(cal_files.size(), 8u);
+  EXPECT_GT(eval_files.size(), 8u);
+  EXPECT_EQ(kv_source_file("/a/b#c.py#3"), "/a/b#c.py");
+  EXPECT_NE(error_of([&] { kv_eval_split(corpus, corpus.train_ids(), "test"); }).find("split 'test'"), std::string::npos);
+}
+
+TEST(KvCalibration, ChoosesTheLargestErrorBoundWithinEachTargetAndRoundTrips) {
+  KvCalibration c;
+  c.context = 96;
+  c.grid = {{0.01, 0.001, 0.002, 0.9}, {0.02, 0.003, 0.006, 0.6}, {0.04, 0.008, 0.015, 0.4}, {0.08, 0.02, 0.04, 0.2}};
+  c.choices = {{0.005, 0.01, 0.002, 0.9}, {0.01, 0.02, 0.006, 0.6}, {0.02, 0.04, 0.015, 0.4}, {0.001, 0, 0, 0}};
+  const KvCalibration back = kv_calibration_from_json(kv_calibration_json(c), "test");
+  ASSERT_EQ(back.choices.size(), 4u);
+  EXPECT_EQ(back.choices[0].max_rel_bpb, 0.001);  // sorted by target
+  EXPECT_EQ(back.grid.size(), 4u);
+  EXPECT_EQ(kv_calibrated_target(back, 0.01).max_rel_error, 0.02);
+  // A target between listed ones takes the one below it (conservative).
+  EXPECT_EQ(kv_calibrated_target(back, 0.015).max_rel_error, 0.02);
+  EXPECT_EQ(kv_calibrated_target(back, 0.015).max_rel_bpb, 0.015);
+  EXPECT_NE(error_of([&] { kv_calibrated_target(back, 0.0005); }).find("no target at or below it"), std::string::npos);
+  EXPECT_NE(error_of([&] { kv_calibrated_target(back, 0.002); }).find("no max_rel_error of the grid"), std::string::npos);
+  EXPECT_NE(error_of([] { kv_calibration_from_json(nlohmann::json{{"format", "x"}}, "f.json"); }).find("'f.json'"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { read_kv_calibration("/nonexistent/kv_calibration.json"); }).find("cannot be read"),
+            std::string::npos);
+}
+
 TEST(KvAttentionRelErr, ZeroForTheSameEntriesPositiveWhenEvictedAndBiasCountsCopies) {
   const KvHeadView full = random_view(40, 16, 1);
   const torch::Tensor q = torch::randn({5, 16}) * 2;
@@ -146,19 +260,21 @@ TEST(KvPolicySpec, NameAndOptionsInOneStringEachErrorNamed) {
 TEST(KvEval, AbstentionIsCountedPerHead) {
   Transformer model = sharp_model(11, Precision::kFp32, 2);
   KvEvalOptions o = small_options();
-  o.policies = {"minimax:abstain_tail=0", "minimax:abstain_tail=1"};  // every head abstains; none can
+  // Every block abstains (kept whole: exceed_budget) or none can.
+  o.policies = {"minimax:abstain_tail=0:exceed_budget=1", "minimax:abstain_tail=1"};
   o.budgets = {0.25};
   const KvEvalResult r = run_kv_eval(model, random_documents(2, 130, 5), o);
   ASSERT_EQ(r.rows.size(), 2u);
-  EXPECT_EQ(r.rows[0].policy, "minimax:abstain_tail=0");
+  EXPECT_EQ(r.rows[0].policy, "minimax:abstain_tail=0:exceed_budget=1");
   EXPECT_EQ(r.rows[0].abstained_heads, 8);
   EXPECT_EQ(r.rows[0].abstained_by_head, std::vector<double>(8, 1.0));
   EXPECT_EQ(r.rows[1].abstained_heads, 0);
   EXPECT_EQ(r.rows[1].abstained_by_head, std::vector<double>(8, 0.0));
   EXPECT_LT(r.rows[1].kv_bytes, r.rows[0].kv_bytes);
+  EXPECT_LT(r.rows[1].kv_bytes_mean, r.rows[0].kv_bytes_mean);
   KvEvalReportInfo info;
   const std::string md = kv_eval_markdown(r, info);
-  EXPECT_NE(md.find("| layer | head | minimax:abstain_tail=0 0.25 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| layer | head | minimax:abstain_tail=0:exceed_budget=1 0.25 |"), std::string::npos) << md;
   EXPECT_NE(md.find("| 1 | 2 | 1.00 |"), std::string::npos) << md;
 }
 
@@ -271,8 +387,15 @@ TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
   EXPECT_GE(w10.worst_decile_rel_increase.value, w10.rel_bpb_increase.value);
   EXPECT_LE(w10.rel_bpb_increase.ci[0], w10.rel_bpb_increase.value);
   EXPECT_GE(w10.rel_bpb_increase.ci[1], w10.rel_bpb_increase.value);
-  // window keeps ceil(0.1 x 120) = 12 entries per head of the 120 tokens seen at the end (interval 1).
-  EXPECT_DOUBLE_EQ(w10.kv_bytes / w10.kv_bytes_full, 12.0 / 120.0);
+  // window keeps ceil(0.1 x 96) = 10 entries per head after the prefill; the 24 decoded tokens are appended
+  // and not compressed until position 128 (every policy's schedule, kKvDefaultInterval 64): 34 of 120 at the
+  // end, and token i of the continuation reads 10 + i + 1 entries against the full cache's 96 + i + 1.
+  EXPECT_DOUBLE_EQ(w10.kv_bytes / w10.kv_bytes_full, 34.0 / 120.0);
+  EXPECT_DOUBLE_EQ(w10.kv_bytes_mean / w10.kv_bytes_full_mean, 22.5 / 108.5);
+  EXPECT_DOUBLE_EQ(w10.kv_bytes_max / w10.kv_bytes_full_mean, 34.0 / 108.5);
+  EXPECT_EQ(w10.rel_per_document.size(), 4u);
+  EXPECT_EQ(r.source_files, 4);
+  EXPECT_TRUE(r.paired.empty());  // no minimax row to pair against
 
   // Report writers: JSON fields, CSV rows, the plot names every policy.
   KvEvalReportInfo info;
@@ -282,7 +405,9 @@ TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
   for (const char* key : {"policy", "budget", "bpb", "bpb_full", "token_accuracy", "exact_match", "rel_bpb_increase", "rel_bpb_increase_ci",
                           "worst_decile_rel_increase", "worst_decile_rel_increase_ci", "attn_rel_err",
                           "attn_rel_err_per_layer", "kv_bytes", "kv_bytes_full", "prefill_s", "decode_s",
-                          "abstained_heads", "abstained_by_head"}) {
+                          "abstained_heads", "abstained_by_head", "kv_bytes_mean", "kv_bytes_max",
+                          "kv_bytes_full_mean", "kv_bytes_mean_ratio", "worst_decile_mean",
+                          "rel_bpb_increase_per_document", "max_rel_bpb"}) {
     EXPECT_TRUE(j["results"][2].contains(key)) << key;
   }
   EXPECT_EQ(j["head_ablation"].size(), 0u);
@@ -293,7 +418,8 @@ TEST(KvEval, FullEqualsTheReferenceAndWindowDiffersOnPeakedAttention) {
   EXPECT_NE(csv.find("\nwindow,0.1,4,"), std::string::npos);
   const std::string plot = kv_eval_gnuplot_script(r, "x.csv", "x.png");
   EXPECT_NE(plot.find("title \"window\""), std::string::npos);
-  EXPECT_NE(plot.find("title \"full\""), std::string::npos);
+  EXPECT_EQ(plot.find("title \"full\""), std::string::npos);  // full sits at 1 and is not drawn
+  EXPECT_NE(plot.find("using 27:"), std::string::npos);       // the x axis is the measured bytes
   const std::string md = kv_eval_markdown(r, info);
   EXPECT_NE(md.find("| window | 0.1 |"), std::string::npos);
   EXPECT_EQ(md.find("| layer | head |"), std::string::npos);  // no head table without ablation or abstention
@@ -330,6 +456,40 @@ TEST(KvEval, HeadAblationCutsOneHeadAfterPrefill) {
                                 cut.head_ablation[5].exact_match, 100 * cut.head_ablation[5].rel_bpb_increase)),
             std::string::npos)
       << md;
+}
+
+TEST(KvEval, PairsEveryBaselineWithMinimaxAndRunsErrorTargets) {
+  Transformer model = sharp_model(11, Precision::kFp32, 2);
+  KvEvalOptions o = small_options();
+  o.policies = {"full", "window", "minimax"};
+  o.budgets = {0.25};
+  o.targets = {KvEvalTarget{0.01, 0.05, 0.004, 0.5, "minimax"}};
+  const KvEvalResult r = run_kv_eval(model, random_documents(3, 130, 6), o);
+  ASSERT_EQ(r.rows.size(), 4u);  // full, window, minimax at 0.25, then the target row
+  ASSERT_EQ(r.paired.size(), 1u);
+  const KvEvalPaired& p = r.paired[0];
+  EXPECT_EQ(p.candidate, "minimax");
+  EXPECT_EQ(p.baseline, "window");
+  EXPECT_EQ(p.documents, 3);
+  double diff = 0;
+  for (size_t i = 0; i < 3; ++i) diff += r.rows[2].rel_per_document[i] - r.rows[1].rel_per_document[i];
+  EXPECT_NEAR(p.diff.value, diff / 3, 1e-15);
+  EXPECT_NEAR(p.bytes_ratio, r.rows[2].kv_bytes_mean / r.rows[1].kv_bytes_mean, 1e-12);
+  const KvEvalRow& t = r.rows[3];
+  EXPECT_EQ(t.target, 0.01);
+  EXPECT_EQ(t.max_rel_error, 0.05);
+  EXPECT_EQ(t.calibrated_q90, 0.004);
+  EXPECT_GE(t.within_target, 0);
+  EXPECT_LE(t.within_target, 1);
+  const std::string md = kv_eval_markdown(r, KvEvalReportInfo{});
+  EXPECT_NE(md.find("| 0.25 | minimax | window |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| minimax @ max_rel_bpb 0.01 | - |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| 0.01 | 0.05 | +0.40% |"), std::string::npos) << md;
+  o.paired_against = "snapkv";
+  EXPECT_NE(error_of([&] { o.validate(); }).find("paired_against 'snapkv' is not among the policies"), std::string::npos);
+  o.paired_against.clear();
+  o.targets = {KvEvalTarget{0.01, 0, 0, 0, "minimax"}};
+  EXPECT_NE(error_of([&] { o.validate(); }).find("both must be > 0"), std::string::npos);
 }
 
 TEST(KvEval, RefusesBadPoliciesBeforeRunning) {

@@ -61,8 +61,23 @@ std::vector<int64_t> top(const torch::Tensor& s, int64_t k) {
 
 const KvStep kPrefill{true, 0, 0, nullptr};
 
-const std::vector<std::string> kPolicies = {"window", "h2o", "snapkv", "tova", "expected-attention",
-                                            "adakv-h2o", "adakv-snapkv", "adakv-tova", "adakv-expected-attention"};
+const std::vector<std::string> kPolicies = {"window", "h2o", "snapkv", "tova", "expected-attention", "keydiff",
+                                            "adakv-h2o", "adakv-snapkv", "adakv-tova", "adakv-expected-attention",
+                                            "adakv-keydiff"};
+
+// R(t) of the rotary at position t for head_dim d (theta 10000), by its definition: dimension i and i + d/2 rotate
+// by t * theta^(-2i/d). [d, d] fp64, so that R(t) x is the rotated x.
+torch::Tensor rotation(int64_t d, int64_t t, double theta = 10000.0) {
+  torch::Tensor r = torch::zeros({d, d}, torch::kDouble);
+  for (int64_t i = 0; i < d / 2; ++i) {
+    const double a = static_cast<double>(t) * std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+    r[i][i] = std::cos(a);
+    r[i][i + d / 2] = -std::sin(a);
+    r[i + d / 2][i] = std::sin(a);
+    r[i + d / 2][i + d / 2] = std::cos(a);
+  }
+  return r;
+}
 
 }  // namespace
 
@@ -91,9 +106,9 @@ TEST(KvPolicies, CompressedDecodeStaysWithinBudgetAndChangesTheLogits) {
     for (int64_t layer = 0; layer < session.cache().spec().layers; ++layer) {
       int64_t total = 0;
       for (int64_t h = 0; h < heads; ++h) total += session.cache().length(layer, h);
-      // 25 per head (ceil(0.5 * 50)); protected entries (4 sinks, 13 recent, a 64-query window) fit in it except
-      // snapkv's window, which protects all 50 here.
-      const int64_t limit = name.find("snapkv") != std::string::npos ? 50 : 25;
+      // 25 per head (ceil(0.5 * 50)); protected entries (4 sinks, 13 recent, the newest) fit in it, and snapkv's
+      // 64-query window ranks first but inside the budget.
+      const int64_t limit = 25;
       EXPECT_LE(total, heads * limit) << name << " layer " << layer;
       if (name.find("adakv") == std::string::npos) {
         for (int64_t h = 0; h < heads; ++h) EXPECT_LE(session.cache().length(layer, h), limit) << name;
@@ -254,45 +269,158 @@ TEST(KvPolicies, SnapKvKeepsPooledNeighboursOfWhatTheWindowAttendsTo) {
   cache.append(0, keys, torch::randn({20, 1, 4}), torch::arange(20, torch::kInt64));
   KvObservations obs(1, 1, {1, false});
   obs.observe(0, torch::tensor({1.0f, 0.0f, 0.0f, 0.0f}).view({1, 1, 4}), torch::tensor({19}, torch::kInt64), cache, 1.0);
-  // Budget ceil(0.2 * 20) = 4: the window's own entry 19 and entry 5 with its kernel-3 neighbours 4 and 6.
+  // Budget ceil(0.2 * 20) = 4: the window's own entry 19 and entry 5 with its kernel-3 neighbours 4 and 6 (the
+  // average pool gives all three about a third of entry 5's attention, far above the rest).
   make_kv_policy("snapkv", {{"budget", 0.2}, {"window", 1}, {"kernel", 3}})->after_step(cache, KvStep{true, 19, 1, &obs});
   EXPECT_EQ(positions_of(cache, 0, 0), (std::vector<int64_t>{4, 5, 6, 19}));
 }
 
-TEST(KvPolicies, TovaDropsTheArgminOfTheLatestQuery) {
+TEST(KvPolicies, TovaDropsTheArgminOfTheLatestQueryAveragedOverHeadsAndKeepsTheNewest) {
   KvCache cache = random_cache(spec(1, 2, 4), 16, 16);
   KvObservations obs(1, 2, {0, true});
   torch::manual_seed(17);
-  obs.observe(0, torch::randn({1, 2, 4}) * 3, torch::tensor({15}, torch::kInt64), cache, 0.5);
-  std::vector<int64_t> argmin;
-  for (int64_t h = 0; h < 2; ++h) argmin.push_back(obs.last_attention(cache, 0, h).argmin().item<int64_t>());
-  make_kv_policy("tova", {{"budget", 15.0 / 16.0}})->after_step(cache, KvStep{false, 15, 1, &obs});  // 15 of 16
+  const torch::Tensor q = torch::randn({1, 2, 4}) * 3;
+  obs.observe(0, q, torch::tensor({15}, torch::kInt64), cache, 0.5);
+  // By hand: the latest query's softmax per head, then their mean over the layer's heads (kvpress TOVAPress).
+  torch::Tensor mean = torch::zeros({16}, torch::kDouble);
   for (int64_t h = 0; h < 2; ++h) {
-    std::vector<int64_t> expected;
-    for (int64_t i = 0; i < 16; ++i) if (i != argmin[h]) expected.push_back(i);
-    EXPECT_EQ(positions_of(cache, 0, h), expected) << "head " << h;
+    mean += torch::softmax(0.5 * torch::matmul(cache.view(0, h).keys.to(torch::kDouble), q[0][h].to(torch::kDouble)), 0);
   }
+  const int64_t argmin = (mean / 2).narrow(0, 0, 15).argmin().item<int64_t>();
+  // 15 of 16 (a prefill step: compressed whatever the decoding schedule)
+  make_kv_policy("tova", {{"budget", 15.0 / 16.0}})->after_step(cache, KvStep{true, 15, 1, &obs});
+  std::vector<int64_t> expected;
+  for (int64_t i = 0; i < 16; ++i) if (i != argmin) expected.push_back(i);
+  for (int64_t h = 0; h < 2; ++h) EXPECT_EQ(positions_of(cache, 0, h), expected) << "head " << h;  // heads alike
+  // The newest entry stays even when the latest query gives it the least attention: its key points away.
+  KvCache away(spec(1, 1, 4));
+  torch::Tensor keys = torch::randn({8, 1, 4}) * 0.1;
+  keys[7][0][0] = -30.0f;
+  away.append(0, keys, torch::randn({8, 1, 4}), torch::arange(8, torch::kInt64));
+  KvObservations o2(1, 1, {0, true});
+  o2.observe(0, torch::tensor({1.0f, 0.0f, 0.0f, 0.0f}).view({1, 1, 4}), torch::tensor({7}, torch::kInt64), away, 1.0);
+  ASSERT_EQ(o2.last_attention(away, 0, 0).argmin().item<int64_t>(), 7);
+  make_kv_policy("tova", {{"budget", 0.5}})->after_step(away, KvStep{true, 7, 1, &o2});
+  EXPECT_EQ(positions_of(away, 0, 0).back(), 7);
+  EXPECT_EQ(away.length(0, 0), 4);
 }
 
-TEST(KvPolicies, ExpectedAttentionRanksByTheGaussianClosedForm) {
-  KvCache cache = random_cache(spec(1, 2, 4), 24, 18);
-  KvObservations obs(1, 2, {8, false});
+TEST(KvPolicies, ExpectedAttentionUsesPreRotaryStatisticsTheMeanFutureRotationAndValueNorms) {
+  // kvpress ExpectedAttentionPress, by hand: mean and covariance of the queries before rotary (positions >= n_sink),
+  // the rotation averaged over the next n_future positions, softmax of s mu'.k + s^2/2 k^T Sigma' k over the
+  // entries past the sinks, times ||v||.
+  const int64_t d = 4, n = 24, sinks = 2, future = 3;
+  KvCache cache = random_cache(spec(1, 2, d), n, 18);
+  KvObservationNeeds needs;
+  needs.query_stats = true;
+  needs.query_stats_skip = sinks;
+  KvObservations obs(1, 2, needs);
   torch::manual_seed(19);
-  const torch::Tensor q = torch::randn({8, 2, 4}) * 2 + 1;
-  obs.observe(0, q, torch::arange(16, 24, torch::kInt64), cache, 0.5);
+  const torch::Tensor pre = torch::randn({n, 2, d}, torch::kDouble) * 2 + 1;  // the queries before rotary
+  std::vector<torch::Tensor> rotated;
+  for (int64_t t = 0; t < n; ++t) {
+    rotated.push_back(torch::stack({torch::mv(rotation(d, t), pre[t][0]), torch::mv(rotation(d, t), pre[t][1])}));
+  }
+  const torch::Tensor post = torch::stack(rotated).to(torch::kFloat);  // what the model hands the cache
+  obs.observe(0, post.narrow(0, 0, 10), torch::arange(0, 10, torch::kInt64), cache, 0.5);
+  obs.observe(0, post.narrow(0, 10, n - 10), torch::arange(10, n, torch::kInt64), cache, 0.5);
+  const KvQueryStats stats = obs.query_stats(0);
+  ASSERT_EQ(stats.count, n - sinks);
+  const torch::Tensor counted = pre.narrow(0, sinks, n - sinks);
+  EXPECT_LT((stats.mean - counted.mean(0)).abs().max().item<double>(), 1e-5);
+  torch::Tensor rbar = torch::zeros({d, d}, torch::kDouble);
+  for (int64_t t = n; t < n + future; ++t) rbar += rotation(d, t) / static_cast<double>(future);
   std::vector<std::vector<int64_t>> expected;
   for (int64_t h = 0; h < 2; ++h) {
-    // Per entry log E[exp(0.5 q.k)] = 0.5 mu.k + 0.125 k^T Sigma k (ML covariance), in fp64.
-    const torch::Tensor qh = q.select(1, h).to(torch::kDouble), k = cache.view(0, h).keys.to(torch::kDouble);
-    const torch::Tensor mu = qh.mean(0), c = qh - mu, sigma = torch::matmul(c.t(), c) / 8.0;
-    const torch::Tensor log_e = 0.5 * torch::matmul(k, mu) + 0.125 * (torch::matmul(k, sigma) * k).sum(1);
-    std::vector<int64_t> e{0, 1};  // two sinks
-    for (int64_t i : top(log_e.narrow(0, 2, 22), 4)) e.push_back(i + 2);
+    const torch::Tensor qh = counted.select(1, h), mu = qh.mean(0), c = qh - mu;
+    const torch::Tensor sigma = torch::matmul(c.t(), c) / static_cast<double>(n - sinks);
+    EXPECT_LT((stats.cov[h] - sigma).abs().max().item<double>(), 1e-4);
+    const torch::Tensor mu_r = torch::mv(rbar, mu), sigma_r = torch::matmul(torch::matmul(rbar, sigma), rbar.t());
+    const torch::Tensor k = cache.view(0, h).keys.to(torch::kDouble).narrow(0, sinks, n - sinks);
+    const torch::Tensor v = cache.view(0, h).values.to(torch::kDouble).narrow(0, sinks, n - sinks);
+    const torch::Tensor log_e = 0.5 * torch::mv(k, mu_r) + 0.125 * (torch::matmul(k, sigma_r) * k).sum(1);
+    const torch::Tensor score = torch::softmax(log_e, 0) * v.norm(2, 1);
+    std::vector<int64_t> e{0, 1};  // the sinks
+    for (int64_t i : top(score, 4)) e.push_back(i + sinks);
     expected.push_back(e);
   }
-  make_kv_policy("expected-attention", {{"budget", 0.25}, {"window", 8}, {"n_sink", 2}})
-      ->after_step(cache, KvStep{true, 16, 8, &obs});
+  make_kv_policy("expected-attention", {{"budget", 0.25}, {"n_sink", 2}, {"n_future_positions", 3}})
+      ->after_step(cache, KvStep{true, 10, 14, &obs});
   for (int64_t h = 0; h < 2; ++h) EXPECT_EQ(positions_of(cache, 0, h), expected[h]) << "head " << h;
+}
+
+TEST(KvPolicies, KeyDiffKeepsTheKeysLeastLikeTheMeanKeyDirection) {
+  // Twelve keys near one direction and four pointing elsewhere: the four, then the least aligned of the rest.
+  KvCache cache(spec(1, 1, 4));
+  torch::manual_seed(30);
+  torch::Tensor keys = torch::tensor({1.0f, 0.0f, 0.0f, 0.0f}).repeat({16, 1}) + 0.05 * torch::randn({16, 4});
+  for (int64_t i : {3, 7, 11, 14}) keys[i] = torch::randn({4}) * 2 - torch::tensor({3.0f, 0.0f, 0.0f, 0.0f});
+  cache.append(0, keys.unsqueeze(1), torch::randn({16, 1, 4}), torch::arange(16, torch::kInt64));
+  // By hand: the anchor is the mean unit key; score = -cos(k, anchor).
+  const torch::Tensor unit = keys / keys.norm(2, 1, true), anchor = unit.mean(0);
+  const torch::Tensor score = -torch::mv(unit, anchor) / anchor.norm();
+  const std::vector<int64_t> expected = top(score, 6);
+  for (int64_t i : {3, 7, 11, 14}) EXPECT_NE(std::find(expected.begin(), expected.end(), i), expected.end()) << i;
+  make_kv_policy("keydiff", {{"budget", 6.0 / 16.0}})->after_step(cache, kPrefill);  // no observation needed
+  EXPECT_EQ(positions_of(cache, 0, 0), expected);
+  EXPECT_FALSE(make_kv_policy("keydiff")->needs().any());
+}
+
+TEST(KvPolicies, SnapKvKeepsItsWindowInsideTheBudget) {
+  // An 8-query window at positions 12..19 with a budget of ceil(0.2 * 20) = 4: the window ranks first, newest
+  // highest, and takes the budget like any entry (kvpress pads the window with the maximum score).
+  KvCache cache = random_cache(spec(1, 2, 4), 20, 31);
+  KvObservations obs(1, 2, {8, false});
+  obs.observe(0, torch::randn({8, 2, 4}), torch::arange(12, 20, torch::kInt64), cache, 0.5);
+  make_kv_policy("snapkv", {{"budget", 0.2}, {"window", 8}})->after_step(cache, KvStep{true, 12, 8, &obs});
+  for (int64_t h = 0; h < 2; ++h) EXPECT_EQ(positions_of(cache, 0, h), (std::vector<int64_t>{16, 17, 18, 19}));
+  EXPECT_EQ(cache.bytes(), cache.entry_bytes() * 2 * 4);  // at the budget, not at the window
+}
+
+TEST(KvObservations, GroupedQueryHeadsRecordTheirGroupsMean) {
+  // 4 query heads over 2 KV heads: KV head h is read by query heads 2h and 2h + 1; its record is their mean.
+  KvCache cache = random_cache(spec(1, 2, 4), 6, 32);
+  KvObservations obs(1, 2, {3, true}, 4);
+  EXPECT_EQ(obs.group(), 2);
+  torch::manual_seed(33);
+  const torch::Tensor q = torch::randn({2, 4, 4});
+  obs.observe(0, q, torch::tensor({4, 5}, torch::kInt64), cache, 0.5);
+  EXPECT_EQ(obs.window_queries(0).sizes().vec(), (std::vector<int64_t>{4, 2, 4}));
+  for (int64_t h = 0; h < 2; ++h) {
+    const KvHeadView view = cache.view(0, h);
+    torch::Tensor acc = torch::zeros({6}), last = torch::zeros({6});
+    for (int64_t j = 2 * h; j < 2 * h + 2; ++j) {
+      const torch::Tensor p4 = torch::softmax(0.5 * torch::matmul(view.keys.narrow(0, 0, 5), q[0][j]), 0);
+      const torch::Tensor p5 = torch::softmax(0.5 * torch::matmul(view.keys, q[1][j]), 0);
+      acc += (torch::cat({p4, torch::zeros({1})}) + p5) / 2;
+      last += p5 / 2;
+    }
+    EXPECT_TRUE(torch::allclose(obs.accumulated_attention(cache, 0, h), acc, 1e-5, 1e-6)) << h;
+    EXPECT_TRUE(torch::allclose(obs.last_attention(cache, 0, h), last, 1e-5, 1e-6)) << h;
+  }
+  EXPECT_NE(error_of([] { KvObservations(1, 2, {1, false}, 3); }).find("query_heads 3 a multiple of heads"),
+            std::string::npos);
+}
+
+TEST(KvPolicies, EveryPolicyCompressesOnTheSameScheduleWhileDecoding) {
+  // Equal memory: by default every policy compresses when the next position is a multiple of 64, so all hold
+  // the same entries while the continuation is scored.
+  Transformer model = sharp_model(34);
+  const auto tokens = random_tokens(70, 35);
+  for (const auto& name : kPolicies) {
+    DecodeSession session(model, 16, make_kv_policy(name, {{"budget", 0.5}}));
+    session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + 50));
+    auto layer_total = [&] {
+      int64_t total = 0;
+      for (int64_t h = 0; h < 4; ++h) total += session.cache().length(0, h);
+      return total;
+    };
+    for (int64_t i = 50; i < 63; ++i) session.decode(tokens[static_cast<size_t>(i)]);
+    // Next position 63: nothing compressed since the prefill (25 entries per head) and 13 appended.
+    EXPECT_EQ(layer_total(), 4 * (25 + 13)) << name;
+    session.decode(tokens[63]);  // next position 64: compressed to ceil(0.5 * 64) = 32 per head
+    EXPECT_EQ(layer_total(), 4 * 32) << name;
+  }
 }
 
 TEST(KvPolicies, AdaKvGivesConcentratedHeadsFewerEntriesButNeverBelowTheFloor) {
@@ -335,6 +463,9 @@ TEST(KvPolicies, MakeKvPolicyChecksNamesAndOptions) {
             std::string::npos);
   EXPECT_NE(error_of([] { make_kv_policy("snapkv", {{"n_sink", 8}}); }).find("its options: window, kernel, budget, interval"),
             std::string::npos);
+  EXPECT_NE(error_of([] { make_kv_policy("expected-attention", {{"window", 8}}); })
+                .find("its options: n_future_positions, n_sink, value_norm, budget"),
+            std::string::npos);
   EXPECT_NE(error_of([] { make_kv_policy("window", {{"alpha_safeguard", 0.2}}); }).find("no option 'alpha_safeguard'"),
             std::string::npos);
   struct Bad {
@@ -351,7 +482,8 @@ TEST(KvPolicies, MakeKvPolicyChecksNamesAndOptions) {
                                        {"h2o", "recent_fraction", 1.5, "recent_fraction = 1.5 outside [0, 1]"},
                                        {"snapkv", "window", 0, "window = 0 outside [1"},
                                        {"snapkv", "kernel", 4, "kernel = 4 must be odd"},
-                                       {"expected-attention", "window", 0, "window = 0 outside [1"},
+                                       {"expected-attention", "n_future_positions", 0, "n_future_positions = 0 outside [1"},
+                                       {"expected-attention", "value_norm", 2, "value_norm = 2 outside [0, 1]"},
                                        {"adakv-snapkv", "alpha_safeguard", 1.5, "alpha_safeguard = 1.5 outside [0, 1]"}}) {
     const std::string e = error_of([&] { make_kv_policy(b.policy, {{b.key, b.value}}); });
     EXPECT_NE(e.find(b.policy + ": " + b.message), std::string::npos) << b.policy << " " << b.key << ": " << e;
@@ -386,4 +518,29 @@ TEST(KvPolicies, MaxTokensCapsEveryHeadAndBudgetsReadAsFractionOrTokens) {
   EXPECT_NE(error_of([] { make_kv_policy("minimax", {{"samples", 1e8}}); }).find(", 65536]"), std::string::npos);
   EXPECT_NE(error_of([] { make_kv_policy("window", {{"max_tokens", -1}}); }).find("max_tokens = -1 outside [0"),
             std::string::npos);
+}
+
+TEST(KvPolicies, EveryPolicyRunsOnAGroupedQueryModel) {
+  // 4 query heads over 2 K/V heads: the cache and the policies work per K/V head, scoring with the group's
+  // queries; budget 1 is still bitwise full and 0.5 keeps every head within ceil(0.5 x tokens seen).
+  Transformer model = sharp_model(36, Precision::kFp32, 3, 2);
+  const auto tokens = random_tokens(90, 37);
+  const torch::Tensor full = session_logits(model, tokens, 50, nullptr);
+  std::vector<std::string> names = kPolicies;
+  names.push_back("minimax");
+  for (const auto& name : names) {
+    SCOPED_TRACE(name);
+    EXPECT_TRUE(torch::equal(session_logits(model, tokens, 50, make_kv_policy(name, {{"budget", 1.0}, {"interval", 1}})), full));
+    DecodeSession session(model, 16, make_kv_policy(name, {{"budget", 0.5}, {"interval", 1}}));
+    session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + 50));
+    for (int64_t i = 50; i < 70; ++i) session.decode(tokens[static_cast<size_t>(i)]);
+    ASSERT_EQ(session.cache().spec().kv_heads, 2);
+    for (int64_t layer = 0; layer < 3; ++layer) {
+      int64_t total = 0;
+      for (int64_t h = 0; h < 2; ++h) total += session.cache().length(layer, h);
+      EXPECT_LE(total, 2 * 35) << "layer " << layer;  // ceil(0.5 * 70) per head
+    }
+    const torch::Tensor got = session_logits(model, tokens, 50, make_kv_policy(name, {{"budget", 0.5}, {"interval", 1}}));
+    EXPECT_GT((got - full).abs().max().item<double>(), 1e-4);
+  }
 }

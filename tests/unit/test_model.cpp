@@ -299,3 +299,82 @@ TEST(Model, AdamReducesLossOnFixedBatch) {
   EXPECT_NEAR(first, 31 * std::log(double(kVocabSize)), 0.1 * first) << "initial loss should be near uniform";
   EXPECT_LT(last, 0.5 * first);
 }
+
+namespace {
+
+// An MHA model equal to a GQA one: every query head's K/V rows are a copy of its group's K/V head's rows
+// (d_model rows of q, then kv_heads x head_dim rows of k and of v in wqkv), every other parameter copied.
+Transformer expanded_twin(const Transformer& gqa, const ModelConfig& gqa_cfg, const AttentionConfig& attn) {
+  ModelConfig mha_cfg = gqa_cfg;
+  mha_cfg.n_kv_heads = 0;
+  Transformer mha(mha_cfg, attn);
+  torch::NoGradGuard no_grad;
+  const int64_t d = gqa_cfg.d_model, hd = d / gqa_cfg.n_heads, kv = gqa_cfg.kv_heads(), g = gqa_cfg.n_heads / kv;
+  auto src = gqa->named_parameters();
+  for (auto& item : mha->named_parameters()) {
+    const torch::Tensor& from = src[item.key()];
+    if (item.key().find("wqkv") == std::string::npos) {
+      item.value().copy_(from);
+      continue;
+    }
+    item.value().narrow(0, 0, d).copy_(from.narrow(0, 0, d));
+    for (int64_t part = 0; part < 2; ++part) {  // k, then v
+      const torch::Tensor rows = from.narrow(0, d + part * kv * hd, kv * hd).view({kv, hd, d});
+      item.value().narrow(0, d + part * d, d).copy_(rows.repeat_interleave(g, 0).reshape({d, d}));
+    }
+  }
+  return mha;
+}
+
+}  // namespace
+
+TEST(Gqa, ForwardEqualsTheExpandedMhaForwardAndGradientsSumOverEachGroup) {
+  // Grouped-query attention (n_kv_heads 2 of 4 heads) against the MHA model whose K/V heads are copies: the same
+  // logits (fp32, 1e-6: the same products, K/V repeated before the same kernel), and the GQA model's K/V rows get
+  // the sum of their group's MHA gradients (repeat_interleave's backward).
+  for (const char* impl : {"tiled", "reference"}) {
+    SCOPED_TRACE(impl);
+    torch::manual_seed(60);
+    ModelConfig cfg = tiny_config();
+    cfg.n_kv_heads = 2;
+    AttentionConfig attn;
+    attn.impl = impl;
+    Transformer gqa(cfg, attn);
+    EXPECT_EQ(gqa->blocks->ptr<BlockImpl>(0)->wqkv->weight.size(0), 32 + 2 * 2 * 8);  // d + 2 kv_heads x head_dim
+    Transformer mha = expanded_twin(gqa, cfg, attn);
+    torch::manual_seed(61);
+    const PackedBatch batch = random_batch({9, 17, 4});
+    const torch::Tensor a = gqa->forward(batch), b = mha->forward(batch);
+    EXPECT_LT((a - b).abs().max().item<double>(), 1e-6);
+    gqa->loss_sum(batch).backward();
+    mha->loss_sum(batch).backward();
+    auto gg = gqa->named_parameters(), mg = mha->named_parameters();
+    const int64_t d = 32, hd = 8;
+    for (int64_t layer = 0; layer < cfg.n_layers; ++layer) {
+      const std::string key = "blocks." + std::to_string(layer) + ".wqkv.weight";
+      const torch::Tensor g_gqa = gg[key].grad(), g_mha = mg[key].grad();
+      EXPECT_TRUE(torch::allclose(g_gqa.narrow(0, 0, d), g_mha.narrow(0, 0, d), 1e-4, 1e-6)) << key << " q";
+      for (int64_t part = 0; part < 2; ++part) {
+        const torch::Tensor summed = g_mha.narrow(0, d + part * d, d).view({2, 2, hd, d}).sum(1).reshape({2 * hd, d});
+        EXPECT_TRUE(torch::allclose(g_gqa.narrow(0, d + part * 2 * hd, 2 * hd), summed, 1e-4, 1e-6))
+            << key << (part == 0 ? " k" : " v");
+      }
+      const std::string wo = "blocks." + std::to_string(layer) + ".wo.weight";
+      EXPECT_TRUE(torch::allclose(gg[wo].grad(), mg[wo].grad(), 1e-4, 1e-6)) << wo;
+    }
+  }
+}
+
+TEST(Gqa, KvHeadsMustDivideTheHeadsAndDefaultToThem) {
+  ModelConfig cfg = tiny_config();
+  EXPECT_EQ(cfg.kv_heads(), 4);  // 0 = n_heads: every checkpoint without the key keeps its shapes
+  EXPECT_EQ(Transformer(cfg)->blocks->ptr<BlockImpl>(0)->wqkv->weight.size(0), 3 * 32);
+  cfg.n_kv_heads = 3;
+  EXPECT_THROW(Transformer{cfg}, std::invalid_argument);
+  cfg.n_kv_heads = 1;  // multi-query attention
+  EXPECT_EQ(Transformer(cfg)->blocks->ptr<BlockImpl>(0)->wqkv->weight.size(0), 32 + 2 * 8);
+  AttentionConfig flex;
+  flex.backend = "flexformer";
+  cfg.n_kv_heads = 2;
+  EXPECT_THROW(Transformer(cfg, flex), std::invalid_argument);
+}

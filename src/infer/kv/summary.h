@@ -11,45 +11,65 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "dcp/kv_cache.h"
 
 namespace dcp {
 
-/// The head's attention probabilities softmax(scale q.K^T + bias) over all its entries, in fp64 (no causal
-/// mask: queries that come after every entry). queries [Q, head_dim] floating (after rotary, unscaled). Returns
-/// [Q, view.length()] fp64. Shapes are the caller's to check.
-torch::Tensor kv_head_probs(const KvHeadView& view, const torch::Tensor& queries, double scale);
+/// The position of a reference query that comes after every entry (a sampled or probe query: a future one).
+constexpr int64_t kKvFutureQuery = std::numeric_limits<int64_t>::max();
+
+/// The head's attention probabilities softmax(scale q.K^T + bias) over its entries, in `dtype` (kDouble or
+/// kFloat). queries [Q, head_dim] floating (after rotary, unscaled). `query_positions` [Q] int64, when defined,
+/// is the position each query ran at: entries at later positions are masked out (a query saw only what came
+/// before it; kKvFutureQuery sees everything); undefined = no mask (queries after every entry). A query that sees
+/// no entry gets a row of zeros. Returns [Q, view.length()]. Shapes are the caller's to check.
+torch::Tensor kv_head_probs(const KvHeadView& view, const torch::Tensor& queries, double scale,
+                            const torch::Tensor& query_positions = {}, torch::ScalarType dtype = torch::kDouble);
 
 /// One head's summary problem for a block of its entries. With reference queries q_1..q_Q (rows of `queries`)
-/// and p_q = softmax(scale q.K^T + bias) over ALL entries of the head (so masses are relative to the head's
-/// total, spec section 2: errors count relative to D(q)), o_q = p_q V, a summary gives block entry i a weight
-/// w_i >= 0 (0 = evicted; stored as bias += log w_i). To first order its output error for q is
+/// and p_q = softmax(scale q.K^T + bias) over the entries of the head that q sees (causal by position, so masses
+/// are relative to the head's total, spec section 2: errors count relative to D(q)), o_q = p_q V, a summary
+/// gives block entry i a weight w_i >= 0 (0 = evicted; stored as bias += log w_i). To first order its output
+/// error for q is
 ///   sum_{i in block} (w_i - 1) p_qi (v_i - o_q)          (the error identity o~ - o = (dN - o dD) / D~)
 /// and its mass error sum_i (w_i - 1) p_qi. Both are linear in w: a column a_i per entry stacks
 /// p_qi (v_i - o_q) over q and gamma p_qi over q (gamma^2 = the mass-weighted mean of ||v_i - o_q||^2, so mass
-/// rows weigh like output rows), and the summary solves min ||A (w - 1)||^2 over sparse w >= 0. Everything is
-/// in fp64 through the Gram G = A^T A / Q, formed from [Q, n] products (never A itself).
+/// rows weigh like output rows), and the summary solves min ||A (w - 1)||^2 over sparse w >= 0, through the Gram
+/// G = A^T A / Q formed from [Q, n] products (never A itself): three [n, Q] x [Q, n] matmuls in `dtype`
+/// (kFloat by default; kDouble is the reference twin the tests compare it with). The greedy path and the weight
+/// fit then run in fp64 on G.
 class KvBlockSummary {
  public:
   /// view: the head; queries [Q, head_dim] (after rotary, unscaled, any floating dtype, Q >= 1); scale > 0 the
-  /// softmax scale; block [n] int64 distinct indices into the view (n >= 1). Throws std::invalid_argument for
-  /// shapes that do not fit or an index out of range.
-  KvBlockSummary(const KvHeadView& view, const torch::Tensor& queries, double scale, const torch::Tensor& block);
+  /// softmax scale; block [n] int64 distinct indices into the view (n >= 1); query_positions as kv_head_probs
+  /// (undefined: every query sees every entry); dtype kFloat or kDouble. Throws std::invalid_argument for shapes
+  /// that do not fit, an index out of range or another dtype.
+  KvBlockSummary(const KvHeadView& view, const torch::Tensor& queries, double scale, const torch::Tensor& block,
+                 const torch::Tensor& query_positions = {}, torch::ScalarType dtype = torch::kFloat);
 
-  int64_t block_size() const { return static_cast<int64_t>(diag_.size()); }
+  int64_t block_size() const { return n_; }
 
   /// Greedy selection (orthogonal matching pursuit on A with least-squares weights, computed as a pivoted
   /// Cholesky of G: each step takes the entry whose addition lowers the residual most, among entries positively
   /// correlated with it, as spec 4.3 step 3 "greedy pivoted Cholesky / OMP on columns of [Phi V; Phi]").
-  /// Extends the path to min(atoms, block_size()) entries; stops early when no entry lowers the residual.
+  /// Extends the path to min(atoms, block_size()) entries (a longer request continues where the last stopped);
+  /// stops early when no entry lowers the residual. Plain loops over G: O(n x steps) per step.
   void extend(int64_t atoms);
   /// Block positions (indices into `block`) in the order the greedy path took them.
   const std::vector<int64_t>& order() const { return order_; }
   /// error()[k]: mean squared first-order error over the reference queries with the first k entries of the
   /// path at their least-squares weights (k = 0..order().size()); error()[0] is evicting the whole block.
   const std::vector<double>& error() const { return error_; }
+  /// The mean over the reference queries of ||o_q||^2, the head's output energy: error()[k] / output_energy()
+  /// is the squared relative error of the block's summary (0 when every output is 0).
+  double output_energy() const { return output_energy_; }
+  /// sqrt(error()[k] / output_energy()) (0 when the energy is 0): the predicted relative output error.
+  double relative_error(int64_t k) const;
+  /// Whether the path cannot grow: every entry taken or no entry lowers the residual any more.
+  bool exhausted() const { return exhausted_; }
 
   struct Fit {
     torch::Tensor atoms;       ///< [m] int64 indices into `block`, ascending; weights > 0
@@ -66,17 +86,19 @@ class KvBlockSummary {
   Fit fit(int64_t atoms, bool refit_values) const;
 
  private:
-  torch::Tensor gram_;       // [n, n] fp64
-  std::vector<double> c_;    // G 1
-  std::vector<double> diag_;
-  double total_ = 0;         // 1^T G 1
-  torch::Tensor probs_, block_values_;  // [Q, n], [n, value_dim] fp64 (for the value refit)
-  // Greedy state.
+  int64_t n_ = 0;
+  std::vector<double> gram_;  // [n, n] row-major, fp64
+  std::vector<double> c_;     // G 1
+  double total_ = 0;          // 1^T G 1
+  double output_energy_ = 0;
+  torch::Tensor probs_, block_values_;  // [Q, n], [n, value_dim] in the summary dtype (for the value refit)
+  // Greedy state (plain arrays: a step is O(n x steps) flops, far below a library call's overhead).
   std::vector<int64_t> order_;
   std::vector<double> error_;
-  torch::Tensor chol_;                   // [n, steps] fp64: the Cholesky columns of the chosen entries
-  torch::Tensor residual_, remaining_;   // [n] fp64: correlation with the residual, column norm left
-  torch::Tensor available_;              // [n] bool: not chosen yet
+  std::vector<double> chol_;        // [steps][n]: the Cholesky columns of the chosen entries
+  std::vector<double> residual_, remaining_;  // [n]: correlation with the residual, column norm left
+  std::vector<char> available_;     // [n]: not chosen yet
+  bool exhausted_ = false;
 };
 
 /// The compressibility estimate of spec section 2: the eigenvalue tail of the mass-normalised response Gram
@@ -94,9 +116,10 @@ double kv_spectral_tail(const torch::Tensor& probs, const torch::Tensor& values,
 /// first-order output error e_q = sum_{i in block} (w_i - 1) p_qi (v_i - o_q) (KvBlockSummary's), relative to
 /// the head's output: sqrt(sum_q ||e_q||^2 / sum_q ||o_q||^2) over `queries` (0 when every output is 0).
 /// Evicting the block exactly gives (o~_q - o_q) D~_q / D_q, the true change scaled by the mass kept. view,
-/// scale, block as KvBlockSummary; queries [Q >= 1, head_dim]; atoms [m] int64 indices into `block`,
-/// log_weight [m]. Throws std::invalid_argument for shapes that do not fit or an index out of range.
+/// scale, block, query_positions as KvBlockSummary; queries [Q >= 1, head_dim]; atoms [m] int64 indices into
+/// `block`, log_weight [m]. Throws std::invalid_argument for shapes that do not fit or an index out of range.
 double kv_heldout_rel_error(const KvHeadView& view, const torch::Tensor& queries, double scale,
-                            const torch::Tensor& block, const torch::Tensor& atoms, const torch::Tensor& log_weight);
+                            const torch::Tensor& block, const torch::Tensor& atoms, const torch::Tensor& log_weight,
+                            const torch::Tensor& query_positions = {});
 
 }  // namespace dcp

@@ -4,29 +4,35 @@
 #include <torch/types.h>
 
 #include <cstdint>
-#include <memory>
-#include <utility>
-#include <vector>
 
 #include "infer/kv/policies/scorer.h"
 
 namespace dcp {
 
-/// Expected Attention (Devoto et al. 2025, kvpress ExpectedAttentionPress): future queries are modelled as a
-/// Gaussian N(mu, Sigma) fitted to the last `window` queries of the head (after rotary: the keys are stored after
-/// rotary, and a recent window sits at positions close to the next ones; kvpress instead fits pre-rotary queries
-/// and averages the rotation over the next positions). E[exp(s q.k)] = exp(s mu.k + s^2/2 k^T Sigma k) for scale
-/// s; score = the softmax over the head's entries of that log-expectation plus the entry's bias (the expected
-/// attention share, comparable across heads for adakv). Positions below n_sink are protected.
+/// Expected Attention (Devoto et al. 2025), as kvpress's ExpectedAttentionPress defines it. Future queries are
+/// a Gaussian N(mu, Sigma) per query head, fitted to every query seen so far at a position >= n_sink (the
+/// prompt's, then the decoded ones'), **before rotary** (KvObservations' query statistics); the rotation is
+/// averaged over the next `n_future` positions (Rbar, kv_mean_rotation), so mu' = Rbar mu, Sigma' = Rbar Sigma
+/// Rbar^T. E[exp(s q.k)] = exp(s mu'.k + s^2/2 k^T Sigma' k) for scale s (the Gaussian moment generating
+/// function); score = softmax over the head's entries past the sinks of that log-expectation (plus the entry's
+/// bias), averaged over the query heads of the KV head's group, times ||v|| (kvpress use_vnorm, epsilon 0).
+/// Positions below n_sink are protected.
 class ExpectedAttentionScorer : public KvScorer {
  public:
-  ExpectedAttentionScorer(int64_t window, int64_t n_sink) : window_(window), n_sink_(n_sink) {}
-  KvObservationNeeds needs() const override { return {window_, false}; }
+  ExpectedAttentionScorer(int64_t n_future, int64_t n_sink, bool value_norm)
+      : n_future_(n_future), n_sink_(n_sink), value_norm_(value_norm) {}
+  KvObservationNeeds needs() const override {
+    KvObservationNeeds n;
+    n.query_stats = true;
+    n.query_stats_skip = n_sink_;
+    return n;
+  }
   torch::Tensor score(const KvCache& cache, const KvObservations* observations, int64_t layer, int64_t head,
                       int64_t budget) const override;
 
  private:
-  int64_t window_, n_sink_;
+  int64_t n_future_, n_sink_;
+  bool value_norm_;
 };
 
 }  // namespace dcp

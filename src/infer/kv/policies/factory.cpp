@@ -12,6 +12,7 @@
 #include "infer/kv/policies/adakv.h"
 #include "infer/kv/policies/expected_attention.h"
 #include "infer/kv/policies/h2o.h"
+#include "infer/kv/policies/keydiff.h"
 #include "infer/kv/policies/minimax.h"
 #include "infer/kv/policies/scored.h"
 #include "infer/kv/policies/snapkv.h"
@@ -49,12 +50,17 @@ class Options {
     }
     return static_cast<int64_t>(v);
   }
-  KvBudget budget(int64_t default_interval) {
+  KvBudget budget() {
     KvBudget b;
     b.ratio = number("budget", 1.0, 0.0, 1.0, /*lo_open=*/true);
-    b.interval = integer("interval", default_interval, 1);
+    b.interval = integer("interval", kKvDefaultInterval, 1);
     b.max_tokens = integer("max_tokens", 0, 0);
     return b;
+  }
+  bool flag(const std::string& key) {
+    const int64_t v = integer(key, 0, 0);
+    if (v > 1) throw std::invalid_argument(fmt::format("make_kv_policy: {}: {} = {} must be 0 or 1", policy_, key, v));
+    return v == 1;
   }
   // Throws for an option that no read took.
   void finish() const {
@@ -73,43 +79,36 @@ class Options {
   std::vector<std::string> taken_;
 };
 
-// The scorer `name` and its default interval (1 for the policies that evict per token, as the papers do; 64 for
-// those whose scoring costs a pass over the cache, as kvpress's decoding press compresses periodically).
-std::shared_ptr<const KvScorer> make_scorer(const std::string& name, Options& o, int64_t& default_interval) {
-  if (name == "window") {
-    default_interval = 1;
-    return std::make_shared<WindowScorer>(o.integer("n_sink", 4, 0));
-  }
-  if (name == "h2o") {
-    default_interval = 64;
-    return std::make_shared<H2oScorer>(o.number("recent_fraction", 0.5, 0.0, 1.0));
-  }
+// The scorer `name`. Every policy compresses on the same schedule by default (kKvDefaultInterval), so that they
+// hold the same bytes while decoding (a policy compressing less often holds up to interval - 1 more entries).
+std::shared_ptr<const KvScorer> make_scorer(const std::string& name, Options& o) {
+  if (name == "window") return std::make_shared<WindowScorer>(o.integer("n_sink", 4, 0));
+  if (name == "h2o") return std::make_shared<H2oScorer>(o.number("recent_fraction", 0.5, 0.0, 1.0));
   if (name == "snapkv") {
-    default_interval = 64;
     const int64_t window = o.integer("window", 64, 1);
-    const int64_t kernel = o.integer("kernel", 7, 1);
+    const int64_t kernel = o.integer("kernel", 5, 1);
     if (kernel % 2 == 0) throw std::invalid_argument(fmt::format("make_kv_policy: snapkv: kernel = {} must be odd", kernel));
     return std::make_shared<SnapKvScorer>(window, kernel);
   }
-  if (name == "tova") {
-    default_interval = 1;
-    return std::make_shared<TovaScorer>();
-  }
+  if (name == "tova") return std::make_shared<TovaScorer>();
   if (name == "expected-attention") {
-    default_interval = 64;
-    const int64_t window = o.integer("window", 64, 1);
-    return std::make_shared<ExpectedAttentionScorer>(window, o.integer("n_sink", 4, 0));
+    const int64_t future = o.integer("n_future_positions", 512, 1, 1 << 24);
+    const int64_t n_sink = o.integer("n_sink", 4, 0);
+    const int64_t vnorm = o.integer("value_norm", 1, 0, 1);
+    return std::make_shared<ExpectedAttentionScorer>(future, n_sink, vnorm == 1);
   }
+  if (name == "keydiff") return std::make_shared<KeyDiffScorer>();
   return nullptr;
 }
 
 }  // namespace
 
 const std::vector<std::string>& kv_policy_names() {
-  static const std::vector<std::string> names{"full",          "window",         "h2o",
-                                              "snapkv",        "tova",           "expected-attention",
-                                              "adakv-h2o",     "adakv-snapkv",   "adakv-tova",
-                                              "adakv-expected-attention", "minimax"};
+  static const std::vector<std::string> names{"full",        "window",       "h2o",
+                                              "snapkv",      "tova",         "expected-attention",
+                                              "keydiff",     "adakv-h2o",    "adakv-snapkv",
+                                              "adakv-tova",  "adakv-expected-attention",
+                                              "adakv-keydiff", "minimax"};
   return names;
 }
 
@@ -121,19 +120,21 @@ std::shared_ptr<KvPolicy> make_kv_policy(const std::string& name, const KvPolicy
   }
   if (name == "minimax") {
     MinimaxOptions m;
-    m.budget = o.budget(64);
+    m.budget = o.budget();
     // Reference queries cost Q x entries fp64 per head: bounded so that a typo cannot ask for terabytes.
     m.window = o.integer("window", m.window, 1, 65536);
     m.samples = o.integer("samples", m.samples, 0, 65536);
     m.probes = o.integer("probes", m.probes, 0, 65536);
     m.n_sink = o.integer("n_sink", m.n_sink, 0);
     m.recent_fraction = o.number("recent_fraction", m.recent_fraction, 0.0, 1.0);
+    m.recent_tokens = o.integer("recent_tokens", m.recent_tokens, 0);
     m.alpha_safeguard = o.number("alpha_safeguard", m.alpha_safeguard, 0.0, 1.0);
     m.abstain_tail = o.number("abstain_tail", m.abstain_tail, 0.0, 1e300);
     m.abstain_heldout = o.number("abstain_heldout", m.abstain_heldout, 0.0, 1e300);
-    const int64_t refit = o.integer("refit_values", 0, 0);
-    if (refit > 1) throw std::invalid_argument(fmt::format("make_kv_policy: minimax: refit_values = {} must be 0 or 1", refit));
-    m.refit_values = refit == 1;
+    m.exceed_budget = o.flag("exceed_budget");
+    m.unit_weights = o.flag("unit_weights");
+    m.max_rel_error = o.number("max_rel_error", m.max_rel_error, 0.0, 1e300);
+    m.refit_values = o.flag("refit_values");
     m.seed = static_cast<uint64_t>(o.integer("seed", 0, 0));
     o.finish();
     return std::make_shared<MinimaxKvPolicy>(m);
@@ -146,12 +147,11 @@ std::shared_ptr<KvPolicy> make_kv_policy(const std::string& name, const KvPolicy
     throw std::invalid_argument(fmt::format("make_kv_policy: '{}' is not a policy (window scores do not compare "
                                             "across heads); valid: {}", name, valid_names()));
   }
-  int64_t default_interval = 1;
-  auto scorer = make_scorer(adakv ? name.substr(ada.size()) : name, o, default_interval);
+  auto scorer = make_scorer(adakv ? name.substr(ada.size()) : name, o);
   if (!scorer) {
     throw std::invalid_argument(fmt::format("make_kv_policy: unknown policy '{}'; valid: {}", name, valid_names()));
   }
-  const KvBudget budget = o.budget(default_interval);
+  const KvBudget budget = o.budget();
   if (adakv) {
     const double alpha = o.number("alpha_safeguard", 0.2, 0.0, 1.0);
     o.finish();

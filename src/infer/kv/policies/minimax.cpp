@@ -1,11 +1,12 @@
-// minimax: causal merge-reduce of weighted block summaries, budgets shared across heads by predicted error,
-// abstention on incompressible heads.
+// minimax: causal merge-reduce of weighted block summaries, one pool per layer shared by predicted error,
+// per-block abstention on incompressible blocks, error targets.
 #include "infer/kv/policies/minimax.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <queue>
 #include <stdexcept>
 
@@ -30,21 +31,42 @@ at::Generator generator(uint64_t seed, int64_t layer, int64_t head, int64_t posi
   return at::make_generator<at::CPUGeneratorImpl>(h);
 }
 
+// Newest entries kept exact: with an error target, recent_tokens (64 when 0); else at least recent_tokens and
+// recent_fraction of the head's budget.
+int64_t recent_entries(const MinimaxOptions& o, int64_t per_head) {
+  if (o.max_rel_error > 0) return o.recent_tokens > 0 ? o.recent_tokens : 64;
+  return std::max(o.recent_tokens, static_cast<int64_t>(std::ceil(o.recent_fraction * static_cast<double>(per_head))));
+}
 
-// Reference queries of one head (spec 4.2): the observed ones, draws from a Gaussian fitted to them (the
-// query-agnostic part, as Expected Attention's model of future queries; `z` [samples, head_dim] standard normal,
-// undefined: none), and a needle probe per entry of `sample` (undefined: none), a future query that names that
-// entry: the lookup case the estimate must see.
-torch::Tensor reference_queries(const torch::Tensor& observed, const KvHeadView& view, const torch::Tensor& block,
-                                const torch::Tensor& sample, const torch::Tensor& z) {
-  std::vector<torch::Tensor> refs{observed};
-  if (z.defined() && observed.size(0) >= 2) {
-    const torch::Tensor mu = observed.mean(0);
-    const torch::Tensor centred = (observed - mu).to(torch::kDouble);
-    const int64_t d = observed.size(1);
-    torch::Tensor sigma = torch::matmul(centred.t(), centred) / static_cast<double>(observed.size(0));
-    sigma += torch::eye(d, torch::kDouble) * (1e-6 * sigma.diagonal().mean().item<double>() + 1e-12);
-    refs.push_back((mu.to(torch::kDouble) + torch::matmul(z, torch::linalg_cholesky(sigma).t())).to(torch::kFloat));
+// The reference queries of one KV head (spec 4.2) with the positions they see up to.
+struct References {
+  torch::Tensor queries;    // [Q, head_dim] fp32
+  torch::Tensor positions;  // [Q] int64: an observed query its own position, the others kKvFutureQuery
+  int64_t observed = 0;     // the first `observed` rows are the observed queries
+};
+
+// observed [g, w, d]: the last w queries of each query head of the group, at observed_positions [w]. Then, per
+// query head, draws from a Gaussian fitted to its queries (the query-agnostic part, as Expected Attention's
+// model of future queries; z[j] [s, d] standard normal, empty: none), and a needle probe per entry of `sample`
+// (undefined: none), a future query that names that entry: the lookup case the estimate must see.
+References reference_queries(const torch::Tensor& observed, const torch::Tensor& observed_positions,
+                             const KvHeadView& view, const torch::Tensor& block, const torch::Tensor& sample,
+                             const std::vector<torch::Tensor>& z) {
+  const int64_t g = observed.size(0), w = observed.size(1), d = observed.size(2);
+  const torch::Tensor flat = observed.reshape({g * w, d});
+  References r;
+  r.observed = g * w;
+  std::vector<torch::Tensor> refs{flat};
+  if (!z.empty() && w >= 2) {
+    for (int64_t j = 0; j < g; ++j) {
+      const torch::Tensor oj = observed[j];
+      const torch::Tensor mu = oj.mean(0);
+      const torch::Tensor centred = (oj - mu).to(torch::kDouble);
+      torch::Tensor sigma = torch::matmul(centred.t(), centred) / static_cast<double>(w);
+      sigma += torch::eye(d, torch::kDouble) * (1e-6 * sigma.diagonal().mean().item<double>() + 1e-12);
+      refs.push_back((mu.to(torch::kDouble) + torch::matmul(z[static_cast<size_t>(j)], torch::linalg_cholesky(sigma).t()))
+                         .to(torch::kFloat));
+    }
   }
   if (sample.defined()) {
     // As sharp as the observed queries are on this block: along the entry's key, at their mean norm times their
@@ -53,11 +75,14 @@ torch::Tensor reference_queries(const torch::Tensor& observed, const KvHeadView&
     // random keys read by such queries is not called lookup).
     auto unit = [](const torch::Tensor& x) { return x / x.norm(2, 1, true).clamp_min(1e-30); };
     const torch::Tensor keys = unit(view.keys.index_select(0, block).to(torch::kFloat));
-    const double cosine = torch::matmul(unit(observed), keys.t()).amax(1).clamp_min(0).mean().item<double>();
-    const double norm = observed.norm(2, 1).mean().item<double>() * cosine;
+    const double cosine = torch::matmul(unit(flat), keys.t()).amax(1).clamp_min(0).mean().item<double>();
+    const double norm = flat.norm(2, 1).mean().item<double>() * cosine;
     refs.push_back(unit(view.keys.index_select(0, sample).to(torch::kFloat)) * norm);
   }
-  return torch::cat(refs);
+  r.queries = torch::cat(refs);
+  r.positions = torch::cat({observed_positions.to(torch::kInt64).repeat({g}),
+                            torch::full({r.queries.size(0) - r.observed}, kKvFutureQuery, torch::kInt64)});
+  return r;
 }
 
 }  // namespace
@@ -67,22 +92,48 @@ struct MinimaxKvPolicy::Work {
   int64_t head;
   KvHeadView view;
   torch::Tensor block;  // [n] indices into the view: the entries the summary replaces
-  int64_t budget;       // its fair share: what the head may keep of the block
+  int64_t budget;       // its fair share: what the head may keep of the block at a uniform split
+  double scale = 0;
+  References refs;
   std::unique_ptr<KvBlockSummary> summary;
   int64_t atoms = 0;    // allocated
+  bool flagged = false; // judged incompressible (an abstention)
+  bool exact = false;   // kept whole
   double tail = 0, heldout = 0;
+  std::optional<KvBlockSummary::Fit> fitted;  // the weights of `atoms` entries, once computed
+
+  int64_t size() const { return block.numel(); }
+  KvBlockSummary& ensure_summary() {
+    if (!summary) summary = std::make_unique<KvBlockSummary>(view, refs.queries, scale, block, refs.positions);
+    return *summary;
+  }
+  // Whether the path reaches beyond `atoms`, extending it (by half again, at least 8) when it does not yet.
+  bool can_grow() {
+    KvBlockSummary& s = ensure_summary();
+    if (atoms < static_cast<int64_t>(s.order().size())) return true;
+    if (s.exhausted()) return false;
+    s.extend(atoms + std::max<int64_t>(8, atoms / 2));
+    return atoms < static_cast<int64_t>(s.order().size());
+  }
+  double gain() const {
+    const auto& e = summary->error();
+    return e[static_cast<size_t>(atoms)] - e[static_cast<size_t>(atoms) + 1];
+  }
 };
 
 MinimaxKvPolicy::MinimaxKvPolicy(const MinimaxOptions& o) : options_(o) {
   const KvBudget& b = o.budget;
   if (!(b.ratio > 0 && b.ratio <= 1) || b.interval < 1 || b.max_tokens < 0 || o.window < 1 || o.samples < 0 ||
-      o.probes < 0 || o.n_sink < 0 || !(o.recent_fraction >= 0 && o.recent_fraction <= 1) ||
-      !(o.alpha_safeguard >= 0 && o.alpha_safeguard <= 1) || !(o.abstain_tail >= 0) || !(o.abstain_heldout >= 0)) {
+      o.probes < 0 || o.n_sink < 0 || o.recent_tokens < 0 || !(o.recent_fraction >= 0 && o.recent_fraction <= 1) ||
+      !(o.alpha_safeguard >= 0 && o.alpha_safeguard <= 1) || !(o.abstain_tail >= 0) || !(o.abstain_heldout >= 0) ||
+      !(o.max_rel_error >= 0) || (o.max_rel_error > 0 && (b.ratio < 1 || b.max_tokens > 0))) {
     throw std::invalid_argument(fmt::format(
         "MinimaxKvPolicy: budget {} must be in (0, 1], interval {} >= 1, max_tokens {} >= 0, window {} >= 1, "
-        "samples {}, probes {}, n_sink {} >= 0, recent_fraction {} and alpha_safeguard {} in [0, 1], abstain_tail "
-        "{} and abstain_heldout {} >= 0", b.ratio, b.interval, b.max_tokens, o.window, o.samples, o.probes, o.n_sink,
-        o.recent_fraction, o.alpha_safeguard, o.abstain_tail, o.abstain_heldout));
+        "samples {}, probes {}, n_sink {}, recent_tokens {} >= 0, recent_fraction {} and alpha_safeguard {} in [0, 1], "
+        "abstain_tail {}, abstain_heldout {} and max_rel_error {} >= 0 (an error target sizes the cache itself: "
+        "budget 1 and no max_tokens)",
+        b.ratio, b.interval, b.max_tokens, o.window, o.samples, o.probes, o.n_sink, o.recent_tokens, o.recent_fraction,
+        o.alpha_safeguard, o.abstain_tail, o.abstain_heldout, o.max_rel_error));
   }
 }
 
@@ -95,7 +146,7 @@ void MinimaxKvPolicy::reset() {
 std::vector<std::pair<int64_t, int64_t>> MinimaxKvPolicy::abstained_heads() const {
   std::vector<std::pair<int64_t, int64_t>> out;
   for (int64_t i = 0; i < static_cast<int64_t>(state_.size()); ++i) {
-    if (state_[static_cast<size_t>(i)].abstained) out.emplace_back(i / heads_, i % heads_);
+    if (state_[static_cast<size_t>(i)].abstentions > 0) out.emplace_back(i / heads_, i % heads_);
   }
   return out;
 }
@@ -107,133 +158,213 @@ void MinimaxKvPolicy::restart_if_new(const KvCache& cache) {
   for (int64_t l = 0; !fresh && l < layers; ++l) fresh = cache.next_position(l) < seen_[static_cast<size_t>(l)];
   if (!fresh) return;
   layers_ = layers, heads_ = heads;
-  state_.assign(static_cast<size_t>(layers * heads), HeadState{{}, options_.n_sink, false});
+  state_.assign(static_cast<size_t>(layers * heads), HeadState{{}, options_.n_sink, 0});
   risks_.assign(static_cast<size_t>(layers * heads), KvHeadRisk{});
   seen_.assign(static_cast<size_t>(layers), 0);
 }
 
 // Spec 4.4, collect blocks: per head of `layer`, the positions between the sinks and the recent window form
 // segments merged like a binary counter (merge-reduce); the newest segment is the block to summarise, with the
-// head's fair share of the budget. Heads that abstained, fit their budget or have nothing to summarise give none.
-std::vector<MinimaxKvPolicy::Work> MinimaxKvPolicy::collect_blocks(const KvCache& cache, int64_t layer) {
+// head's fair share of the budget. Heads that fit their budget or have nothing to summarise give none. `pool`
+// is set to the layer's capacity (kv_heads x the per-head budget) less everything the heads hold outside their
+// blocks: what the blocks may keep together. With an error target only the new entries form a block.
+std::vector<MinimaxKvPolicy::Work> MinimaxKvPolicy::collect_blocks(const KvCache& cache, int64_t layer,
+                                                                   int64_t& pool) {
   const int64_t heads = heads_, n = cache.next_position(layer);
+  const bool target = options_.max_rel_error > 0;
   const int64_t total = options_.budget.per_head(cache, layer);
-  const int64_t recent = static_cast<int64_t>(std::ceil(options_.recent_fraction * static_cast<double>(total)));
-  const int64_t recent_start = std::max(n - recent, options_.n_sink);
+  const int64_t recent_start = std::max(n - recent_entries(options_, total), options_.n_sink);
+  int64_t held_outside = 0;
   std::vector<Work> work;
   for (int64_t h = 0; h < heads; ++h) {
     HeadState& st = state_[static_cast<size_t>(layer * heads + h)];
-    if (st.abstained || cache.length(layer, h) <= total) continue;
+    const int64_t length = cache.length(layer, h);
+    if (!target && length <= total) {
+      held_outside += length;
+      continue;
+    }
+    bool fresh = false;
     if (recent_start > st.tree_end) {
       st.segments.push_back({st.tree_end, recent_start, 0});
       st.tree_end = recent_start;
+      fresh = true;
     }
-    if (st.segments.empty()) continue;  // only sinks and the recent window: all protected
+    if (st.segments.empty() || (target && !fresh)) {  // only sinks and the recent window: all protected
+      held_outside += length;
+      continue;
+    }
     auto& seg = st.segments;
-    // Merge-reduce (spec 4.4): two summaries of the same level become one of the next, like a binary counter.
-    while (seg.size() >= 2 && seg[seg.size() - 1].level == seg[seg.size() - 2].level) {
-      const Segment top = seg.back();
-      seg.pop_back();
-      seg.back() = {seg.back().start, top.end, top.level + 1};
-    }
     const KvHeadView view = cache.view(layer, h);
     auto entries = [&](int64_t a, int64_t b) {
       const auto r = index_range(view.positions, a, b);
       return r.second - r.first;
     };
-    const int64_t exact = entries(0, options_.n_sink) + entries(recent_start, n);
-    int64_t older = entries(options_.n_sink, seg.back().start);
-    // The summaries' share of the budget, by the span of positions each covers; older ones holding more than
-    // theirs (a budget that stopped growing, max_tokens) are absorbed and summarised again with the new block.
-    const int64_t room = std::max<int64_t>(total - exact, 0);
-    const double span = static_cast<double>(st.tree_end - options_.n_sink);
-    auto share = [&](const Segment& s) {
-      return static_cast<int64_t>(std::floor(static_cast<double>(room) * static_cast<double>(s.end - s.start) / span));
-    };
-    while (seg.size() >= 2 && room - older < share(seg.back())) {
-      const Segment top = seg.back();
-      seg.pop_back();
-      seg.back() = {seg.back().start, top.end, std::max(seg.back().level, top.level)};
-      older = entries(options_.n_sink, seg.back().start);
+    int64_t share = 0;
+    if (!target) {
+      // Merge-reduce (spec 4.4): two summaries of the same level become one of the next, like a binary counter.
+      while (seg.size() >= 2 && seg[seg.size() - 1].level == seg[seg.size() - 2].level) {
+        const Segment top = seg.back();
+        seg.pop_back();
+        seg.back() = {seg.back().start, top.end, top.level + 1};
+      }
+      const int64_t exact = entries(0, options_.n_sink) + entries(recent_start, n);
+      int64_t older = entries(options_.n_sink, seg.back().start);
+      // The summaries' share of the budget, by the span of positions each covers; older ones holding more than
+      // theirs (a budget that stopped growing, max_tokens, or a head that took from the pool) are absorbed and
+      // summarised again with the new block.
+      const int64_t room = std::max<int64_t>(total - exact, 0);
+      const double span = static_cast<double>(st.tree_end - options_.n_sink);
+      auto share_of = [&](const Segment& s) {
+        return static_cast<int64_t>(std::floor(static_cast<double>(room) * static_cast<double>(s.end - s.start) / span));
+      };
+      while (seg.size() >= 2 && room - older < share_of(seg.back())) {
+        const Segment top = seg.back();
+        seg.pop_back();
+        seg.back() = {seg.back().start, top.end, std::max(seg.back().level, top.level)};
+        older = entries(options_.n_sink, seg.back().start);
+      }
+      share = room - older;
     }
     const auto [first, last] = index_range(view.positions, seg.back().start, seg.back().end);
-    if (last == first) continue;
-    Work w{h, view, torch::arange(first, last, torch::kInt64), std::clamp<int64_t>(room - older, 0, last - first)};
-    if (w.budget >= last - first) continue;  // the block fits whole: nothing to summarise
+    if (target) share = last - first;
+    if (last == first || (!target && std::clamp<int64_t>(share, 0, last - first) >= last - first)) {
+      held_outside += length;  // the block fits whole: nothing to summarise
+      continue;
+    }
+    held_outside += length - (last - first);
+    Work w{h, view, torch::arange(first, last, torch::kInt64), std::clamp<int64_t>(share, 0, last - first)};
     work.push_back(std::move(w));
   }
+  pool = heads * total - held_outside;
   return work;
 }
 
 // Spec section 2 and 4.3, assess a head: its reference queries, the compressibility estimate (the spectral tail
-// of sampled entries), the held-out risk; a head judged incompressible gets no summary (it abstains), the others
-// the greedy path of their block's summary. `position` seeds the head's draws.
-void MinimaxKvPolicy::assess_head(Work& w, const torch::Tensor& observed, double scale, int64_t layer,
-                                  int64_t position) const {
+// of sampled entries), the held-out risk; a block judged incompressible is flagged (an abstention), the others
+// get their summary now (the allocation reads their error curves). `position` seeds the head's draws.
+void MinimaxKvPolicy::assess_head(Work& w, const KvObservations& obs, int64_t layer, int64_t position) const {
   at::Generator gen = generator(options_.seed, layer, w.head, position);
-  torch::Tensor z, sample;  // Gaussian draws, then probed entries (this order keeps earlier results' draws)
-  if (options_.samples > 0 && observed.size(0) >= 2) {
-    z = at::randn({options_.samples, observed.size(1)}, gen, torch::TensorOptions().dtype(torch::kDouble));
+  const int64_t g = obs.group();
+  const torch::Tensor observed = obs.window_queries(layer).narrow(0, w.head * g, g);  // [g, W, d]
+  const torch::Tensor observed_positions = obs.window_positions(layer);
+  w.scale = obs.scale();
+  const int64_t W = observed.size(1), d = observed.size(2);
+  std::vector<torch::Tensor> z;  // Gaussian draws per query head, then probed entries (this order keeps draws)
+  if (options_.samples > 0 && W >= 2) {
+    const int64_t each = (options_.samples + g - 1) / g;
+    for (int64_t j = 0; j < g; ++j) z.push_back(at::randn({each, d}, gen, torch::TensorOptions().dtype(torch::kDouble)));
   }
-  const int64_t nb = w.block.numel();
+  const int64_t nb = w.size();
   const int64_t probes = std::min(options_.probes, nb);
+  torch::Tensor sample;
   if (probes > 0) {
     sample = w.block.index_select(0, at::randperm(nb, gen, torch::TensorOptions().dtype(torch::kInt64)).narrow(0, 0, probes));
   }
-  const torch::Tensor queries = reference_queries(observed, w.view, w.block, sample, z);
+  w.refs = reference_queries(observed, observed_positions, w.view, w.block, sample, z);
   if (probes > 0) {
     // Compressibility (spec section 2): the spectral tail of the sampled entries' response Gram at the
     // budget's share of the sample.
-    const torch::Tensor p = kv_head_probs(w.view, queries, scale);
-    const auto keep = static_cast<int64_t>(std::ceil(static_cast<double>(w.budget) * static_cast<double>(probes) / static_cast<double>(nb)));
+    const torch::Tensor p = kv_head_probs(w.view, w.refs.queries, w.scale, w.refs.positions, torch::kFloat);
+    const auto keep = static_cast<int64_t>(
+        std::ceil(static_cast<double>(w.budget) * static_cast<double>(probes) / static_cast<double>(nb)));
     // Weighted by the attention share the observed queries give the block: a block the head hardly reads
     // (its mass on sinks or recent entries) risks little however flat its spectrum.
-    const double share = p.narrow(0, 0, observed.size(0)).index_select(1, w.block).sum(1).mean().item<double>();
+    const double share = p.narrow(0, 0, w.refs.observed).index_select(1, w.block).sum(1).mean().item<double>();
     w.tail = share * kv_spectral_tail(p.index_select(1, sample), w.view.values.index_select(0, sample),
                                       std::min(keep, probes));
   }
-  // Held-out risk: a summary of the head's budget fitted without half of the observed queries, its relative
-  // output error on that half. Future queries are not the reference ones, and a summary judged on the
-  // queries it was fitted to looks better than it is.
-  if (options_.abstain_heldout > 0 && observed.size(0) >= 2) {
-    const torch::Tensor order = at::randperm(observed.size(0), gen, torch::TensorOptions().dtype(torch::kInt64));
-    const int64_t held = observed.size(0) / 2;
-    const torch::Tensor fit_queries = reference_queries(
-        observed.index_select(0, order.narrow(0, held, observed.size(0) - held)), w.view, w.block, sample, z);
-    KvBlockSummary check(w.view, fit_queries, scale, w.block);
+  // Held-out risk: a summary of the head's share fitted without half of the observed positions, its relative
+  // output error on that half. Future queries are not the reference ones, and a summary judged on the queries
+  // it was fitted to looks better than it is.
+  if (options_.abstain_heldout > 0 && W >= 2) {
+    const torch::Tensor order = at::randperm(W, gen, torch::TensorOptions().dtype(torch::kInt64));
+    const int64_t held = W / 2;
+    const torch::Tensor fit_idx = order.narrow(0, held, W - held), held_idx = order.narrow(0, 0, held);
+    const References fit_refs = reference_queries(observed.index_select(1, fit_idx),
+                                                  observed_positions.index_select(0, fit_idx), w.view, w.block,
+                                                  sample, z);
+    KvBlockSummary check(w.view, fit_refs.queries, w.scale, w.block, fit_refs.positions);
     check.extend(w.budget);
     const auto atoms = std::min<int64_t>(w.budget, static_cast<int64_t>(check.order().size()));
     const KvBlockSummary::Fit fit = atoms > 0 ? check.fit(atoms, false)
                                               : KvBlockSummary::Fit{torch::zeros({0}, torch::kInt64),
                                                                     torch::zeros({0})};  // evict the block
-    w.heldout = kv_heldout_rel_error(w.view, observed.index_select(0, order.narrow(0, 0, held)), scale, w.block,
-                                     fit.atoms, fit.log_weight);
+    w.heldout = kv_heldout_rel_error(w.view, observed.index_select(1, held_idx).reshape({-1, d}), w.scale, w.block,
+                                     fit.atoms, fit.log_weight,
+                                     observed_positions.index_select(0, held_idx).repeat({g}));
   }
-  if (w.tail > options_.abstain_tail || (options_.abstain_heldout > 0 && w.heldout > options_.abstain_heldout)) {
-    return;
-  }
-  w.summary = std::make_unique<KvBlockSummary>(w.view, queries, scale, w.block);
-  // The path may give a head up to twice its share (plus a little): what the allocation can move to it.
-  w.summary->extend(std::min(nb, 2 * w.budget + 16));
+  w.flagged = w.tail > options_.abstain_tail || (options_.abstain_heldout > 0 && w.heldout > options_.abstain_heldout);
+  if (!w.flagged) w.ensure_summary();
 }
 
-// Spec 4.6, allocate the budget across heads: each head its floor (alpha_safeguard of its share), then the pool
-// atom by atom to the head whose predicted error drops most.
-void MinimaxKvPolicy::allocate_budget(std::vector<Work>& work) const {
-  int64_t pool = 0;
-  using Gain = std::pair<double, size_t>;
-  std::priority_queue<Gain> next;
-  auto gain = [&](const Work& w) {
-    return w.summary->error()[static_cast<size_t>(w.atoms)] - w.summary->error()[static_cast<size_t>(w.atoms) + 1];
-  };
+// Spec 4.6, allocate the layer's pool across its heads' blocks: with an error target, each block the fewest
+// atoms that meet it. Else each head its floor (alpha_safeguard of its share), then the incompressible blocks
+// as much as the pool holds (whole when it can: kept exact; with exceed_budget whole and outside the pool), then
+// the rest atom by atom to the head whose predicted error drops most; greedy paths grow only as far as the
+// allocation reaches.
+void MinimaxKvPolicy::allocate_budget(std::vector<Work>& work, int64_t pool) const {
+  if (options_.max_rel_error > 0) {
+    for (Work& w : work) {
+      if (w.flagged) {
+        w.exact = true;
+        continue;
+      }
+      KvBlockSummary& s = w.ensure_summary();
+      // The fewest atoms whose relative error meets the target: by the path's least-squares weights, then
+      // checked with the non-negative fit that is committed (it can err a little more), adding atoms until it
+      // meets the target too.
+      while (s.relative_error(w.atoms) > options_.max_rel_error && w.can_grow()) ++w.atoms;
+      const double target2 = options_.max_rel_error * options_.max_rel_error * s.output_energy();
+      while (w.atoms > 0) {
+        w.fitted = s.fit(w.atoms, options_.refit_values);
+        if (w.fitted->error <= target2 || !w.can_grow()) break;
+        ++w.atoms;
+      }
+      if (w.atoms == w.size()) w.exact = true;
+    }
+    return;
+  }
+  pool = std::max<int64_t>(pool, 0);
+  if (options_.exceed_budget) {
+    // Kept whole outside the pool: the block's fair share leaves the pool with it, so the other heads keep
+    // theirs (and the layer exceeds its budget by what the block holds beyond its share).
+    for (Work& w : work) {
+      if (!w.flagged) continue;
+      w.exact = true;
+      pool -= w.budget;
+    }
+    pool = std::max<int64_t>(pool, 0);
+  }
+  std::vector<size_t> flagged;
   for (size_t i = 0; i < work.size(); ++i) {
     Work& w = work[i];
-    if (!w.summary) continue;
-    pool += w.budget;
-    const auto path = static_cast<int64_t>(w.summary->order().size());
-    w.atoms = std::min(path, static_cast<int64_t>(std::floor(options_.alpha_safeguard * static_cast<double>(w.budget))));
+    if (w.flagged) {
+      if (!options_.exceed_budget) flagged.push_back(i);
+      continue;
+    }
+    const auto floor = static_cast<int64_t>(std::floor(options_.alpha_safeguard * static_cast<double>(w.budget)));
+    w.summary->extend(floor + 1);
+    w.atoms = std::min({floor, static_cast<int64_t>(w.summary->order().size()), pool});
     pool -= w.atoms;
-    if (w.atoms < path) next.emplace(gain(w), i);
+  }
+  // The most lookup-like blocks first.
+  std::sort(flagged.begin(), flagged.end(), [&](size_t a, size_t b) { return work[a].tail > work[b].tail; });
+  for (size_t i : flagged) {
+    Work& w = work[i];
+    if (pool >= w.size()) {
+      w.exact = true;
+      pool -= w.size();
+      continue;
+    }
+    if (pool == 0) continue;  // evicted: nothing left
+    w.ensure_summary().extend(pool);
+    w.atoms = std::min(pool, static_cast<int64_t>(w.summary->order().size()));
+    pool -= w.atoms;
+  }
+  using Gain = std::pair<double, size_t>;
+  std::priority_queue<Gain> next;
+  for (size_t i = 0; i < work.size(); ++i) {
+    if (!work[i].flagged && work[i].can_grow()) next.emplace(work[i].gain(), i);
   }
   while (pool > 0 && !next.empty()) {
     const size_t i = next.top().second;
@@ -241,12 +372,13 @@ void MinimaxKvPolicy::allocate_budget(std::vector<Work>& work) const {
     Work& w = work[i];
     ++w.atoms;
     --pool;
-    if (w.atoms < static_cast<int64_t>(w.summary->order().size())) next.emplace(gain(w), i);
+    if (w.can_grow()) next.emplace(w.gain(), i);
   }
 }
 
 // Spec 4.3 step 4 and 8, commit: each head's fitted atoms with their log-weights (and refitted values) replace its
-// block, an abstaining head is kept whole from now on; one KvCache::commit for the layer.
+// block (unit_weights: the same atoms, biases unchanged); a block kept whole is left alone; one KvCache::commit
+// for the layer.
 void MinimaxKvPolicy::commit_layer(KvCache& cache, int64_t layer, std::vector<Work>& work) {
   std::vector<KvHeadEdit> edits(static_cast<size_t>(heads_));
   bool any = false;
@@ -255,13 +387,17 @@ void MinimaxKvPolicy::commit_layer(KvCache& cache, int64_t layer, std::vector<Wo
     KvHeadRisk& risk = risks_[static_cast<size_t>(layer * heads_ + w.head)];
     risk.tail = w.tail;
     risk.heldout = w.heldout;
-    if (!w.summary) {
-      st.abstained = true;
-      risk.abstained = true;
+    risk.abstained = w.flagged;
+    risk.exact = w.exact;
+    if (w.flagged) ++st.abstentions;
+    risk.abstentions = st.abstentions;
+    if (w.exact) {
       risk.error = 0;
+      risk.rel_error = 0;
       risk.kept = w.view.length();
       continue;
     }
+    KvBlockSummary& summary = w.ensure_summary();
     const int64_t n_view = w.view.length();
     torch::Tensor mask = torch::ones({n_view}, torch::kBool);
     mask.index_fill_(0, w.block, false);
@@ -269,22 +405,23 @@ void MinimaxKvPolicy::commit_layer(KvCache& cache, int64_t layer, std::vector<Wo
     torch::Tensor values;
     KvBlockSummary::Fit fit;
     if (w.atoms > 0) {
-      fit = w.summary->fit(w.atoms, options_.refit_values);
+      fit = w.fitted ? *w.fitted : summary.fit(w.atoms, options_.refit_values);
       const torch::Tensor kept = w.block.index_select(0, fit.atoms);
       mask.index_fill_(0, kept, true);
-      bias.index_add_(0, kept, fit.log_weight);
+      if (!options_.unit_weights) bias.index_add_(0, kept, fit.log_weight);
       if (fit.values.defined()) {
         values = w.view.values.to(torch::kFloat).clone();
         values.index_copy_(0, kept, fit.values);
       }
     } else {
-      fit.error = w.summary->error()[0];
+      fit.error = summary.error()[0];
     }
     KvHeadEdit& e = edits[static_cast<size_t>(w.head)];
     e.keep = mask.nonzero().flatten();
     e.new_bias = bias.index_select(0, e.keep);
     if (values.defined()) e.new_values = values.index_select(0, e.keep);
     risk.error = std::sqrt(fit.error);
+    risk.rel_error = summary.output_energy() > 0 ? std::sqrt(fit.error / summary.output_energy()) : 0.0;
     risk.kept = e.keep.numel();
     any = true;
   }
@@ -299,14 +436,15 @@ void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
   for (int64_t layer = 0; layer < layers_; ++layer) {
     const int64_t n = cache.next_position(layer);
     seen_[static_cast<size_t>(layer)] = n;
-    std::vector<Work> work = collect_blocks(cache, layer);
+    int64_t pool = 0;
+    std::vector<Work> work = collect_blocks(cache, layer, pool);
     if (work.empty()) continue;
     if (obs == nullptr || !obs->window_queries(layer).defined()) {
       throw std::invalid_argument(
           fmt::format("MinimaxKvPolicy: layer {}: no observed queries (needs window {})", layer, options_.window));
     }
-    for (Work& w : work) assess_head(w, obs->window_queries(layer).select(0, w.head), obs->scale(), layer, n);
-    allocate_budget(work);
+    for (Work& w : work) assess_head(w, *obs, layer, n);
+    allocate_budget(work, pool);
     commit_layer(cache, layer, work);
   }
 }

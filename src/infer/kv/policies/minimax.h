@@ -1,4 +1,5 @@
-// The minimax policy: weighted summaries under a merge-reduce tree, budgets by predicted error, abstention.
+// The minimax policy: weighted summaries under a merge-reduce tree, budgets by predicted error, per-block
+// abstention, error targets.
 #pragma once
 
 #include <torch/types.h>
@@ -12,57 +13,77 @@
 
 namespace dcp {
 
-/// What minimax estimated for one (layer, head) at its latest compression.
+/// What minimax estimated for one (layer, head) at its latest compression that gave the head a block.
 struct KvHeadRisk {
   double tail = 0;       ///< the block's spectral tail at its budget share (kv_spectral_tail) x the attention share
                          ///< the observed queries give the block, in [0, 1]: what abstain_tail is compared with
   double heldout = 0;    ///< kv_heldout_rel_error of a summary fitted without half of the observed queries, on
                          ///< that half: what abstain_heldout is compared with (0 when off or < 2 observed)
   double error = 0;      ///< predicted RMS first-order output error of the block's summary (KvBlockSummary)
-  bool abstained = false;  ///< judged incompressible: kept exact from then on
+  double rel_error = 0;  ///< the same relative to the head's RMS output (KvBlockSummary::relative_error)
+  bool abstained = false;  ///< the block was judged incompressible (an abstention): it got priority from the pool
+  bool exact = false;    ///< the block was kept whole (every entry, weight 1)
   int64_t kept = 0;      ///< entries the head held after that compression
+  int64_t abstentions = 0;  ///< blocks of the head judged incompressible so far in the sequence
 };
 
 /// Options of the minimax policy (make_kv_policy("minimax", ...) documents the names and defaults).
 struct MinimaxOptions {
   KvBudget budget{1.0, 64, 0};
-  int64_t window = 64;           ///< observed queries (the last ones of each head) in the reference set
-  int64_t samples = 64;          ///< queries drawn from a Gaussian fitted to the observed ones
+  int64_t window = 64;           ///< observed queries (the last ones of each query head) in the reference set
+  int64_t samples = 64;          ///< queries drawn from Gaussians fitted to the observed ones (split over a group)
   int64_t probes = 64;           ///< needle probes: block entries sampled for the compressibility estimate
   int64_t n_sink = 4;            ///< the first positions stay exact
   double recent_fraction = 0.25; ///< share of the head's budget kept as the exact newest entries
+  int64_t recent_tokens = 0;     ///< newest entries kept exact at least (with max_rel_error: 0 = 64)
   double alpha_safeguard = 0.2;  ///< per-head floor of the budget allocation (Ada-KV's)
-  double abstain_tail = 0.5;     ///< abstain when the spectral tail at the budget share exceeds this (>= 1: never)
-  double abstain_heldout = 0;    ///< abstain when the held-out relative error exceeds this (0: not computed)
+  double abstain_tail = 0.5;     ///< a block is incompressible when its spectral tail exceeds this (>= 1: never)
+  double abstain_heldout = 0;    ///< ... or its held-out relative error exceeds this (0: not computed)
+  /// An incompressible block is kept whole even when that exceeds the layer's budget (the earlier behaviour,
+  /// per block); false (default): it is served first from the layer's pool, and the policy stays at its budget.
+  bool exceed_budget = false;
+  /// The no-bias ablation: the same entries as the summary keeps, with their biases left as they were (weight
+  /// 1): what selection alone achieves without the weights.
+  bool unit_weights = false;
+  /// Error target (> 0): every block keeps the fewest entries whose predicted relative output error
+  /// (KvBlockSummary::relative_error) is at most this; the budget ratio and the pool are then not used (budget
+  /// must be 1). 0: budget mode. `dcp kv-calibrate` maps a bits-per-byte target (kv.max_rel_bpb) to this.
+  double max_rel_error = 0;
   bool refit_values = false;     ///< refit the kept values by least squares (synthetic values)
   uint64_t seed = 0;             ///< sampled queries and probes
 };
 
 /// `minimax`: our reconstruction of "The risk of KV cache compression" (Haverbeck et al. 2026, arXiv
 /// 2607.01520; ../shared/specs/kv-cache-compression.md section 4, "MMKV"; docs/kv_cache.md "minimax" says what is
-/// reconstruction and where each choice came from). Per (layer, head): sinks and the newest
-/// ceil(recent_fraction x budget) entries stay exact; older entries are summarised block by block, causally,
-/// with a merge-reduce tree (a new block joins the newest summaries of the same level like a binary counter,
-/// and absorbs older summaries that hold more than their share of the budget, as under max_tokens), each
-/// summary a subset of the real entries with log-weight biases fitted on reference queries (observed, sampled
-/// from their Gaussian, needle probes) by greedy selection and NNLS (KvBlockSummary). The heads of a layer share
-/// their budget by marginal predicted error (a heap over the greedy error curves, with a per-head floor). A head
-/// whose block the spectral estimate calls incompressible (kv_spectral_tail > abstain_tail: lookup-like), or
-/// whose summary at its budget does not carry over to observed queries it was not fitted to
-/// (kv_heldout_rel_error > abstain_heldout, when set), is kept exact for the rest of the sequence and reported
-/// (abstained_heads()): its budget is exceeded on purpose.
+/// reconstruction and where each choice came from). Per (layer, KV head): sinks and the newest
+/// max(recent_tokens, ceil(recent_fraction x budget)) entries stay exact; older entries are summarised block by
+/// block, causally, with a merge-reduce tree (a new block joins the newest summaries of the same level like a
+/// binary counter, and absorbs older summaries that hold more than their share of the budget, as under
+/// max_tokens), each summary a subset of the real entries with log-weight biases fitted on reference queries
+/// (the group's observed queries, causally masked at their own positions; draws from their Gaussians and needle
+/// probes, which come after every entry) by greedy selection and NNLS (KvBlockSummary). The heads of a layer share
+/// one pool, kv_heads x the per-head budget minus what they hold outside their blocks (Ada-KV's layer budget):
+/// each head's floor first, then blocks judged incompressible (kv_spectral_tail > abstain_tail: lookup-like, or
+/// kv_heldout_rel_error > abstain_heldout when set) as much of their block as the pool holds, then the rest by
+/// marginal predicted error (a heap over the greedy error curves, extended only as far as the allocation goes).
+/// An abstention is per block: the block is kept (exactly, when it fits), and a later merge assesses it again.
+/// With exceed_budget an incompressible block is kept whole outside the pool (over budget, reported by the
+/// measured bytes); with max_rel_error the blocks are sized by the error target instead of the budget.
 class MinimaxKvPolicy : public KvPolicy {
  public:
   /// Throws std::invalid_argument for a budget outside (0, 1], interval < 1, max_tokens < 0, window < 1,
-  /// samples, probes or n_sink < 0, recent_fraction or alpha_safeguard outside [0, 1], abstain_tail or
-  /// abstain_heldout < 0.
+  /// samples, probes, n_sink or recent_tokens < 0, recent_fraction or alpha_safeguard outside [0, 1],
+  /// abstain_tail, abstain_heldout or max_rel_error < 0, and max_rel_error > 0 with a budget below 1.
   explicit MinimaxKvPolicy(const MinimaxOptions& options);
   void after_step(KvCache& cache, const KvStep& step) override;
   KvObservationNeeds needs() const override { return {options_.window, false}; }
   void reset() override;
+  /// The heads with at least one block judged incompressible in this sequence.
   std::vector<std::pair<int64_t, int64_t>> abstained_heads() const override;
-  /// One per (layer, head), layer-major, as of the latest compression (empty before the first).
+  /// One per (layer, head), layer-major, as of the latest compression that gave the head a block (empty before
+  /// the first).
   const std::vector<KvHeadRisk>& risks() const { return risks_; }
+  const MinimaxOptions& options() const { return options_; }
 
  private:
   struct Segment {
@@ -72,14 +93,14 @@ class MinimaxKvPolicy : public KvPolicy {
   struct HeadState {
     std::vector<Segment> segments;  // ordered, covering [n_sink, tree_end)
     int64_t tree_end = 0;
-    bool abstained = false;
+    int64_t abstentions = 0;
   };
   struct Work;  // one head's block in a layer's compression (minimax.cpp)
   // after_step's phases, each a section of ../shared/specs/kv-cache-compression.md (named at its definition).
   void restart_if_new(const KvCache& cache);
-  std::vector<Work> collect_blocks(const KvCache& cache, int64_t layer);
-  void assess_head(Work& w, const torch::Tensor& observed, double scale, int64_t layer, int64_t position) const;
-  void allocate_budget(std::vector<Work>& work) const;
+  std::vector<Work> collect_blocks(const KvCache& cache, int64_t layer, int64_t& pool);
+  void assess_head(Work& w, const KvObservations& obs, int64_t layer, int64_t position) const;
+  void allocate_budget(std::vector<Work>& work, int64_t pool) const;
   void commit_layer(KvCache& cache, int64_t layer, std::vector<Work>& work);
 
   MinimaxOptions options_;

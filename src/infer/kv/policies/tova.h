@@ -1,20 +1,19 @@
-// The tova policy's scorer: the latest query's attention.
+// The tova policy's scorer: the latest query's attention, averaged over the heads of the layer.
 #pragma once
 
 #include <torch/types.h>
 
 #include <cstdint>
-#include <memory>
-#include <utility>
-#include <vector>
 
 #include "infer/kv/policies/scorer.h"
 
 namespace dcp {
 
-/// TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs"): score = attention from the latest query of the
-/// head alone (per head, not averaged over heads as in the paper); with interval 1 the argmin is dropped each
-/// time the head is over budget.
+/// TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs"), as kvpress's TOVAPress defines it: score =
+/// the attention of the latest query averaged over every query head of the layer (each KV head's record is
+/// already its group's mean; the KV heads' are averaged, aligned by position), so every head ranks its entries
+/// alike; the newest entry (the latest query's own) is protected. Compressing once a head is over budget drops
+/// the entries the current query attends to least.
 class TovaScorer : public KvScorer {
  public:
   KvObservationNeeds needs() const override { return {0, true}; }

@@ -1,0 +1,192 @@
+// `dcp kv-calibrate`'s driver: minimax at a grid of max_rel_error values, the choice per bits-per-byte target, and
+// the calibration file (src/tools/kv_calibrate.h).
+#include "tools/kv_calibrate.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace dcp {
+
+void KvCalibrationOptions::validate() const {
+  if (grid.empty() || targets.empty()) throw std::invalid_argument("kv-calibrate: the grid and the targets must not be empty");
+  for (double g : grid) {
+    if (!(g > 0)) throw std::invalid_argument(fmt::format("kv-calibrate: grid value {} must be > 0", g));
+  }
+  for (double t : targets) {
+    if (!(t > 0)) throw std::invalid_argument(fmt::format("kv-calibrate: target {} must be > 0", t));
+  }
+  if (!(coverage > 0 && coverage < 1)) {
+    throw std::invalid_argument(fmt::format("kv-calibrate: coverage {} must lie in (0, 1)", coverage));
+  }
+  KvEvalOptions o = eval;
+  o.policies = {"full"};
+  o.budgets = {1.0};
+  o.targets.clear();
+  for (double g : grid) o.targets.push_back(KvEvalTarget{1.0, g, 0, 0, policy});
+  o.validate();
+}
+
+KvCalibration run_kv_calibration(Transformer& model, const std::vector<KvEvalDocument>& documents,
+                                 const KvCalibrationOptions& options,
+                                 const std::function<void(int64_t, int64_t)>& on_document) {
+  options.validate();
+  std::vector<double> grid = options.grid, targets = options.targets;
+  std::sort(grid.begin(), grid.end());
+  std::sort(targets.begin(), targets.end());
+  KvEvalOptions o = options.eval;
+  o.policies = {"full"};  // the reference runs anyway; full's row is what every increase is relative to
+  o.budgets = {1.0};
+  o.targets.clear();
+  // The target field of these rows is unused (the grid point is the option); 1 keeps validate() satisfied.
+  for (double g : grid) o.targets.push_back(KvEvalTarget{1.0, g, 0, 0, options.policy});
+  o.paired_against.clear();
+  const KvEvalResult r = run_kv_eval(model, documents, o, on_document);
+  KvCalibration c;
+  c.policy = options.policy;
+  c.coverage = options.coverage;
+  c.context = o.context;
+  c.continuation = o.continuation;
+  c.documents = static_cast<int64_t>(documents.size());
+  c.source_files = r.source_files;
+  for (const auto& row : r.rows) {
+    if (row.max_rel_error <= 0) continue;  // full
+    KvCalibrationPoint p;
+    p.max_rel_error = row.max_rel_error;
+    p.mean = row.rel_bpb_increase.value;
+    p.q90 = kv_quantile_with_ci(row.rel_per_document, options.coverage).value;
+    p.bytes_ratio = row.kv_bytes_mean / row.kv_bytes_full_mean;
+    c.grid.push_back(p);
+  }
+  for (double t : targets) {
+    KvCalibration::Choice choice;
+    choice.max_rel_bpb = t;
+    for (const auto& p : c.grid) {  // ascending: the last one that holds is the largest
+      if (p.q90 <= t) {
+        choice.max_rel_error = p.max_rel_error;
+        choice.q90 = p.q90;
+        choice.bytes_ratio = p.bytes_ratio;
+      }
+    }
+    c.choices.push_back(choice);
+  }
+  return c;
+}
+
+nlohmann::json kv_calibration_json(const KvCalibration& c) {
+  nlohmann::json grid = nlohmann::json::array(), choices = nlohmann::json::array();
+  for (const auto& p : c.grid) {
+    grid.push_back({{"max_rel_error", p.max_rel_error}, {"mean", p.mean}, {"q90", p.q90}, {"bytes_ratio", p.bytes_ratio}});
+  }
+  for (const auto& ch : c.choices) {
+    choices.push_back({{"max_rel_bpb", ch.max_rel_bpb},
+                       {"max_rel_error", ch.max_rel_error},
+                       {"q90", ch.q90},
+                       {"bytes_ratio", ch.bytes_ratio}});
+  }
+  return {{"format", "dcp-kv-calibration-1"},
+          {"policy", c.policy},
+          {"coverage", c.coverage},
+          {"context", c.context},
+          {"continuation", c.continuation},
+          {"documents", c.documents},
+          {"source_files", c.source_files},
+          {"checkpoint", c.checkpoint},
+          {"data_path", c.data_path},
+          {"split", c.split},
+          {"date", c.date},
+          {"grid", grid},
+          {"choices", choices}};
+}
+
+KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::string& what) {
+  auto fail = [&](const std::string& field, const std::string& why) {
+    return std::runtime_error(fmt::format("KV calibration '{}': field '{}' {}", what, field, why));
+  };
+  if (!j.is_object() || j.value("format", std::string()) != "dcp-kv-calibration-1") {
+    throw fail("format", "is not dcp-kv-calibration-1 (not a file `dcp kv-calibrate` wrote)");
+  }
+  auto number = [&](const nlohmann::json& o, const char* key, const std::string& at) {
+    if (!o.contains(key) || !o[key].is_number()) throw fail(at + key, "is missing or not a number");
+    return o[key].get<double>();
+  };
+  KvCalibration c;
+  if (!j.contains("policy") || !j["policy"].is_string()) throw fail("policy", "is missing or not a string");
+  c.policy = j["policy"].get<std::string>();
+  c.coverage = number(j, "coverage", "");
+  c.context = static_cast<int64_t>(number(j, "context", ""));
+  c.continuation = static_cast<int64_t>(number(j, "continuation", ""));
+  c.documents = static_cast<int64_t>(number(j, "documents", ""));
+  c.source_files = static_cast<int64_t>(number(j, "source_files", ""));
+  c.checkpoint = j.value("checkpoint", std::string());
+  c.data_path = j.value("data_path", std::string());
+  c.split = j.value("split", std::string());
+  c.date = j.value("date", std::string());
+  for (const char* list : {"grid", "choices"}) {
+    if (!j.contains(list) || !j[list].is_array()) throw fail(list, "is missing or not an array");
+  }
+  for (size_t i = 0; i < j["grid"].size(); ++i) {
+    const auto& p = j["grid"][i];
+    const std::string at = fmt::format("grid[{}].", i);
+    c.grid.push_back({number(p, "max_rel_error", at), number(p, "mean", at), number(p, "q90", at),
+                      number(p, "bytes_ratio", at)});
+  }
+  for (size_t i = 0; i < j["choices"].size(); ++i) {
+    const auto& p = j["choices"][i];
+    const std::string at = fmt::format("choices[{}].", i);
+    KvCalibration::Choice ch;
+    ch.max_rel_bpb = number(p, "max_rel_bpb", at);
+    ch.max_rel_error = number(p, "max_rel_error", at);
+    ch.q90 = number(p, "q90", at);
+    ch.bytes_ratio = number(p, "bytes_ratio", at);
+    if (!(ch.max_rel_bpb > 0) || ch.max_rel_error < 0) throw fail(at + "max_rel_bpb", "must be > 0 (max_rel_error >= 0)");
+    c.choices.push_back(ch);
+  }
+  std::sort(c.choices.begin(), c.choices.end(),
+            [](const auto& a, const auto& b) { return a.max_rel_bpb < b.max_rel_bpb; });
+  return c;
+}
+
+std::string kv_calibration_path(const std::string& checkpoint) {
+  return (std::filesystem::path(checkpoint) / "kv_calibration.json").string();
+}
+
+KvCalibration read_kv_calibration(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(fmt::format("KV calibration '{}': cannot be read (run dcp kv-calibrate)", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) throw std::runtime_error(fmt::format("KV calibration '{}': not JSON", path));
+  return kv_calibration_from_json(j, path);
+}
+
+KvEvalTarget kv_calibrated_target(const KvCalibration& c, double max_rel_bpb) {
+  const KvCalibration::Choice* use = nullptr;
+  for (const auto& ch : c.choices) {
+    if (ch.max_rel_bpb <= max_rel_bpb * (1 + 1e-12)) use = &ch;
+  }
+  if (use == nullptr) {
+    throw std::invalid_argument(fmt::format("KV error target {}: the calibration lists no target at or below it "
+                                            "(its targets start at {})",
+                                            max_rel_bpb, c.choices.empty() ? 0.0 : c.choices.front().max_rel_bpb));
+  }
+  if (!(use->max_rel_error > 0)) {
+    throw std::invalid_argument(fmt::format("KV error target {}: on the calibration documents no max_rel_error of the "
+                                            "grid kept {:.0f}% of documents within {} (re-calibrate with a finer grid)",
+                                            max_rel_bpb, 100 * c.coverage, use->max_rel_bpb));
+  }
+  KvEvalTarget t;
+  t.max_rel_bpb = max_rel_bpb;
+  t.max_rel_error = use->max_rel_error;
+  t.calibrated_q90 = use->q90;
+  t.calibrated_bytes_ratio = use->bytes_ratio;
+  t.policy = c.policy;
+  return t;
+}
+
+}  // namespace dcp
