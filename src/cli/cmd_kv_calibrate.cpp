@@ -44,8 +44,11 @@ void run(const KvCalibrateCli& cli) {
   Corpus corpus;
   const KvEvalSource source = kv_eval_source(cfg.data, cli.data_path, cli.split == "all" ? "" : cli.split, corpus);
   KvEvalDocuments docs;
+  KvEvalOptions pick = o.eval;  // the document choice checks a whole kv-eval run: the reference's row stands in
+  pick.policies = {"full"};
+  pick.budgets = {1.0};
   try {
-    docs = choose_kv_eval_documents(corpus, source.ids, o.eval);
+    docs = choose_kv_eval_documents(corpus, source.ids, pick);
   } catch (const std::invalid_argument& e) {
     throw CLI::ValidationError(fmt::format("{} (split {} of {})", e.what(), source.split, source.data_path));
   }
