@@ -87,8 +87,9 @@ std::string report_markdown(const AttentionBenchRun& run, const AttentionBenchOp
   md += fmt::format(
       "Skips (never silent; {} of {} points): a length is skipped when its predicted peak exceeds --max-bytes = "
       "{:.1f} GB (softmax-reference keeps [heads, L, L] fp32 scores: 3 x heads x L^2 x 4 B + 2 x L^2 B of masks + "
-      "token-linear terms; the tiled softmax and flexformer: linear in L, tiled_attention_peak_bytes and "
-      "flexformer_attention_peak_bytes in dcp/attention_bench.h); a point whose allocation fails is skipped with "
+      "token-linear terms; the tiled softmax and flexformer: linear in L, tiled_attention_peak_bytes, "
+      "fused_flexformer_peak_bytes (the fused kernel) and flexformer_attention_peak_bytes (its autograd twins) in "
+      "dcp/attention_bench.h); a point whose allocation fails is skipped with "
       "LibTorch's message and so are the variant's longer lengths; once one run of a variant takes more than "
       "--max-seconds = {:g} s, its remaining runs at that length and its longer lengths are skipped (a warm-up past "
       "the cap is that length's only time, marked \"warm-up only\").\n\n",
