@@ -49,6 +49,9 @@ struct AttentionConfig {
   std::string backend = "softmax";        ///< softmax | flexformer
   /// softmax only: tiled (FlashAttention-2 style operator, O(L) memory) | reference (per-sample [L, L] scores)
   std::string impl = "tiled";
+  /// flexformer only: fused (the chunked kernel with its explicit backward, for mode chunk and decoding) |
+  /// reference (the autograd forms, its twin)
+  std::string linear_impl = "fused";
   int64_t tile_q = 64;                    ///< softmax tiled: queries per tile
   int64_t tile_k = 128;                   ///< softmax tiled: keys per tile
   std::string feature_map = "stationary"; ///< stationary | nonstationary | fixed (untrained RFF) | elu (elu+1)

@@ -17,29 +17,11 @@
 
 namespace dcp {
 
-/// attention.feature_map: phi applied to the conditioned queries and keys.
-enum class FeatureMap {
-  kStationary,     ///< m^{-1/2} [cos(Omega x); sin(Omega x)], Omega trained (FF-S)
-  kNonstationary,  ///< (4m)^{-1/2} [cos(Omega1 x) + cos(Omega2 x); sin(Omega1 x) + sin(Omega2 x)], both trained (FF-NS)
-  kFixed,          ///< stationary map with untrained frequencies (RFA / Performer style)
-  kElu,            ///< elu(x) + 1 (Katharopoulos et al. 2020), no frequencies
+/// attention.linear_impl: how training's chunked form and decoding are computed.
+enum class LinearAttentionImpl {
+  kFused,      ///< the fused chunked kernel with its explicit backward (fused_linear_attention)
+  kReference,  ///< autograd over the reference forms (causal_linear_attention), the kernel's twin
 };
-/// attention.input_norm: how q and k are conditioned before the feature map.
-enum class InputNorm {
-  kL2,     ///< x / |x| (RFA)
-  kRms,    ///< x / rms(x) * d^{-1/4} (QK-RMSNorm folded with the softmax 1/sqrt(d))
-  kScale,  ///< x * d^{-1/4}, keys also weighted by exp(|b|^2/2 - c) (softmax recovery, distillation)
-};
-/// attention.normalizer: how the attention average is kept well defined despite signed kernel estimates.
-enum class Normalizer {
-  kShift,  ///< append a feature alpha >= 1 to q and k features: kernel alpha^2 + K >= 0
-  kClamp,  ///< divide by max(denominator, kClampEps) (RFA)
-  kNone,   ///< no denominator; per-head output RMSNorm with a learned gain (fla LinearAttention default)
-};
-/// Denominators below this are clamped by Normalizer::kClamp (features are bounded by 1, see docs/flexformer.md).
-inline constexpr double kClampEps = 1e-2;
-/// Added to the denominator under Normalizer::kShift, which is >= 0 by construction (exactly 0 only if alpha = 1).
-inline constexpr double kShiftEps = 1e-6;
 
 /// The attention.* switches of the flexformer backend, parsed.
 struct FlexformerOptions {
@@ -49,6 +31,9 @@ struct FlexformerOptions {
   Normalizer normalizer = Normalizer::kShift;
   LinearAttentionForm mode = LinearAttentionForm::kChunk;
   int64_t chunk_size = 64;
+  /// kFused runs mode chunk (and decoding) on the fused kernel; modes quadratic and recurrent are reference forms
+  /// whatever this says.
+  LinearAttentionImpl impl = LinearAttentionImpl::kFused;
 
   /// Throws ConfigError naming the attention.* key and value that is not allowed.
   static FlexformerOptions from_config(const AttentionConfig& cfg);
@@ -86,7 +71,8 @@ class FlexformerAttention : public torch::nn::Module, public AttentionBackend {
   FlexformerAttention(const FlexformerOptions& opt, int64_t n_heads, int64_t head_dim);
 
   /// Causal attention with options().mode and options().chunk_size over all heads: q, k, v [T, heads,
-  /// head_dim] -> [T, heads, head_dim] in v's dtype.
+  /// head_dim] -> [T, heads, head_dim] in v's dtype; on the fused kernel when options().impl is kFused and the mode
+  /// chunk (attend_fused), else by the reference form (attend).
   torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& cu_seqlens) const override;
   /// The same on heads [head_offset, head_offset + h) of the layer, q, k, v [T, h, head_dim], with those
@@ -102,6 +88,16 @@ class FlexformerAttention : public torch::nn::Module, public AttentionBackend {
                        const torch::Tensor& cu_seqlens, int64_t head_offset, LinearAttentionForm form,
                        int64_t chunk_size, const LinearAttentionState* initial = nullptr,
                        LinearAttentionState* final_state = nullptr) const;
+
+  /// The same operator on the fused kernel (fused_linear_attention: features, scan and normaliser in one pass,
+  /// explicit backward) with chunks of chunk_size tokens; initial and final states as for attend (same layout;
+  /// no gradient flows through them). path forces a kernel path (tests); kAuto picks the fastest. Throws as
+  /// attend, and std::invalid_argument for a path this CPU or dtype cannot run.
+  torch::Tensor attend_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& cu_seqlens, int64_t head_offset, int64_t chunk_size,
+                             const LinearAttentionState* initial = nullptr,
+                             LinearAttentionState* final_state = nullptr,
+                             LinearAttentionPath path = LinearAttentionPath::kAuto) const;
 
   /// Query / key features of heads [head_offset, head_offset + x.size(1)) including the shift feature and the
   /// key weight: x [T, h, head_dim] -> [T, h, feature_dim()] in fp32 (fp64 for fp64 x).
@@ -128,8 +124,9 @@ class FlexformerAttention : public torch::nn::Module, public AttentionBackend {
 };
 
 /// Recurrent decoding of a flexformer Transformer: passed as PackedBatch::attention, it runs every block's
-/// FlexformerAttention from that layer's carried state and keeps the state after the batch. A call with one
-/// token per sequence uses the recurrent form, a longer one (the prefill) the chunked form. Positions must
+/// FlexformerAttention from that layer's carried state and keeps the state after the batch. With impl kFused both
+/// the prefill and every one-token step run the fused kernel (one kernel, one state layout); with kReference a
+/// call with one token per sequence uses the recurrent form, a longer one (the prefill) the chunked form. Positions must
 /// continue where the previous batch stopped; call reset() to start new sequences.
 /// Throws std::invalid_argument when a block's backend is not a FlexformerAttention or the sequence count
 /// differs from the carried state's.

@@ -55,6 +55,41 @@ DCP_AVX512 inline __m512 exp2(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// e^x through exp2 (e^x = 2^(x log2 e)); same accuracy and clamping as exp2.
+DCP_AVX512 inline __m512 exp(__m512 x) { return exp2(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f))); }
+
+// sin x and cos x together (Cephes sinf / cosf, Moshier 1989, on AVX-512): x = j pi/2 + r with j = round(2x/pi) and
+// r reduced in three steps (Cody & Waite 1980; pi/2 = 1.5703125 + 4.837512969970703125e-4 + 7.54978995489188216e-8,
+// the first two exact in few bits, so j times them is exact for |j| < 2^15), |r| <= pi/4; sin r and cos r by
+// Cephes' minimax polynomials (about 1 ulp); the quadrant j mod 4 swaps them and sets the signs. Accurate for
+// |x| < 8192 (beyond, the phase error grows like |x| 2^-24). NaN in gives NaN out.
+DCP_AVX512 inline void sincos(__m512 x, __m512* sin_out, __m512* cos_out) {
+  const __m512 j = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.63661977236758134f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(j, _mm512_set1_ps(1.5703125f), x);
+  r = _mm512_fnmadd_ps(j, _mm512_set1_ps(4.837512969970703125e-4f), r);
+  r = _mm512_fnmadd_ps(j, _mm512_set1_ps(7.54978995489188216e-8f), r);
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  // sin r = r + r^3 (s0 + r^2 (s1 + r^2 s2)); cos r = 1 - r^2 / 2 + r^4 (c0 + r^2 (c1 + r^2 c2)).
+  __m512 ps = _mm512_fmadd_ps(_mm512_set1_ps(-1.9515295891e-4f), r2, _mm512_set1_ps(8.3321608736e-3f));
+  ps = _mm512_fmadd_ps(ps, r2, _mm512_set1_ps(-1.6666654611e-1f));
+  const __m512 s = _mm512_fmadd_ps(_mm512_mul_ps(ps, r2), r, r);
+  __m512 pc = _mm512_fmadd_ps(_mm512_set1_ps(2.443315711809948e-5f), r2, _mm512_set1_ps(-1.388731625493765e-3f));
+  pc = _mm512_fmadd_ps(pc, r2, _mm512_set1_ps(4.166664568298827e-2f));
+  const __m512 c =
+      _mm512_fmadd_ps(pc, _mm512_mul_ps(r2, r2), _mm512_fnmadd_ps(r2, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.0f)));
+  // Quadrant q = j mod 4: (sin, cos) = (s, c), (c, -s), (-s, -c), (-c, s).
+  const __m512i q = _mm512_cvtps_epi32(j);
+  const __mmask16 swap = _mm512_test_epi32_mask(q, _mm512_set1_epi32(1));
+  const __m512i sin_sign = _mm512_slli_epi32(_mm512_and_si512(q, _mm512_set1_epi32(2)), 30);
+  const __m512i cos_sign =
+      _mm512_slli_epi32(_mm512_and_si512(_mm512_add_epi32(q, _mm512_set1_epi32(1)), _mm512_set1_epi32(2)), 30);
+  const __m512 sv = _mm512_mask_blend_ps(swap, s, c);
+  const __m512 cv = _mm512_mask_blend_ps(swap, c, s);
+  *sin_out = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(sv), sin_sign));
+  *cos_out = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(cv), cos_sign));
+}
+
 // The logistic function 1 / (1 + e^-x) through exp2 (e^-x = 2^(-x log2 e)); saturates to 0 and 1. The
 // reciprocal is vrcp14ps refined by one Newton step (relative error ~2^-28 instead of a 14-cycle division).
 DCP_AVX512 inline __m512 sigmoid(__m512 x) {

@@ -14,7 +14,6 @@ constexpr double kOmegaInitStd = 1.0;
 constexpr double kPairInitNoise = 1e-2;
 // alpha = 1 + softplus(alpha_raw) starts at 1.05: denominators >= (alpha^2 - 1) t = 0.1 t from step 0.
 constexpr double kAlphaInit = 1.05;
-constexpr double kOutNormEps = 1e-6;
 
 template <typename E>
 E pick(const std::string& key, const std::string& value, std::initializer_list<std::pair<const char*, E>> choices) {
@@ -45,6 +44,8 @@ FlexformerOptions FlexformerOptions::from_config(const AttentionConfig& cfg) {
                                      {{"chunk", LinearAttentionForm::kChunk},
                                       {"quadratic", LinearAttentionForm::kQuadratic},
                                       {"recurrent", LinearAttentionForm::kRecurrent}});
+  o.impl = pick<LinearAttentionImpl>("attention.linear_impl", cfg.linear_impl,
+                                     {{"fused", LinearAttentionImpl::kFused}, {"reference", LinearAttentionImpl::kReference}});
   if (cfg.num_features < 1) {
     throw ConfigError("config key 'attention.num_features': bad value '" + std::to_string(cfg.num_features) +
                       "' (allowed: >= 1)");
@@ -176,18 +177,52 @@ torch::Tensor FlexformerAttention::attend(const torch::Tensor& q, const torch::T
   return normalize(out.numerator, out.denominator, head_offset).to(v.scalar_type());
 }
 
+torch::Tensor FlexformerAttention::attend_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                                const torch::Tensor& cu_seqlens, int64_t head_offset,
+                                                int64_t chunk_size, const LinearAttentionState* initial,
+                                                LinearAttentionState* final_state, LinearAttentionPath path) const {
+  check_heads(q, head_offset, "q");
+  check_heads(v, head_offset, "v");
+  if (q.sizes() != v.sizes() || k.sizes() != v.sizes()) {
+    throw std::invalid_argument("FlexformerAttention: q, k and v must have the same shape");
+  }
+  const int64_t h = q.size(1);
+  auto heads_of = [&](const torch::Tensor& p) { return p.defined() ? p.narrow(0, head_offset, h) : torch::Tensor(); };
+  FusedFeatureMap map;
+  map.feature_map = opt_.feature_map;
+  map.input_norm = opt_.input_norm;
+  map.normalizer = opt_.normalizer;
+  map.omega = heads_of(omega);
+  map.omega2 = heads_of(omega2);
+  if (alpha_raw.defined()) map.alpha = 1.0 + torch::softplus(heads_of(alpha_raw));
+  map.key_offset = heads_of(key_norm_offset);
+  FusedLinearAttentionOptions options;
+  options.chunk_size = chunk_size;
+  options.path = path;
+  torch::Tensor out = fused_linear_attention(q, k, v, cu_seqlens, map, options, initial, final_state);
+  if (opt_.normalizer == Normalizer::kNone) {
+    // The kernel returns the RMS-normalised numerator; the gain stays with autograd.
+    const int64_t dv = v.size(2);
+    out = (out * out_norm_weight.narrow(0, head_offset * dv, h * dv).view({h, dv})).to(v.scalar_type());
+  }
+  return out;
+}
+
 torch::Tensor FlexformerAttention::forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const torch::Tensor& cu_seqlens) const {
   if (q.dim() == 3 && q.size(1) != n_heads_) {
     throw std::invalid_argument("FlexformerAttention: forward needs all " + std::to_string(n_heads_) +
                                 " heads, got " + std::to_string(q.size(1)) + " (use forward_heads for a slice)");
   }
-  return attend(q, k, v, cu_seqlens, 0, opt_.mode, opt_.chunk_size);
+  return forward_heads(q, k, v, cu_seqlens, 0);
 }
 
 torch::Tensor FlexformerAttention::forward_heads(const torch::Tensor& q, const torch::Tensor& k,
                                                  const torch::Tensor& v, const torch::Tensor& cu_seqlens,
                                                  int64_t head_offset) const {
+  if (opt_.impl == LinearAttentionImpl::kFused && opt_.mode == LinearAttentionForm::kChunk) {
+    return attend_fused(q, k, v, cu_seqlens, head_offset, opt_.chunk_size);
+  }
   return attend(q, k, v, cu_seqlens, head_offset, opt_.mode, opt_.chunk_size);
 }
 
@@ -218,11 +253,19 @@ torch::Tensor FlexformerDecoding::forward(const AttentionBackend& inner, int64_t
   }
   const LinearAttentionState& carried = state(layer);
   const int64_t n_seq = cu_seqlens.numel() - 1;
-  // One new token per sequence: the plain recurrence; a prompt: the chunked form, which also returns the state.
-  const auto form = q.size(0) == n_seq ? LinearAttentionForm::kRecurrent : LinearAttentionForm::kChunk;
   LinearAttentionState next;
-  auto out = flex->attend(q, k, v, cu_seqlens, 0, form, flex->options().chunk_size,
-                          carried.s.defined() ? &carried : nullptr, &next);
+  torch::Tensor out;
+  if (flex->options().impl == LinearAttentionImpl::kFused) {
+    // Prefill and one-token steps alike: the fused kernel from the carried state (a one-token sequence is one
+    // chunk: S += phi(k) [v, 1]^T, out = phi(q)^T S, the recurrent step).
+    out = flex->attend_fused(q, k, v, cu_seqlens, 0, flex->options().chunk_size,
+                             carried.s.defined() ? &carried : nullptr, &next);
+  } else {
+    // One new token per sequence: the plain recurrence; a prompt: the chunked form, which also returns the state.
+    const auto form = q.size(0) == n_seq ? LinearAttentionForm::kRecurrent : LinearAttentionForm::kChunk;
+    out = flex->attend(q, k, v, cu_seqlens, 0, form, flex->options().chunk_size,
+                       carried.s.defined() ? &carried : nullptr, &next);
+  }
   states_[static_cast<size_t>(layer)] = next;
   return out;
 }

@@ -8,8 +8,8 @@
 namespace dcp {
 namespace {
 
-// Keeps the norms differentiable at x = 0 (a padding token's q or k can be all zeros).
-constexpr double kNormEps = 1e-6;
+// Keeps the norms differentiable at x = 0 (a padding token's q or k can be all zeros); the fused kernel uses it too.
+constexpr double kNormEps = kInputNormEps;
 
 void check_omega(const torch::Tensor& x, const torch::Tensor& omega, const char* what) {
   if (x.dim() != 3 || omega.dim() != 3 || omega.size(0) != x.size(1) || omega.size(2) != x.size(2)) {

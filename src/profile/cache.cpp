@@ -170,6 +170,8 @@ json profile_cache_key(const Config& cfg, const ModelShape& shape, int64_t threa
           {"attention", attention_kind_name(shape.attention)},
           // The softmax operator and its tiles change the measured times (reference vs tiled: up to 24x).
           {"attention_impl", cfg.attention.impl},
+          // Flexformer's fused kernel and its autograd twin differ in time and memory likewise.
+          {"linear_impl", cfg.attention.backend == "flexformer" ? cfg.attention.linear_impl : std::string("-")},
           {"tile_q", cfg.attention.tile_q},
           {"tile_k", cfg.attention.tile_k},
           {"feature_dim", shape.feature_dim},

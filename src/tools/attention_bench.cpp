@@ -24,15 +24,30 @@ namespace {
 
 bool is_softmax(const std::string& variant) { return variant == "softmax" || variant == "softmax-reference"; }
 
+constexpr const char* kReferenceSuffix = "-reference";
+
+// "elu-reference" -> true (the autograd twin of a flexformer variant).
+bool is_twin(const std::string& variant) {
+  const std::string suffix = kReferenceSuffix;
+  return !is_softmax(variant) && variant.size() > suffix.size() &&
+         variant.compare(variant.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The feature map of a flexformer variant ("elu-reference" -> "elu").
+std::string feature_map_of(const std::string& variant) {
+  return is_twin(variant) ? variant.substr(0, variant.size() - std::string(kReferenceSuffix).size()) : variant;
+}
+
 // The attention.* settings that make `variant`: the model's own backend factory builds it, and the cost model's
 // FLOP count reads the same settings.
 AttentionConfig attention_config_of(const std::string& variant, const AttentionBenchOptions& o) {
   AttentionConfig cfg;
   cfg.backend = is_softmax(variant) ? "softmax" : "flexformer";
   cfg.impl = variant == "softmax-reference" ? "reference" : "tiled";
+  cfg.linear_impl = is_twin(variant) ? "reference" : "fused";
   cfg.tile_q = o.tile_q;
   cfg.tile_k = o.tile_k;
-  cfg.feature_map = variant;
+  cfg.feature_map = feature_map_of(variant);
   cfg.num_features = o.num_features;
   cfg.chunk_size = o.chunk_size;
   cfg.input_norm = o.input_norm;
@@ -85,7 +100,12 @@ double predicted_peak_bytes(const std::string& variant, const AttentionBackend& 
   }
   if (variant == "softmax-reference") return softmax_attention_peak_bytes(length, o.heads, o.head_dim, element_bytes);
   const auto& f = dynamic_cast<const FlexformerAttention&>(backend);
-  return flexformer_attention_peak_bytes(length, o.heads, o.head_dim, f.feature_dim(), o.chunk_size, element_bytes);
+  if (is_twin(variant)) {
+    return flexformer_attention_peak_bytes(length, o.heads, o.head_dim, f.feature_dim(), o.chunk_size, element_bytes);
+  }
+  return fused_flexformer_peak_bytes(length, o.heads, o.head_dim, at::get_num_threads(), element_bytes,
+                                     f.options().feature_map, o.num_features, o.chunk_size,
+                                     f.options().normalizer == Normalizer::kNone);
 }
 
 std::string human_bytes(double bytes) {
@@ -157,8 +177,16 @@ AttentionBenchPoint measure(const AttentionBackend& backend, const std::vector<t
 }  // namespace
 
 const std::vector<std::string>& attention_bench_variants() {
-  static const std::vector<std::string> names = {"softmax",       "softmax-reference", "stationary",
-                                                 "nonstationary", "fixed",             "elu"};
+  static const std::vector<std::string> names = {"softmax",
+                                                 "softmax-reference",
+                                                 "stationary",
+                                                 "nonstationary",
+                                                 "fixed",
+                                                 "elu",
+                                                 "stationary-reference",
+                                                 "nonstationary-reference",
+                                                 "fixed-reference",
+                                                 "elu-reference"};
   return names;
 }
 
@@ -245,6 +273,22 @@ double flexformer_attention_peak_bytes(int64_t length, int64_t heads, int64_t he
                    kFloat = 4;
   const double token_copies = kTokenCopies + (element_bytes == 2 ? kUpcastCopies : 0);
   return kFloat * l * h * (kFeatureCopies * f + kScoreCopies * c + kStateCopies * f * (d + 1) / c + token_copies * d);
+}
+
+double fused_flexformer_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t threads,
+                                   int64_t element_bytes, FeatureMap map, int64_t num_features, int64_t chunk_size,
+                                   bool gain) {
+  check_element_bytes("fused_flexformer_peak_bytes", element_bytes);
+  const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
+  const double e = static_cast<double>(element_bytes);
+  constexpr double kTokenCopies = 4, kStatBytes = 4;  // out, dq, dk, dv; the [L, heads] fp32 denominators
+  // bf16: the output's rounding residual; normalizer none: the gain's product and its gradient.
+  const double token_bytes = (kTokenCopies + (element_bytes == 2 ? 1 : 0) + (gain ? 2 : 0)) * e * d + kStatBytes;
+  const auto dtype = element_bytes == 2 ? torch::kBFloat16 : torch::kFloat;
+  const double chunk = static_cast<double>(std::min(chunk_size, std::max<int64_t>(length, 1)));
+  const double workspace = static_cast<double>(fused_linear_attention_workspace_bytes(
+      dtype, LinearAttentionPath::kAuto, map, head_dim, num_features, static_cast<int64_t>(chunk)));
+  return token_bytes * l * h + static_cast<double>(threads) * workspace;
 }
 
 std::vector<AttentionBenchPoint> bench_attention(const AttentionBenchOptions& o,

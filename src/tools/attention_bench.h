@@ -8,10 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "dcp/linear_attention.h"
+
 namespace dcp {
 
 /// The operators compared: "softmax" (SoftmaxAttention, the tiled operator), "softmax-reference" (its per-sample
-/// [L, L] twin) and the flexformer feature maps "stationary", "nonstationary", "fixed" and "elu", in this order.
+/// [L, L] twin), the flexformer feature maps "stationary", "nonstationary", "fixed" and "elu" on the fused kernel
+/// (attention.linear_impl fused) and the same four as "<map>-reference" on their autograd twin (linear_impl
+/// reference, the chunked form), in this order.
 const std::vector<std::string>& attention_bench_variants();
 
 /// The input dtypes bench_attention takes: "fp32" and "bf16".
@@ -85,7 +89,7 @@ struct AttentionBenchPoint {
   double input_bytes = 0;
   double io_bytes = 0;          ///< attention_io_bytes of the point (set for skipped points too)
   /// tiled_attention_peak_bytes for softmax, softmax_attention_peak_bytes for softmax-reference,
-  /// flexformer_attention_peak_bytes for the flexformer variants.
+  /// fused_flexformer_peak_bytes for the flexformer variants, flexformer_attention_peak_bytes for their twins.
   double predicted_bytes = 0;
 };
 
@@ -113,7 +117,8 @@ double tiled_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_di
 /// std::invalid_argument for an element_bytes other than 2 or 4.
 double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t element_bytes = 4);
 
-/// Predicted peak bytes of tensor storage that one forward+backward of the chunked FlexformerAttention on one
+/// Predicted peak bytes of tensor storage that one forward+backward of the chunked FlexformerAttention's autograd
+/// twin (the "-reference" variants) on one
 /// sequence of `length` tokens allocates beyond its inputs, linear in length: per token and head, 9
 /// [feature_dim] fp32 feature-sized tensors (the projections, their cos / sin, phi(q), phi(k) and their
 /// gradients), 2 intra-chunk score rows of min(chunk_size, length) (the masked scores and their gradient), 3
@@ -125,6 +130,16 @@ double softmax_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_
 /// std::invalid_argument for an element_bytes other than 2 or 4.
 double flexformer_attention_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t feature_dim,
                                        int64_t chunk_size, int64_t element_bytes = 4);
+
+/// Predicted peak bytes of tensor storage that one forward+backward of FlexformerAttention on the fused kernel
+/// allocates beyond its inputs, linear in length: 4 token copies [length, heads, head_dim] in the input dtype (out,
+/// dq, dk, dv), the [length, heads] fp32 denominators, for bf16 one more (the output's rounding residual), with
+/// `gain` (normalizer none) two more (the gain's product and its gradient), and per thread the kernel's workspace
+/// (fused_linear_attention_workspace_bytes, dcp/linear_attention.h). test_attention_bench checks it against the
+/// measured peak. Throws std::invalid_argument for an element_bytes other than 2 or 4.
+double fused_flexformer_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t threads,
+                                   int64_t element_bytes, FeatureMap map, int64_t num_features, int64_t chunk_size,
+                                   bool gain = false);
 
 /// Measures every variant over every length: q, k, v [L, heads, head_dim] ~ N(0, 1) in o.dtype requiring grad,
 /// cu_seqlens {0, L}; a run is the backend's forward, then torch::autograd::backward({out}, {g}) with a fixed

@@ -172,9 +172,10 @@ std::optional<double> time_ratio_to_softmax(const std::vector<AttentionBenchPoin
   return p.seconds / base->seconds;
 }
 
-std::optional<double> speedup_over_reference(const std::vector<AttentionBenchPoint>& points, int64_t length) {
-  const AttentionBenchPoint* tiled = find_point(points, "softmax", length);
-  const AttentionBenchPoint* reference = find_point(points, "softmax-reference", length);
+std::optional<double> speedup_over_reference(const std::vector<AttentionBenchPoint>& points, int64_t length,
+                                             const std::string& variant) {
+  const AttentionBenchPoint* tiled = find_point(points, variant, length);
+  const AttentionBenchPoint* reference = find_point(points, variant + "-reference", length);
   if (!tiled || !reference || !tiled->measured || !reference->measured) return std::nullopt;
   return reference->seconds / tiled->seconds;
 }
@@ -264,6 +265,32 @@ std::string attention_bench_markdown_tables(const std::vector<AttentionBenchPoin
     }
   }
 
+  std::vector<std::string> fused_pairs;
+  for (const auto& v : variants) {
+    if (v != "softmax" && std::find(variants.begin(), variants.end(), v + "-reference") != variants.end()) {
+      fused_pairs.push_back(v);
+    }
+  }
+  if (!fused_pairs.empty()) {
+    md += "\nFlexformer's fused kernel against its autograd twin (forward+backward, median; speedup = twin time / "
+          "fused time):\n\n| length |";
+    std::string rule = "|---|";
+    for (const auto& v : fused_pairs) {
+      md += fmt::format(" {v} | {v}-reference | speedup |", fmt::arg("v", v));
+      rule += "---|---|---|";
+    }
+    md += "\n" + rule + "\n";
+    const auto time = [](const AttentionBenchPoint& p) { return human_seconds(p.seconds); };
+    for (int64_t len : lengths) {
+      md += fmt::format("| {} |", len);
+      for (const auto& v : fused_pairs) {
+        md += fmt::format(" {} | {} | {} |", cell_of(v, len, time), cell_of(v + "-reference", len, time),
+                          or_na(speedup_over_reference(points, len, v), ratio_text));
+      }
+      md += "\n";
+    }
+  }
+
   md += "\nPer point: median forward, backward and forward+backward seconds; the ratio to softmax at the same length "
         "(below 1 is faster); GFLOP/s of the forward+backward (of the forward, of the backward); its % of the "
         "matmul peak of the dtype; the peak memory above the inputs; the memory ratio (inputs + peak) / IO "
@@ -321,7 +348,8 @@ std::string attention_bench_csv(const std::vector<AttentionBenchPoint>& points, 
     auto measured_number = [&](double value, const char* format) {
       return m ? fmt::format(fmt::runtime(format), value) : std::string();
     };
-    const auto speedup = p.variant == "softmax" ? speedup_over_reference(points, p.length) : std::nullopt;
+    // softmax: softmax-reference time / its time; a flexformer map: its autograd twin's ("<map>-reference").
+    const auto speedup = speedup_over_reference(points, p.length, p.variant);
     out += fmt::format(
         "{},{},{},{},{},{},{},{},{},{},{:.0f},{:.0f},{},{},{},{},{},{:.0f},{},{},{}\n", p.variant, p.dtype, p.length,
         m ? "measured" : "skipped", m ? fmt::format("{}", p.runs) : "", measured_number(p.forward_seconds, "{:.6f}"),

@@ -40,9 +40,10 @@ std::optional<double> memory_ratio(const AttentionBenchPoint& p);
 std::optional<double> time_ratio_to_softmax(const std::vector<AttentionBenchPoint>& points,
                                             const AttentionBenchPoint& p);
 
-/// softmax-reference's time at `length` over softmax's (how many times faster the tiled operator is); absent
-/// unless both were measured there.
-std::optional<double> speedup_over_reference(const std::vector<AttentionBenchPoint>& points, int64_t length);
+/// The time of `variant`'s reference twin ("<variant>-reference") at `length` over `variant`'s: how many times
+/// faster the tiled softmax (or a flexformer variant's fused kernel) is; absent unless both were measured there.
+std::optional<double> speedup_over_reference(const std::vector<AttentionBenchPoint>& points, int64_t length,
+                                             const std::string& variant = "softmax");
 
 /// Where a variant becomes faster than softmax, over the lengths at which both were measured ("compared").
 struct AttentionCrossover {

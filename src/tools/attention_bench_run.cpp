@@ -57,15 +57,20 @@ std::string report_markdown(const AttentionBenchRun& run, const AttentionBenchOp
       "grad; one run = the operator's forward, then torch::autograd::backward({{out}}, {{g}}) with a fixed random "
       "g [L, {heads}, {d}] {dtype} (the flexformer variants also get their fp32 parameters' gradients). softmax: "
       "the tiled operator (tiles {tq} x {tk}); softmax-reference: its per-sample [L, L] twin (which upcasts bf16 to "
-      "fp32). Flexformer: chunked form, chunk_size {chunk}, num_features {m}, input_norm {norm}, normalizer "
-      "{normalizer}, built by make_attention_backend as the model does; it takes the {dtype} inputs and returns "
-      "{dtype}, with its features and states in fp32 whatever the input dtype. Time: median of {reps} timed runs "
+      "fp32). Flexformer (stationary, nonstationary, fixed, elu): the fused chunked kernel on path {path} "
+      "(attention.linear_impl fused); <map>-reference: its autograd twin, the chunked form (linear_impl reference); "
+      "chunk_size {chunk}, num_features {m}, input_norm {norm}, normalizer {normalizer}, built by "
+      "make_attention_backend as the model does; both take the {dtype} inputs and return {dtype}, with states and "
+      "accumulators in fp32 whatever the input dtype (the fused kernel's bf16 path rounds the scan's product operands "
+      "to bf16). Time: median of {reps} timed runs "
       "after one warm-up (std::chrono::steady_clock), forward and backward timed separately (fwd+bwd is the median "
       "of each run's sum), lengths outer and variants inner so that load drift hits all variants at a length "
       "alike.\n\n",
       fmt::arg("heads", o.heads), fmt::arg("d", o.head_dim), fmt::arg("dtype", o.dtype), fmt::arg("tq", o.tile_q),
       fmt::arg("tk", o.tile_k), fmt::arg("chunk", o.chunk_size), fmt::arg("m", o.num_features),
-      fmt::arg("norm", o.input_norm), fmt::arg("normalizer", o.normalizer), fmt::arg("reps", o.repetitions));
+      fmt::arg("norm", o.input_norm), fmt::arg("normalizer", o.normalizer), fmt::arg("reps", o.repetitions),
+      fmt::arg("path", to_string(resolve_linear_attention_path(o.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat,
+                                                               LinearAttentionPath::kAuto))));
   md += "FLOPs: softmax and softmax-reference alike are credited with the causal products only, forward "
         "4 x (L^2 / 2) x head_dim x heads (QK^T and PV over the lower triangle) and backward 2.5x that, so "
         "fwd+bwd = 3.5 x 2 L^2 x head_dim x heads; the reference multiplies the whole square, so its rate is "
@@ -82,8 +87,9 @@ std::string report_markdown(const AttentionBenchRun& run, const AttentionBenchOp
   md += fmt::format(
       "Skips (never silent; {} of {} points): a length is skipped when its predicted peak exceeds --max-bytes = "
       "{:.1f} GB (softmax-reference keeps [heads, L, L] fp32 scores: 3 x heads x L^2 x 4 B + 2 x L^2 B of masks + "
-      "token-linear terms; the tiled softmax and flexformer: linear in L, tiled_attention_peak_bytes and "
-      "flexformer_attention_peak_bytes in dcp/attention_bench.h); a point whose allocation fails is skipped with "
+      "token-linear terms; the tiled softmax and flexformer: linear in L, tiled_attention_peak_bytes, "
+      "fused_flexformer_peak_bytes (the fused kernel) and flexformer_attention_peak_bytes (its autograd twins) in "
+      "dcp/attention_bench.h); a point whose allocation fails is skipped with "
       "LibTorch's message and so are the variant's longer lengths; once one run of a variant takes more than "
       "--max-seconds = {:g} s, its remaining runs at that length and its longer lengths are skipped (a warm-up past "
       "the cap is that length's only time, marked \"warm-up only\").\n\n",

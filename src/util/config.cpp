@@ -55,6 +55,7 @@ void visit(C& c, F&& f) {
   f("model.recompute_layers", c.model.recompute_layers, IntRule{0, 1024});
   f("attention.backend", c.attention.backend, Choices{"softmax", "flexformer"});
   f("attention.impl", c.attention.impl, Choices{"tiled", "reference"});
+  f("attention.linear_impl", c.attention.linear_impl, Choices{"fused", "reference"});
   f("attention.tile_q", c.attention.tile_q, IntRule{1, 4096});
   f("attention.tile_k", c.attention.tile_k, IntRule{1, 4096});
   f("attention.feature_map", c.attention.feature_map, Choices{"stationary", "nonstationary", "fixed", "elu"});

@@ -100,8 +100,9 @@ TEST(CliBenchAttention, WritesEveryVariantAndLengthWithPlot) {
   EXPECT_TRUE(fs::exists(dir / "res" / "attn.png"));
   EXPECT_FALSE(fs::exists(dir / "res" / "attn.gnuplot")) << "the script is removed after a successful plot";
   const auto rows = csv_rows(dir / "res" / "attn.csv");
-  EXPECT_EQ(rows.size(), 12u);
-  for (const char* v : {"softmax", "softmax-reference", "stationary", "nonstationary", "fixed", "elu"}) {
+  EXPECT_EQ(rows.size(), 20u);
+  for (const char* v : {"softmax", "softmax-reference", "stationary", "nonstationary", "fixed", "elu",
+                        "stationary-reference", "nonstationary-reference", "fixed-reference", "elu-reference"}) {
     for (const char* len : {"64", "128"}) {
       const auto& r = rows.at(std::string(v) + "," + len);
       EXPECT_EQ(r.at(kDtype), "fp32") << v << len;
@@ -122,7 +123,7 @@ TEST(CliBenchAttention, WritesEveryVariantAndLengthWithPlot) {
   }
   EXPECT_GT(std::stod(rows.at("softmax,64").at(kSpeedup)), 0);  // softmax-reference time / softmax time
   const std::string md = read(dir / "res" / "attn.md");
-  EXPECT_NE(md.find("# dcp bench-attention: fp32, 2 heads x head_dim 8, 6 variants, 64 to 128 tokens"),
+  EXPECT_NE(md.find("# dcp bench-attention: fp32, 2 heads x head_dim 8, 10 variants, 64 to 128 tokens"),
             std::string::npos)
       << md;
   EXPECT_NE(md.find("bench-attention --lengths 64,128 --heads 2"), std::string::npos) << md;
@@ -133,7 +134,10 @@ TEST(CliBenchAttention, WritesEveryVariantAndLengthWithPlot) {
   EXPECT_NE(md.find("| softmax-reference | speedup |"), std::string::npos) << md;
   EXPECT_NE(md.find("; BLAS: "), std::string::npos) << md;
   EXPECT_NE(md.find("| nonstationary |"), std::string::npos) << md;
-  EXPECT_NE(md.find("Skips (never silent; 0 of 12 points)"), std::string::npos) << md;
+  // The fused kernel beside its autograd twin, per feature map.
+  EXPECT_NE(md.find("| stationary | stationary-reference | speedup |"), std::string::npos) << md;
+  EXPECT_GT(std::stod(rows.at("stationary,64").at(kSpeedup)), 0);  // stationary-reference time / stationary time
+  EXPECT_NE(md.find("Skips (never silent; 0 of 20 points)"), std::string::npos) << md;
   EXPECT_NE(md.find("![time, peak memory and % of peak against length](attn.png)"), std::string::npos) << md;
   fs::remove_all(dir);
 }
@@ -163,15 +167,15 @@ TEST(CliBenchAttention, Bf16AtHeadDim64MeasuresBothSoftmaxVariants) {
 TEST(CliBenchAttention, CountsSkippedSoftmaxPointsUnderATinyMemoryLimit) {
   fs::path dir = make_workdir("skip");
   auto args = tiny_args(dir / "attn");
-  // Between the reference softmax's predicted peak at 64 tokens (123 KB) and elu's at 128 (197 KB): the
-  // reference fits at 64 only, elu's linear prediction is guarded too and fits at 64 only.
-  args.insert(args.end(), {"--no-plot", "--variants", "softmax-reference,elu", "--max-bytes", "150000"});
+  // Between the reference softmax's predicted peak at 64 tokens (123 KB) and elu-reference's at 128 (197 KB):
+  // the reference fits at 64 only, the autograd twin's linear prediction is guarded too and fits at 64 only.
+  args.insert(args.end(), {"--no-plot", "--variants", "softmax-reference,elu-reference", "--max-bytes", "150000"});
   Child c = Child::spawn(args, {}, (dir / "run.log").string());
   ASSERT_TRUE(exited_ok(c.wait(120))) << c.log();
   EXPECT_FALSE(fs::exists(dir / "attn.png"));
   const auto rows = csv_rows(dir / "attn.csv");
   EXPECT_EQ(rows.size(), 4u);
-  for (const char* v : {"softmax-reference,", "elu,"}) {
+  for (const char* v : {"softmax-reference,", "elu-reference,"}) {
     EXPECT_EQ(rows.at(std::string(v) + "64").at(kStatus), "measured");
     EXPECT_EQ(rows.at(std::string(v) + "128").at(kStatus), "skipped");
     EXPECT_NE(rows.at(std::string(v) + "128").at(kSkipReason).find("--max-bytes"), std::string::npos);
@@ -180,7 +184,7 @@ TEST(CliBenchAttention, CountsSkippedSoftmaxPointsUnderATinyMemoryLimit) {
   EXPECT_NE(md.find("Skips (never silent; 2 of 4 points)"), std::string::npos) << md;
   EXPECT_NE(md.find("> --max-bytes 150000 B"), std::string::npos) << md;
   EXPECT_NE(md.find("| softmax-reference | 1 | 1 |"), std::string::npos) << md;
-  EXPECT_NE(md.find("| elu | 1 | 1 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| elu-reference | 1 | 1 |"), std::string::npos) << md;
   fs::remove_all(dir);
 }
 

@@ -16,12 +16,15 @@
 
 #include "dcp/attention_kernels.h"
 #include "dcp/cpu_features.h"
+#include "kernels/attention/arena.h"
 #include "kernels/attention/tile_policies.h"
 #include "kernels/attention/varlen.h"
 
 namespace dcp {
 namespace {
 
+using tiles::Arena;
+using tiles::parallel_with_arenas;
 using tiles::round_up;
 
 constexpr double kLog2e = 1.4426950408889634;
@@ -85,40 +88,6 @@ std::vector<Unit> schedule(const std::vector<int64_t>& tile_counts, int64_t head
   }
   std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.work > b.work; });
   return units;
-}
-
-// A bump allocator over one thread's share of a byte tensor allocated before the parallel region (so that the
-// memory meter sees it and no allocation can fail inside the region).
-class Arena {
- public:
-  Arena(uint8_t* base, int64_t bytes) : base_(base), bytes_(bytes) {}
-  template <class X>
-  X* take(int64_t count) {
-    const int64_t at = round_up(used_, 64);
-    used_ = at + count * static_cast<int64_t>(sizeof(X));
-    if (used_ > bytes_) throw std::logic_error("tiled attention: workspace too small");
-    return reinterpret_cast<X*>(base_ + at);
-  }
-  int64_t used() const { return used_; }
-  void reset() { used_ = 0; }
-
- private:
-  uint8_t* base_;
-  int64_t bytes_, used_ = 0;
-};
-
-// Runs `body(thread, arena)` on every thread with its own arena of `per_thread` bytes.
-template <class Body>
-void parallel_with_arenas(int64_t threads, int64_t per_thread, Body body) {
-  const int64_t stride = round_up(per_thread, 64) + 64;
-  torch::Tensor storage = torch::empty({threads * stride + 64}, torch::kUInt8);
-  uint8_t* base = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<intptr_t>(storage.data_ptr()), 64));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      Arena arena(base + t * stride, stride - 64);
-      body(t, arena);
-    }
-  });
 }
 
 template <class P>

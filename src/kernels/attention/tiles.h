@@ -5,7 +5,8 @@
 //   an AVX-512 register-blocked kernel where the CPU has it (tiles_avx512.cpp), everything else portable loops.
 // - AmxTiles: bf16 operands, fp32 accumulators, on AMX tiles (tiles_amx.cpp). A is row-major bf16 with
 //   k a multiple of 32; B is "VNNI" packed, [k/2][n][2] (pairs of consecutive k rows interleaved), n a multiple
-//   of 16; m a multiple of 16.
+//   of 16; m a multiple of 16. The same operands on AVX512-BF16 registers (tiles_bf16.cpp) serve CPUs without
+//   AMX (the fused linear-attention kernel uses them; the tiled softmax upcasts to fp32 there).
 //
 // Every function is single-threaded and allocation-free: the operator's driver parallelises over tiles and owns
 // the scratch. The SIMD functions carry their own target attributes (never file-wide -m flags), so inline library
@@ -49,12 +50,25 @@ void softmax_grad_portable(T* s, T* dp, int64_t ld, int64_t m, int64_t n, RowLim
 /// gemm_portable<float> on AVX-512F registers (12 x 32 and 6 x 64 blocks, masked edges).
 void gemm_avx512(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
                  float* c, int64_t ldc, bool accumulate);
+/// The same with A stored transposed: A(r, kk) = at[kk * lda + r] (at is [k x m] row-major, lda >= m).
+void gemm_avx512_at(int64_t m, int64_t n, int64_t k, const float* at, int64_t lda, const float* b, int64_t ldb,
+                    float* c, int64_t ldc, bool accumulate);
 /// online_softmax_portable<float> with a vectorised exp2.
 void online_softmax_avx512(float* s, int64_t ld, int64_t m, int64_t n, RowLimits limit, float scale2, float* m2,
                            float* l, float* alpha);
 /// softmax_grad_portable<float> with a vectorised exp2.
 void softmax_grad_avx512(float* s, float* dp, int64_t ld, int64_t m, int64_t n, RowLimits limit, float scale2,
                          float scale, const float* lse2, const float* dlt);
+
+// ---- AVX512-BF16 (bf16 operands, fp32 accumulators; the AMX operand layouts) --------------------------------
+
+/// amx_gemm's product on AVX512-BF16 registers (vdpbf16ps: one pair of k per fp32 lane), for CPUs with
+/// AVX512-BF16 but without AMX: C[m x n] fp32 (+)= A[m x k] B[k x n], A bf16 row-major (lda elements) or, with
+/// paired_a, A^T VNNI-packed (pair row p holds (A[i][2p], A[i][2p+1]) for i < lda at [p * 2 * lda + 2 i], the
+/// layout of a B operand); B VNNI-packed with ldb pairs per row as for amx_gemm; any m and n (masked edges), k
+/// even (padding pairs zero). Call only where cpu_features() has avx512f, avx512bw, avx512vl and avx512_bf16.
+void gemm_avx512_bf16(int64_t m, int64_t n, int64_t k, const bf16* a, int64_t lda, bool paired_a, const bf16* b,
+                      int64_t ldb, float* c, int64_t ldc, bool accumulate);
 
 // ---- AMX (bf16 operands, fp32 accumulators) ------------------------------------------------------------------
 

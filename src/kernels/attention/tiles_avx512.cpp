@@ -18,8 +18,9 @@ constexpr int kLanes = 16;
 using simd::lanes_below;
 
 // One register block of C: MR rows x NV vectors of 16 columns, the last vector masked by `tail`. A is read by
-// broadcasts (one element per row and k), B by full-width loads of its rows.
-template <int MR, int NV>
+// broadcasts (one element per row and k: A(r, kk) at a[r * lda + kk], or at a[kk * lda + r] when kTransA, i.e.
+// A stored transposed), B by full-width loads of its rows.
+template <int MR, int NV, bool kTransA = false>
 DCP_AVX512 void micro(int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
                       bool accumulate, __mmask16 tail) {
   __m512 acc[MR][NV];
@@ -40,7 +41,7 @@ DCP_AVX512 void micro(int64_t k, const float* a, int64_t lda, const float* b, in
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const __m512 ar = _mm512_set1_ps(a[r * lda + kk]);
+      const __m512 ar = _mm512_set1_ps(kTransA ? a[kk * lda + r] : a[r * lda + kk]);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
     }
@@ -60,39 +61,54 @@ using MicroFn = void (*)(int64_t, const float*, int64_t, const float*, int64_t, 
 // Rows per block for NV vectors: as many as 24 accumulators allow (32 zmm registers less B and a broadcast).
 constexpr int rows_for(int nv) { return nv == 1 ? 12 : nv == 2 ? 12 : nv == 3 ? 8 : 6; }
 
-template <int NV, int... R>
+template <int NV, bool kTransA, int... R>
 constexpr auto table(std::integer_sequence<int, R...>) {
-  return std::array<MicroFn, sizeof...(R)>{&micro<R + 1, NV>...};
+  return std::array<MicroFn, sizeof...(R)>{&micro<R + 1, NV, kTransA>...};
 }
 
-template <int NV>
+template <int NV, bool kTransA>
 DCP_AVX512 void column_block(int64_t m, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
                              float* c, int64_t ldc, bool accumulate, __mmask16 tail) {
   constexpr int kRows = rows_for(NV);
-  static constexpr auto kernels = table<NV>(std::make_integer_sequence<int, kRows>{});
+  static constexpr auto kernels = table<NV, kTransA>(std::make_integer_sequence<int, kRows>{});
+  // Row r of A starts at a + r * lda, or at a + r when A is stored transposed.
+  const int64_t row_step = kTransA ? 1 : lda;
   int64_t r = 0;
   for (; r + kRows <= m; r += kRows) {
-    micro<kRows, NV>(k, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate, tail);
+    micro<kRows, NV, kTransA>(k, a + r * row_step, lda, b, ldb, c + r * ldc, ldc, accumulate, tail);
   }
-  if (r < m) kernels[m - r - 1](k, a + r * lda, lda, b, ldb, c + r * ldc, ldc, accumulate, tail);
+  if (r < m) kernels[m - r - 1](k, a + r * row_step, lda, b, ldb, c + r * ldc, ldc, accumulate, tail);
+}
+
+template <bool kTransA>
+DCP_AVX512 void gemm_any(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+                         float* c, int64_t ldc, bool accumulate) {
+  int64_t j = 0;
+  for (; j + 4 * kLanes <= n; j += 4 * kLanes) {
+    column_block<4, kTransA>(m, k, a, lda, b + j, ldb, c + j, ldc, accumulate, 0xffff);
+  }
+  const int64_t rest = n - j;
+  if (rest <= 0) return;
+  const int nv = static_cast<int>((rest + kLanes - 1) / kLanes);
+  const __mmask16 tail = lanes_below(rest - (nv - 1) * kLanes);
+  switch (nv) {
+    case 1: column_block<1, kTransA>(m, k, a, lda, b + j, ldb, c + j, ldc, accumulate, tail); break;
+    case 2: column_block<2, kTransA>(m, k, a, lda, b + j, ldb, c + j, ldc, accumulate, tail); break;
+    case 3: column_block<3, kTransA>(m, k, a, lda, b + j, ldb, c + j, ldc, accumulate, tail); break;
+    default: column_block<4, kTransA>(m, k, a, lda, b + j, ldb, c + j, ldc, accumulate, tail); break;
+  }
 }
 
 }  // namespace
 
 DCP_AVX512 void gemm_avx512(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                             int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  int64_t j = 0;
-  for (; j + 4 * kLanes <= n; j += 4 * kLanes) column_block<4>(m, k, a, lda, b + j, ldb, c + j, ldc, accumulate, 0xffff);
-  const int64_t rest = n - j;
-  if (rest <= 0) return;
-  const int nv = static_cast<int>((rest + kLanes - 1) / kLanes);
-  const __mmask16 tail = lanes_below(rest - (nv - 1) * kLanes);
-  switch (nv) {
-    case 1: column_block<1>(m, k, a, lda, b + j, ldb, c + j, ldc, accumulate, tail); break;
-    case 2: column_block<2>(m, k, a, lda, b + j, ldb, c + j, ldc, accumulate, tail); break;
-    case 3: column_block<3>(m, k, a, lda, b + j, ldb, c + j, ldc, accumulate, tail); break;
-    default: column_block<4>(m, k, a, lda, b + j, ldb, c + j, ldc, accumulate, tail); break;
-  }
+  gemm_any<false>(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+DCP_AVX512 void gemm_avx512_at(int64_t m, int64_t n, int64_t k, const float* at, int64_t lda, const float* b,
+                               int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  gemm_any<true>(m, n, k, at, lda, b, ldb, c, ldc, accumulate);
 }
 
 DCP_AVX512 void online_softmax_avx512(float* s, int64_t ld, int64_t m, int64_t n, RowLimits limit, float scale2,
