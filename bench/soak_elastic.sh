@@ -6,13 +6,13 @@
 #   kill_launcher  kill -9 of a launcher (either host); the soak starts it again, as a scheduler would
 #   stop_rank      SIGSTOP of a rank, left stopped beyond dist.timeout_s (its launcher ends it)
 #   full_disk      the run's file system (a tmpfs) filled right after a checkpoint, freed once the run failed
-#   corrupt        a byte of the newest checkpoint's model.pt flipped, then kill -9 of a rank (the restart must
-#                  fall back to checkpoint.old)
+#   corrupt        kill -9 of rank 0 (it writes the checkpoints), then a byte of the newest checkpoint's model.pt
+#                  flipped (the restart must fall back to checkpoint.old)
 # It reports each fault, the restarts it cost, the steps it lost (steps reached before it - the step resumed
 # from), the wall-time overhead against the same run without faults, and whether the per-step losses and the final
 # model.pt equal the fault-free run's (fp32, bit for bit). Bounded: FAULTS faults, LIMIT_S seconds in all.
 #
-# usage: sudo bash bench/soak_elastic.sh [FAULTS] [OUT.md]   (env: SEED=1, LIMIT_S=1500, STEPS=200, KEEP_LOGS=DIR)
+# usage: sudo bash bench/soak_elastic.sh [FAULTS] [OUT.md]   (env: SEED=1, LIMIT_S=1500, STEPS=800, KEEP_LOGS=DIR, DCP_BINARY=build/dcp)
 # Needs root (network and mount namespaces). Run it under flock /work/locks/netns.lock (and bench.lock for timing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +20,9 @@ FAULTS=${1:-50}
 OUT=${2:-bench/results/cpu$(nproc)_$(date +%Y%m)_soak_elastic.md}
 SEED=${SEED:-1}
 LIMIT_S=${LIMIT_S:-1500}
-STEPS=${STEPS:-200}
+STEPS=${STEPS:-800}
 TIMEOUT_S=4   # dist.timeout_s
-DCP=$(readlink -f ./build/dcp)
+DCP=$(readlink -f "${DCP_BINARY:-./build/dcp}")   # DCP_BINARY: another build of dcp
 [ -x "$DCP" ] || { echo "soak_elastic.sh: build first (bash scripts/build.sh)" >&2; exit 2; }
 [[ "$FAULTS" =~ ^[0-9]+$ ]] && [ "$FAULTS" -ge 1 ] || { echo "soak_elastic.sh: FAULTS must be a whole number >= 1" >&2; exit 2; }
 mkdir -p "$(dirname "$OUT")" && touch "$OUT" || { echo "soak_elastic.sh: cannot write '$OUT'" >&2; exit 2; }
@@ -98,7 +98,10 @@ restarts_now() {
   cat "$T/h0.log" "$T/h1.log" 2>/dev/null | grep -o '^dcp launch: restart [0-9]*' | sort -u | wc -l
 }
 newest_resume_step() { grep -o 'resumed from [^ ]* at step [0-9]*' "$RUN/logs/rank0.log" 2>/dev/null | tail -n 1 | grep -o '[0-9]*$' || echo 0; }
-begins() { grep -c '==== dcp train' "$RUN/logs/rank0.log" 2>/dev/null || echo 0; }
+begins() { local n; n=$(grep -c '==== dcp train' "$RUN/logs/rank0.log" 2>/dev/null); echo "${n:-0}"; }
+# Conditions for wait_until, re-evaluated at every poll.
+more_restarts() { [ "$(restarts_now)" -gt "$1" ]; }
+more_begins() { [ "$(begins)" -gt "$1" ]; }
 wait_until() { local limit=$1; shift; local d=$((SECONDS + limit)); until "$@"; do [ $SECONDS -lt $d ] && ! over_time || return 1; sleep 0.1; done; }
 alive() { [ -n "$(rank_pid 0)" ] && [ -n "$(rank_pid 1)" ]; }
 progressed() { alive && [ "$(last_step)" -ge "$1" ]; }
@@ -125,6 +128,7 @@ injected=0
 resume_step=0
 for ((f = 1; f <= FAULTS; ++f)); do
   over_time && { echo "soak: time limit ${LIMIT_S}s reached after $injected faults"; break; }
+  [ "$(last_step)" -ge $((STEPS - 4)) ] && { echo "soak: the run reached step $(last_step) of $STEPS after $injected faults"; break; }
   kind=${kinds[$((RANDOM % ${#kinds[@]}))]}
   host=$((RANDOM % 2))
   # Progress first: two steps past where the last restart resumed (and past a checkpoint for full_disk).
@@ -144,20 +148,24 @@ for ((f = 1; f <= FAULTS; ++f)); do
       avail=$(df --output=avail -B1 "$T/disk" | tail -n 1)
       head -c "$avail" /dev/zero >"$T/disk/filler" 2>/dev/null ;;
     corrupt)
+      # Rank 0 (host 0) writes the checkpoints: killed first, so that no save replaces the flipped file before the
+      # restart reads it; then a byte in the middle of the newest checkpoint's model.pt is flipped.
+      host=0
+      kill -9 "$(rank_pid 0)" 2>/dev/null
+      sleep 0.2
       m="$RUN/checkpoint/model.pt"
       [ -f "$m" ] && /usr/bin/python3 -c "
 import sys; f = open(sys.argv[1], 'r+b'); f.seek(0, 2); n = f.tell() // 2; f.seek(n); b = f.read(1)
-f.seek(n); f.write(bytes([b[0] ^ 0xFF])); f.close()" "$m" 2>/dev/null
-      kill -9 "$(rank_pid $host)" 2>/dev/null ;;
+f.seek(n); f.write(bytes([b[0] ^ 0xFF])); f.close()" "$m" ;;
   esac
   step_at=$(last_step)
   injected=$((injected + 1))
   tf=$(date +%s.%N)
-  wait_until 120 test "$(restarts_now)" -gt "$before_restarts" || die "fault $f ($kind): no restart"
+  wait_until 120 more_restarts "$before_restarts" || die "fault $f ($kind): no restart"
   step_at=$(( $(last_step) > step_at ? $(last_step) : step_at ))
   [ "$kind" = full_disk ] && rm -f "$T/disk/filler"
   # The new round's rank 0 says where it resumed from (or begins from scratch).
-  wait_until 120 test "$(begins)" -gt "$before_begins" || die "fault $f ($kind): the restarted rank 0 never began"
+  wait_until 120 more_begins "$before_begins" || die "fault $f ($kind): the restarted rank 0 never began"
   wait_until 60 alive || die "fault $f ($kind): the ranks did not come back"
   sleep 0.2
   if tail -n 40 "$RUN/logs/rank0.log" | grep -q 'starting from scratch'; then resume_step=0; else resume_step=$(newest_resume_step); fi
@@ -219,9 +227,11 @@ for k, rs in by.items():
     sl = [int(r["steps_lost"]) for r in rs]; sec = [float(r["seconds_to_resume"]) for r in rs]
     rst = sum(int(r["restarts"]) for r in rs)
     L.append(f"| {k} | {len(rs)} | {rst} | {sum(sl) / len(sl):.1f} | {max(sl)} | {sum(sec) / len(sec):.1f} | {max(sec):.1f} |")
+fallbacks = open(run + "/logs/rank0.log", errors="replace").read().count("loading the previous checkpoint")
 L.append("\nSteps lost = the last step logged when the fault took effect - the step the restart resumed from (0: from "
-         "scratch). `corrupt` flips a byte of the newest checkpoint's model.pt and kills a rank: the restart falls "
-         "back to checkpoint.old. `full_disk` fills the run's tmpfs right after a checkpoint and frees it once the "
+         f"scratch). `corrupt` kills rank 0 and flips a byte of the newest checkpoint's model.pt: the restart "
+         f"falls back to checkpoint.old (fallbacks in rank 0's log: {fallbacks}). `full_disk` fills the run's tmpfs "
+         "right after a checkpoint and frees it once the "
          "run failed. `kill_launcher` restarts the killed launcher at once, as a scheduler would.\n")
 L.append("## Every fault\n")
 L.append("| # | kind | target | step at fault | restarts | resumed from | steps lost | s to next step |")
