@@ -6,6 +6,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libtorch-dev libgloo-dev libopenblas0-openmp   # LibTorch (CPU), c10d Gloo headers, fast BLAS for LibTorch
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libfmt-dev zlib1g-dev
+  libzip-dev                                      # checkpoints: the CRC32 of every entry inside model.pt and optimizer.pt
   libgtest-dev libgmock-dev libbenchmark-dev
   gnuplot-nox jq                                  # plots; jq summarises metrics.jsonl in bench scripts
   python3.11-doc                                  # the default corpus: CPython 3.11 docs sources

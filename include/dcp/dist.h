@@ -20,10 +20,16 @@ struct DistEnv {
   std::string master_addr = "127.0.0.1";
   int64_t master_port = 29500;
   std::string launcher = "none";  ///< torchrun | openmpi | slurm | none
+  /// DCP_RESTART_COUNT: how many times `dcp launch --max-restarts` restarted this job's ranks before this start.
+  int64_t restart_count = 0;
+  /// DCP_USE_AGENT_STORE=1 (set by `dcp launch --max-restarts`): the launcher of node 0 serves the store at
+  /// MASTER_ADDR:MASTER_PORT, every rank is its client, and this start's keys live under "dcp/r<restart_count>/"
+  /// (a new round of the same store, as torchelastic's agent store).
+  bool agent_store = false;
 
   /// Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, else Open MPI's OMPI_COMM_WORLD_*, else
-  /// Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; MASTER_ADDR and MASTER_PORT in all cases. Without any of
-  /// them: a single process. Throws std::runtime_error naming the variable and its value when one is malformed
+  /// Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; MASTER_ADDR and MASTER_PORT in all cases (and dcp launch's
+  /// DCP_RESTART_COUNT, DCP_USE_AGENT_STORE). Without any of them: a single process. Throws std::runtime_error naming the variable and its value when one is malformed
   /// or inconsistent (rank >= world_size).
   static DistEnv from_environment();
 };
@@ -89,9 +95,12 @@ std::vector<int64_t> usable_sp_sizes(const std::string& spec, int64_t world_size
 /// of ranks [k*s, (k+1)*s) that holds this rank. group(s) is a map look-up, no communication.
 class ProcessGroups {
  public:
-  /// Rendezvous over a c10d TCPStore at env.master_addr:env.master_port (rank 0 serves it) and Gloo groups.
-  /// `sp_sizes` must divide env.world_size. Throws std::runtime_error when a peer does not join within
-  /// `timeout_s` seconds, or std::invalid_argument for an SP size that does not divide world_size.
+  /// Rendezvous over a c10d TCPStore at env.master_addr:env.master_port (rank 0 serves it, or the launcher under
+  /// env.agent_store) and Gloo groups. `sp_sizes` must divide env.world_size. The rendezvous and the creation of
+  /// every group share one deadline, `timeout_s` seconds after the call: each group's members meet in the store
+  /// first, with the time left. Throws std::runtime_error when a peer does not join or does not reach a group by
+  /// then (naming the rendezvous or the group and the missing members), rank 0 cannot serve the store (a port in
+  /// use: said at once), or std::invalid_argument for an SP size that does not divide world_size.
   ProcessGroups(const DistEnv& env, double timeout_s, const std::vector<int64_t>& sp_sizes = {});
 
   const DistEnv& env() const { return env_; }
@@ -101,9 +110,16 @@ class ProcessGroups {
   /// The SP sizes group() answers, ascending: 1, world_size and those given at construction.
   std::vector<int64_t> sp_sizes() const;
   double creation_seconds() const { return creation_seconds_; }
+  /// Under `dcp launch --max-restarts` (DistEnv::agent_store): tells the launchers that the checkpoint of step
+  /// `step` is written, so that a restart resumes (a job that fails before its first one restarts from scratch).
+  /// Does nothing otherwise; never throws (a failure is logged as a warning).
+  void report_checkpoint(int64_t step) const;
+
+  struct AgentLink;  // the launcher's store, under agent_store
 
  private:
   DistEnv env_;
+  std::shared_ptr<AgentLink> agent_;
   std::shared_ptr<Communicator> world_;
   std::map<int64_t, std::shared_ptr<Communicator>> groups_;
   double creation_seconds_ = 0;

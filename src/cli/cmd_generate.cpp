@@ -1,4 +1,6 @@
 #include <fmt/format.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 
 #include <cmath>
 #include <cstdio>
@@ -85,6 +87,8 @@ void add_generate_command(CLI::App& app) {
   sub->add_option("--seed", opt->seed, "sampling seed")->check(CLI::Validator(
       [](std::string& text) { return text.rfind('-', 0) == 0 ? std::string("must be >= 0") : std::string(); }, "SEED"));
   sub->callback([checkpoint, prompt, opt, chunk_tokens, kv] {
+    // Warnings (a fallback to checkpoint.old, a checkpoint without manifest) go to stderr: stdout is the text.
+    spdlog::set_default_logger(spdlog::stderr_color_mt("generate"));
     Config cfg = load_checkpoint_config(*checkpoint);
     if (!kv->policy.empty()) cfg.kv.policy = kv->policy;
     if (kv->budget > 0) {

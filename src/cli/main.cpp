@@ -90,18 +90,27 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  // Each failure also goes to the error file of a rank under `dcp launch` (DCP_ERROR_FILE): its kind tells the
+  // launcher whether a restart could help.
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {  // a subcommand's own non-zero exit code
     return e.get_exit_code();
   } catch (const CLI::ParseError& e) {
     int code = app.exit(e);
+    if (code != 0) dcp::write_error_file("usage", 2, e.what());
     return code == 0 ? 0 : 2;
   } catch (const dcp::ConfigError& e) {
     dcp::report_error(e.what());
+    dcp::write_error_file("usage", 2, e.what());
     return 2;
+  } catch (const dcp::RunFailure& e) {
+    dcp::report_error(dcp::error_message(e));
+    dcp::write_error_file(e.kind, 1, dcp::error_message(e));
+    return 1;
   } catch (const std::exception& e) {
     dcp::report_error(dcp::error_message(e));
+    dcp::write_error_file("runtime", 1, dcp::error_message(e));
     return 1;
   }
   return 0;

@@ -11,6 +11,8 @@
 #include <atomic>
 #include <chrono>
 
+#include <unistd.h>
+
 #include "dcp/dist.h"
 #include "util/error_message.h"
 
@@ -138,51 +140,125 @@ void Communicator::barrier() const {
   wait(*this, impl_->pg->barrier(), "barrier");
 }
 
-c10::intrusive_ptr<c10d::Store> make_tcp_store(const DistEnv& env, double timeout_s) {
+namespace {
+
+bool port_in_use(const std::string& text) {
+  return text.find("Address already in use") != std::string::npos || text.find("errno: 98") != std::string::npos;
+}
+
+std::chrono::milliseconds left_until(std::chrono::steady_clock::time_point deadline) {
+  return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
+                  std::chrono::milliseconds(1));
+}
+
+}  // namespace
+
+std::string agent_round_prefix(int64_t restart_count) { return fmt::format("dcp/r{}", restart_count); }  // PrefixStore adds "/"
+
+Rendezvous make_tcp_store(const DistEnv& env, double timeout_s) {
   const auto deadline = std::chrono::steady_clock::now() + to_ms(timeout_s);
   c10d::TCPStoreOptions o;
   o.port = static_cast<uint16_t>(env.master_port);
-  o.isServer = env.rank == 0;
+  o.isServer = env.rank == 0 && !env.agent_store;  // under dcp launch --max-restarts the launcher serves it
   o.numWorkers = static_cast<size_t>(env.world_size);
   // LibTorch 1.13's own wait for workers gives up silently on the server after the timeout, and the Gloo
   // rendezvous then waits a second timeout for the missing peer (2 x timeout_s in all): count the ranks here,
   // against one deadline, instead.
   o.waitWorkers = false;
   o.timeout = to_ms(timeout_s);
-  c10::intrusive_ptr<c10d::Store> store;
+  Rendezvous r;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+    r.agent = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
   } catch (const std::exception& e) {
+    const std::string why = error_message(e);
+    if (o.isServer && port_in_use(why)) {
+      throw std::runtime_error(fmt::format(
+          "rendezvous at {}:{}: rank 0 cannot serve the store: port {} is in use on this host (another job, or a "
+          "rank of an earlier run still running?); choose another MASTER_PORT (dcp launch --master-port): {}",
+          env.master_addr, env.master_port, env.master_port, why));
+    }
     throw std::runtime_error(fmt::format(
         "rendezvous at {}:{} failed for rank {} of {} within {} s (is every rank started, and is the port free?): {}",
-        env.master_addr, env.master_port, env.rank, env.world_size, timeout_s, error_message(e)));
+        env.master_addr, env.master_port, env.rank, env.world_size, timeout_s, why));
   }
+  // Under the launcher's store, this start's keys live in a round of their own: a restart meets its peers anew.
+  r.store = r.agent;
+  if (env.agent_store) r.store = c10::make_intrusive<c10d::PrefixStore>(agent_round_prefix(env.restart_count), r.agent);
+  if (!env.agent_store) r.agent.reset();
+  const auto& store = r.store;
   // One key per rank, and wait() for all of them: wait() is the store call that has a receive timeout, so a
   // rank 0 that is stopped (SIGSTOP) cannot hold the others past the deadline; add() and check() would block.
   std::vector<std::string> keys;
-  for (int64_t r = 0; r < env.world_size; ++r) keys.push_back(fmt::format("dcp/joined/{}", r));
+  for (int64_t rank = 0; rank < env.world_size; ++rank) keys.push_back(fmt::format("dcp/joined/{}", rank));
   try {
     store->set(keys[static_cast<size_t>(env.rank)], std::vector<uint8_t>{1});
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    store->wait(keys, std::max(left, std::chrono::milliseconds(1)));
+    store->wait(keys, left_until(deadline));
   } catch (const std::exception& e) {
     std::string who;
-    if (env.rank == 0) {  // rank 0 serves the store itself, so asking it which keys exist cannot block
+    if (env.rank == 0 && !env.agent_store) {  // rank 0 serves the store itself, so asking it which keys exist cannot block
       std::vector<int64_t> missing;
-      for (int64_t r = 0; r < env.world_size; ++r) {
-        if (!store->check({keys[static_cast<size_t>(r)]})) missing.push_back(r);
+      for (int64_t rank = 0; rank < env.world_size; ++rank) {
+        if (!store->check({keys[static_cast<size_t>(rank)]})) missing.push_back(rank);
       }
       const int64_t joined = env.world_size - static_cast<int64_t>(missing.size());
       who = fmt::format("only {} of {} ranks joined (missing: {})", joined, env.world_size, fmt::join(missing, ", "));
     } else {
-      who = fmt::format("not all {} ranks joined (or rank 0, which serves the store, did not answer)", env.world_size);
+      who = fmt::format("not all {} ranks joined (or the store's host did not answer)", env.world_size);
     }
     throw std::runtime_error(fmt::format(
         "rendezvous at {}:{}: {} within {} s (this is rank {}; is every rank started, with the same MASTER_ADDR, "
         "MASTER_PORT and WORLD_SIZE?): {}",
         env.master_addr, env.master_port, who, timeout_s, env.rank, error_message(e)));
   }
-  return store;
+  return r;
+}
+
+void meet_in_store(const c10::intrusive_ptr<c10d::Store>& store, const std::string& name, int64_t rank, int64_t size,
+                   std::chrono::steady_clock::time_point deadline, double timeout_s) {
+  if (size == 1) return;
+  std::vector<std::string> keys;
+  for (int64_t m = 0; m < size; ++m) keys.push_back(fmt::format("dcp/group/{}/{}", name, m));
+  try {
+    store->set(keys[static_cast<size_t>(rank)], std::vector<uint8_t>{1});
+    if (std::chrono::steady_clock::now() >= deadline) throw std::runtime_error("no time left");
+    store->wait(keys, left_until(deadline));
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("creating process group '{}' (rank {} of {}) failed: not every member "
+                                         "reached it within dist.timeout_s {} s of the start of the rendezvous (a "
+                                         "peer died or stopped after joining): {}",
+                                         name, rank, size, timeout_s, error_message(e)));
+  }
+}
+
+void report_to_agent(const c10::intrusive_ptr<c10d::Store>& agent, const std::string& key, const std::string& value) {
+  agent->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+c10::intrusive_ptr<c10d::Store> make_agent_store(const std::string& host, int port, bool serve, double timeout_s) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(port);
+  o.isServer = serve;
+  o.waitWorkers = false;
+  o.timeout = to_ms(timeout_s);
+  try {
+    auto store = c10::make_intrusive<c10d::TCPStore>(host, o);
+    // LibTorch 1.13: check(), add() and compareSet() have no timeout of their own (they block while the server is
+    // unreachable), but the receive timeout that wait() sets on the client's socket stays: one wait() on a key that
+    // exists bounds every later operation of this client by timeout_s.
+    const std::string hello = fmt::format("dcp/launch/hello/{}", getpid());
+    store->set(hello, std::vector<uint8_t>{1});
+    store->wait({hello}, o.timeout);
+    return store;
+  } catch (const std::exception& e) {
+    const std::string why = error_message(e);
+    if (serve && port_in_use(why)) {
+      throw std::runtime_error(fmt::format("--master-port {}: the port is in use on this host (another job, or an "
+                                           "earlier launch still running?): {}",
+                                           port, why));
+    }
+    throw std::runtime_error(fmt::format("{} the launchers' store at {}:{} failed: {}",
+                                         serve ? "serving" : "connecting to", host, port, why));
+  }
 }
 
 struct GlooDevices {

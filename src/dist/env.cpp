@@ -55,6 +55,8 @@ DistEnv DistEnv::from_environment() {
     }
     break;
   }
+  e.restart_count = read_int("DCP_RESTART_COUNT", 0, 0);
+  if (const char* a = std::getenv("DCP_USE_AGENT_STORE")) e.agent_store = std::string(a) == "1";
   if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
   e.master_port = read_int("MASTER_PORT", e.master_port, 1);
   if (e.master_port > 65535) {

@@ -1,5 +1,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <cstdio>
@@ -52,6 +53,10 @@ std::vector<int64_t> usable_sp_sizes(const std::string& spec, int64_t world_size
   return out;
 }
 
+struct ProcessGroups::AgentLink {
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
 ProcessGroups::ProcessGroups(const DistEnv& env, double timeout_s, const std::vector<int64_t>& sp_sizes) : env_(env) {
   auto start = std::chrono::steady_clock::now();
   for (int64_t s : sp_sizes) {
@@ -61,6 +66,8 @@ ProcessGroups::ProcessGroups(const DistEnv& env, double timeout_s, const std::ve
   }
   if (env.world_size == 1) {
     world_ = std::make_shared<Communicator>("world", 0, 1, nullptr);
+    // Under dcp launch --max-restarts a single rank still tells its launcher of its checkpoints.
+    if (env.agent_store) agent_ = std::make_shared<AgentLink>(AgentLink{make_tcp_store(env, timeout_s).agent});
   } else {
     // Chosen before the rendezvous, so that a bad GLOO_SOCKET_IFNAME or MASTER_ADDR fails at once.
     const GlooBinding binding = choose_gloo_binding(env.master_addr, std::getenv("GLOO_SOCKET_IFNAME"));
@@ -72,19 +79,35 @@ ProcessGroups::ProcessGroups(const DistEnv& env, double timeout_s, const std::ve
                  binding.reason);
     }
     auto devices = make_gloo_devices(binding);
-    auto store = make_tcp_store(env, timeout_s);
+    // One deadline for the rendezvous and every group: a peer that joins and then dies or stops must not cost a
+    // timeout per group (Gloo waits its full timeout for each).
+    const auto deadline = start + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+    Rendezvous rdzv = make_tcp_store(env, timeout_s);
+    const auto& store = rdzv.store;
+    if (rdzv.agent) agent_ = std::make_shared<AgentLink>(AgentLink{rdzv.agent});
+    meet_in_store(store, "world", env.rank, env.world_size, deadline, timeout_s);
     world_ = make_gloo_communicator(store, devices, "world", env.rank, env.world_size, timeout_s);
     // Every rank creates the groups in the same order; each joins only its own block.
     for (int64_t s : sp_sizes) {
       if (s == env.world_size || groups_.count(s)) continue;
       int64_t block = env.rank / s;
-      groups_[s] = make_gloo_communicator(store, devices, fmt::format("sp{}_block{}", s, block), env.rank % s, s,
-                                          timeout_s);
+      const std::string name = fmt::format("sp{}_block{}", s, block);
+      meet_in_store(store, name, env.rank % s, s, deadline, timeout_s);
+      groups_[s] = make_gloo_communicator(store, devices, name, env.rank % s, s, timeout_s);
     }
   }
   groups_[env.world_size] = world_;
   if (!groups_.count(1)) groups_[1] = std::make_shared<Communicator>("self", 0, 1, nullptr);
   creation_seconds_ = seconds_since(start);
+}
+
+void ProcessGroups::report_checkpoint(int64_t step) const {
+  if (!agent_) return;
+  try {
+    report_to_agent(agent_->store, "dcp/launch/checkpoint_step", std::to_string(step));
+  } catch (const std::exception& e) {
+    spdlog::warn("cannot tell dcp launch that checkpoint step {} is written: {}", step, e.what());
+  }
 }
 
 const Communicator& ProcessGroups::group(int64_t sp_size) const {

@@ -6,11 +6,15 @@
 #include <spdlog/spdlog.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
+#include <zip.h>
 #include <zlib.h>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
+#include <optional>
+#include <set>
 #include <sstream>
 
 #include "util/error_message.h"
@@ -32,6 +36,18 @@ uint32_t crc32_of(std::string_view bytes) {
                                        bytes.size()));
 }
 
+// A manifest's crc32: hex digits of either case (a hand-written or other tool's manifest may use upper case).
+std::optional<uint32_t> parse_crc32(const std::string& text) {
+  if (text.empty() || text.size() > 8) return std::nullopt;
+  uint32_t value = 0;
+  for (char c : text) {
+    const int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    if (digit < 0) return std::nullopt;
+    value = value * 16 + static_cast<uint32_t>(digit);
+  }
+  return value;
+}
+
 std::string read_file(const fs::path& path) {
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) {
@@ -44,14 +60,23 @@ std::string read_file(const fs::path& path) {
   return bytes.str();
 }
 
+// A warning printed once per process and text: each load reads the folder's manifest more than once (the config,
+// then the state and the weights), and a resume, generate and distill all load the same folder.
+void warn_once(const std::string& text) {
+  static std::mutex mutex;
+  static std::set<std::string> warned;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (warned.insert(text).second) spdlog::warn("{}", text);
+}
+
 // The manifest of checkpoint folder `d`, or null for a checkpoint written before manifests (warned once per folder).
 json read_manifest(const fs::path& d) {
   const fs::path path = d / kManifest;
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    spdlog::warn("checkpoint '{}' has no {} (written before dcp checksummed its files): its files are not "
-                 "verified",
-                 d.string(), kManifest);
+    warn_once(fmt::format("checkpoint '{}' has no {} (written before dcp checksummed its files): its files are "
+                          "checked only against their own zip CRC32s",
+                          d.string(), kManifest));
     return nullptr;
   }
   json m;
@@ -79,18 +104,66 @@ std::string read_verified(const fs::path& d, const json& manifest, const std::st
     throw std::runtime_error(fmt::format("checkpoint manifest '{}' does not list '{}'", (d / kManifest).string(), name));
   }
   const json& f = files[name];
-  const auto size = f.value("bytes", int64_t{-1});
-  const auto crc = f.value("crc32", std::string());
+  const auto size = f.is_object() && f.contains("bytes") && f["bytes"].is_number_integer() ? f["bytes"].get<int64_t>()
+                                                                                         : int64_t{-1};
+  const std::string crc_text = f.is_object() && f.contains("crc32") && f["crc32"].is_string() ? f["crc32"].get<std::string>()
+                                                                                          : std::string();
+  const std::optional<uint32_t> crc = parse_crc32(crc_text);
+  if (!crc) {
+    throw std::runtime_error(fmt::format("checkpoint manifest '{}' records crc32 '{}' for '{}': not a CRC32 (1 to 8 "
+                                         "hex digits)",
+                                         (d / kManifest).string(), crc_text, name));
+  }
   if (static_cast<int64_t>(bytes.size()) != size) {
     throw std::runtime_error(fmt::format("checkpoint file '{}' is {} bytes but {} records {} (truncated or "
                                          "replaced)",
                                          path.string(), bytes.size(), kManifest, size));
   }
-  if (const std::string actual = fmt::format("{:08x}", crc32_of(bytes)); actual != crc) {
-    throw std::runtime_error(fmt::format("checkpoint file '{}' is corrupt: its CRC32 is {} but {} records {}",
-                                         path.string(), actual, kManifest, crc));
+  if (const uint32_t actual = crc32_of(bytes); actual != *crc) {
+    throw std::runtime_error(fmt::format("checkpoint file '{}' is corrupt: its CRC32 is {:08x} but {} records {}",
+                                         path.string(), actual, kManifest, crc_text));
   }
   return bytes;
+}
+
+// torch::save writes a zip archive (PyTorch's format: one stored entry per tensor, each with its own CRC32), but
+// LibTorch's reader does not check those CRC32s. A flipped byte whose manifest entry was rewritten too, or a file
+// of a checkpoint without manifest, is caught here: libzip checks each entry's CRC32 as it reads it to the end.
+void verify_zip_entries(const std::string& bytes, const fs::path& path) {
+  zip_error_t error;
+  zip_error_init(&error);
+  zip_source_t* source = zip_source_buffer_create(bytes.data(), bytes.size(), 0, &error);
+  zip_t* archive = source ? zip_open_from_source(source, ZIP_CHECKCONS | ZIP_RDONLY, &error) : nullptr;
+  if (archive == nullptr) {
+    const std::string why = zip_error_strerror(&error);
+    if (source) zip_source_free(source);
+    zip_error_fini(&error);
+    throw std::runtime_error(fmt::format("checkpoint file '{}' is corrupt: not a readable zip archive (as "
+                                         "torch::save writes): {}",
+                                         path.string(), why));
+  }
+  zip_error_fini(&error);
+  std::string problem;
+  const zip_int64_t entries = zip_get_num_entries(archive, 0);
+  std::vector<char> buffer(1 << 16);
+  for (zip_int64_t i = 0; i < entries && problem.empty(); ++i) {
+    const char* name = zip_get_name(archive, static_cast<zip_uint64_t>(i), 0);
+    zip_file_t* file = zip_fopen_index(archive, static_cast<zip_uint64_t>(i), 0);
+    if (file == nullptr) {
+      problem = fmt::format("zip entry '{}' cannot be opened: {}", name ? name : "?", zip_strerror(archive));
+      break;
+    }
+    zip_int64_t n = 0;
+    while ((n = zip_fread(file, buffer.data(), buffer.size())) > 0) {
+    }
+    if (n < 0) problem = fmt::format("zip entry '{}': {} (its bytes differ from its own CRC32)", name ? name : "?",
+                                     zip_file_strerror(file));
+    zip_fclose(file);
+  }
+  zip_discard(archive);  // also frees the source
+  if (!problem.empty()) {
+    throw std::runtime_error(fmt::format("checkpoint file '{}' is corrupt: {}", path.string(), problem));
+  }
 }
 
 // JSON has no NaN: an undefined metric (no held-out data) is stored as null.
@@ -111,10 +184,17 @@ struct StateReader {
   int64_t count(const std::string& key, bool optional = false) const {
     if (optional && !j.contains(key)) return 0;
     const json& v = at(key);
+    const std::string range = fmt::format("is {}, out of range (allowed: a whole number in [0, 2^53])", v.dump());
+    if (v.is_number_float()) {  // 1e18 or 4.0: JSON writers may print a whole number in exponent form
+      const double d = v.get<double>();
+      if (!std::isfinite(d) || d != std::floor(d)) bad(key, fmt::format("is {}, not a whole number", v.dump()));
+      if (d < 0 || d > static_cast<double>(kMaxCount)) bad(key, range);
+      return static_cast<int64_t>(d);
+    }
     if (!v.is_number_integer()) bad(key, fmt::format("is {}, not a whole number", v.dump()));
     if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(kMaxCount)
                                : (v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxCount)) {
-      bad(key, fmt::format("is {}, outside [0, 2^53]", v.dump()));
+      bad(key, range);
     }
     return v.get<int64_t>();
   }
@@ -226,6 +306,64 @@ void check_optimizer_shapes(Transformer& model, torch::optim::Optimizer& optimiz
   }
 }
 
+// Every file of checkpoint folder `d`, read once and verified: sizes and CRC32s against the manifest, the zip
+// entries' own CRC32s inside model.pt and optimizer.pt, and state.json's fields. Throws naming the file and the field.
+struct VerifiedFolder {
+  fs::path folder;
+  TrainState state;
+  std::string config_text, model_bytes, optimizer_bytes;
+};
+
+VerifiedFolder read_folder(const fs::path& d) {
+  VerifiedFolder v;
+  v.folder = d;
+  const json manifest = read_manifest(d);
+  v.state = parse_state(read_verified(d, manifest, "state.json"), d / "state.json", manifest);
+  v.config_text = read_verified(d, manifest, "config.yaml");
+  v.model_bytes = read_verified(d, manifest, "model.pt");
+  verify_zip_entries(v.model_bytes, d / "model.pt");
+  v.optimizer_bytes = read_verified(d, manifest, "optimizer.pt");
+  verify_zip_entries(v.optimizer_bytes, d / "optimizer.pt");
+  v.state.loaded_from = d.string();
+  return v;
+}
+
+// The newest checkpoint of `dir` that verifies: `dir`, else `dir`.old (the previous one, kept until the next
+// save is installed), with one warning per fallback. Throws RunFailure (kFailureCheckpointRefused) when neither does.
+VerifiedFolder read_newest_good(const std::string& dir) {
+  const fs::path newest = dir, previous = dir + ".old";
+  std::error_code ec;
+  const bool have_newest = fs::exists(newest / "state.json", ec), have_previous = fs::exists(previous / "state.json", ec);
+  if (!have_newest && !have_previous) {
+    throw RunFailure(kFailureCheckpointRefused, fmt::format("checkpoint '{}' not found (no state.json in it or in "
+                                                            "{})",
+                                                            dir, previous.string()));
+  }
+  std::string refused;
+  if (have_newest) {
+    try {
+      return read_folder(newest);
+    } catch (const std::exception& e) {
+      refused = error_message(e);
+    }
+    if (!have_previous) throw RunFailure(kFailureCheckpointRefused, refused);
+  }
+  VerifiedFolder v;
+  try {
+    v = read_folder(previous);
+  } catch (const std::exception& e) {
+    throw RunFailure(kFailureCheckpointRefused,
+                     refused.empty() ? error_message(e)
+                                     : fmt::format("{}; the previous checkpoint is refused too: {}", refused,
+                                                   error_message(e)));
+  }
+  warn_once(fmt::format("checkpoint '{}' {}; loading the previous checkpoint '{}' (step {}) instead", dir,
+                        refused.empty() ? "is missing (a crash between the renames of a save)"
+                                        : "is refused (" + refused + ")",
+                        previous.string(), v.state.step));
+  return v;
+}
+
 }  // namespace
 
 std::string checkpoint_folder(const std::string& dir) {
@@ -242,7 +380,7 @@ void check_resumable(const std::string& dir, const Config& current) {
   auto then = stored.items();
   for (size_t i = 0; i < now.size(); ++i) {
     if (fixes_model_or_data_order(now[i].first) && now[i].second != then[i].second) {
-      throw std::runtime_error(fmt::format(
+      throw RunFailure(kFailureCheckpointRefused, fmt::format(
           "cannot resume from '{}': config key '{}' is '{}' there but '{}' now (it fixes the model or the data "
           "order); use the checkpoint's value or start a new run_dir",
           dir, now[i].first, then[i].second, now[i].second));
@@ -293,6 +431,9 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
     write_file_checked(tmp / kManifest,
                        json{{"format", kManifestFormat}, {"step", state.step}, {"files", files}}.dump(1) + "\n");
     sync_folder(tmp);
+    // `dir` becomes the previous checkpoint, `dir`.old, kept until the next save is installed: a corrupt newest
+    // checkpoint then still has a fallback. When `dir` is not complete (a crash between these renames left only
+    // `dir`.old), `dir`.old is the only good one and stays.
     std::error_code ec;
     if (fs::exists(fs::path(dir) / kManifest, ec) || fs::exists(fs::path(dir) / "state.json", ec)) {
       fs::remove_all(old);
@@ -300,7 +441,6 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
     }
     fs::rename(tmp, dir);
     sync_folder(fs::absolute(dir).parent_path());
-    fs::remove_all(old);
   } catch (const std::exception& e) {
     std::error_code ignored;
     fs::remove_all(tmp, ignored);  // frees the space; `dir` or `dir`.old still holds the last complete one
@@ -309,46 +449,50 @@ void save_checkpoint(const std::string& dir, Transformer& model, torch::optim::O
 }
 
 Config load_checkpoint_config(const std::string& dir) {
-  const fs::path d = checkpoint_folder(dir);
-  const fs::path path = d / "config.yaml";
-  const std::string text = read_verified(d, read_manifest(d), "config.yaml");
-  if (text.find_first_not_of(" \t\r\n") == std::string::npos) {
-    throw std::runtime_error(fmt::format("checkpoint config '{}' is empty", path.string()));
+  const VerifiedFolder v = read_newest_good(dir);
+  const fs::path path = v.folder / "config.yaml";
+  if (v.config_text.find_first_not_of(" \t\r\n") == std::string::npos) {
+    throw RunFailure(kFailureCheckpointRefused, fmt::format("checkpoint config '{}' is empty", path.string()));
   }
   try {
     return Config::load(path.string(), {});
   } catch (const std::exception& e) {
-    throw std::runtime_error(fmt::format("checkpoint config '{}' is not a valid dcp config: {}", path.string(),
-                                         error_message(e)));
+    throw RunFailure(kFailureCheckpointRefused, fmt::format("checkpoint config '{}' is not a valid dcp config: {}",
+                                                            path.string(), error_message(e)));
   }
 }
 
 TrainState load_checkpoint(const std::string& dir, Transformer& model, torch::optim::Optimizer* optimizer) {
-  const fs::path d = checkpoint_folder(dir);
-  const json manifest = read_manifest(d);
-  const TrainState state = parse_state(read_verified(d, manifest, "state.json"), d / "state.json", manifest);
+  const VerifiedFolder v = read_newest_good(dir);
+  const fs::path& d = v.folder;
   // torch::load resizes a parameter to the stored tensor's shape, so a checkpoint of another model (an edited
   // config) would load silently; compare the shapes the config built with what was loaded.
   std::vector<std::pair<std::string, std::vector<int64_t>>> built;
   for (const auto& p : model->named_parameters()) built.emplace_back(p.key(), p.value().sizes().vec());
   for (const auto& b : model->named_buffers()) built.emplace_back(b.key(), b.value().sizes().vec());
-  auto load = [&](auto& object, const std::string& name) {
-    std::istringstream bytes(read_verified(d, manifest, name));
+  auto load = [&](auto& object, const std::string& bytes_of_file, const std::string& name) {
+    std::istringstream bytes(bytes_of_file);
     try {
       torch::load(object, bytes);
     } catch (const std::exception& e) {
-      throw std::runtime_error(fmt::format("loading checkpoint file '{}' failed (is it complete, and written for "
-                                           "this model config?): {}",
-                                           (d / name).string(), error_message(e)));
+      throw RunFailure(kFailureCheckpointRefused, fmt::format("loading checkpoint file '{}' failed (is it complete, "
+                                                              "and written for this model config?): {}",
+                                                              (d / name).string(), error_message(e)));
     }
   };
-  load(model, "model.pt");
-  check_shapes(model, built, d / "model.pt");
-  if (optimizer) {
-    load(*optimizer, "optimizer.pt");
-    check_optimizer_shapes(model, *optimizer, d / "optimizer.pt");
+  try {
+    load(model, v.model_bytes, "model.pt");
+    check_shapes(model, built, d / "model.pt");
+    if (optimizer) {
+      load(*optimizer, v.optimizer_bytes, "optimizer.pt");
+      check_optimizer_shapes(model, *optimizer, d / "optimizer.pt");
+    }
+  } catch (const RunFailure&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw RunFailure(kFailureCheckpointRefused, error_message(e));
   }
-  return state;
+  return v.state;
 }
 
 }  // namespace dcp

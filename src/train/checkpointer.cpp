@@ -2,13 +2,16 @@
 #include "train/checkpointer.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <filesystem>
+#include <algorithm>
 #include <fstream>
 
 #include "train/data_fingerprint.h"
+#include "util/error_message.h"
 #include "util/file_write.h"
 
 namespace dcp {
@@ -22,15 +25,18 @@ Checkpointer::Checkpointer(const std::string& run_dir, const Config& cfg)
       max_steps_(cfg.train.max_steps) {}
 
 TrainState Checkpointer::resume(Transformer& model, torch::optim::Optimizer& optimizer, const std::string& fingerprint,
-                                bool allow_data_change) const {
-  const fs::path dir = dir_;
+                                bool allow_data_change) {
   const Config& cfg = cfg_;
-  check_resumable(dir.string(), cfg);
-  const std::string folder = checkpoint_folder(dir.string());
-  if (folder != dir.string()) {
-    spdlog::warn("{} is missing (a crash between the renames of a save); resuming from {}", dir.string(), folder);
+  check_resumable(dir_, cfg);
+  TrainState s = load_checkpoint(dir_, model, &optimizer);  // falls back to dir_.old, warning once
+  const std::string& folder = s.loaded_from;
+  if (folder != dir_) {
+    std::error_code ec;
+    // The newest folder failed verification (or is missing): the next save must keep dir_.old, the good one.
+    replace_newest_ = fs::exists(fs::path(dir_) / "state.json", ec);
+  } else {
+    saved_step_ = s.step;
   }
-  TrainState s = load_checkpoint(dir.string(), model, &optimizer);
   if (s.data_fingerprint.empty()) {
     spdlog::warn("checkpoint {} records no data fingerprint (an older dcp wrote it): a changed corpus under "
                  "data.path cannot be detected",
@@ -40,9 +46,9 @@ TrainState Checkpointer::resume(Transformer& model, torch::optim::Optimizer& opt
                                            "({} then, {} now)",
                                            cfg.data.path, folder, s.data_fingerprint, fingerprint);
     if (!allow_data_change) {
-      throw std::runtime_error(fmt::format("cannot resume: {}; the data order and the held-out split would differ "
-                                           "(--allow-data-change resumes anyway)",
-                                           change));
+      throw RunFailure(kFailureCheckpointRefused, fmt::format("cannot resume: {}; the data order and the held-out "
+                                                              "split would differ (--allow-data-change resumes anyway)",
+                                                              change));
     }
     spdlog::warn("{}; resuming anyway (--allow-data-change): the data order and the held-out split differ", change);
   }
@@ -73,9 +79,22 @@ void Checkpointer::check_position(const TrainState& s, size_t epoch_steps) const
 
 bool Checkpointer::due(int64_t step) const { return every_ > 0 && step % every_ == 0 && step < max_steps_; }
 
-void Checkpointer::save(Transformer& model, torch::optim::Optimizer& optimizer, const TrainState& state) const {
+void Checkpointer::save(Transformer& model, torch::optim::Optimizer& optimizer, const TrainState& state) {
+  if (replace_newest_) {
+    // Refused at resume: installing the new one must not turn it into dir_.old in place of the good one.
+    spdlog::warn("removing the refused checkpoint {} before saving step {} (the previous one, {}.old, stays)", dir_,
+                 state.step, dir_);
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+    if (ec) throw std::runtime_error(fmt::format("cannot remove the refused checkpoint '{}': {}", dir_, ec.message()));
+    replace_newest_ = false;
+  }
   save_checkpoint(dir_, model, optimizer, state, cfg_);
+  saved_step_ = state.step;
+  spdlog::info("wrote checkpoint {} (step {})", dir_, state.step);
 }
+
+bool Checkpointer::holds(int64_t step) const { return saved_step_ == step; }
 
 std::string Checkpointer::describe(int64_t step) const { return fmt::format("{} (step {})", dir_, step); }
 
@@ -84,12 +103,15 @@ std::string Checkpointer::describe(int64_t step) const { return fmt::format("{} 
 void truncate_metrics(const std::string& file, int64_t keep_through_step) {
   const fs::path path = file;
   std::vector<std::string> lines;
+  std::error_code ec;
+  const bool exists = fs::exists(path, ec);
   if (keep_through_step > 0) {
     std::ifstream in(path);
     for (std::string line; std::getline(in, line);) lines.push_back(line);
   }
   while (!lines.empty() && lines.back().empty()) lines.pop_back();
   std::string text;
+  std::vector<int64_t> kept;
   for (size_t i = 0; i < lines.size(); ++i) {
     if (lines[i].empty()) continue;
     json j;
@@ -104,7 +126,38 @@ void truncate_metrics(const std::string& file, int64_t keep_through_step) {
       throw std::runtime_error(fmt::format("metrics '{}' line {} is not JSON ({}); remove or repair the line",
                                            path.string(), i + 1, e.what()));
     }
-    if (j.value("step", int64_t{0}) <= keep_through_step) text += lines[i] + "\n";
+    const int64_t step = j.value("step", int64_t{0});
+    if (step <= keep_through_step) {
+      text += lines[i] + "\n";
+      kept.push_back(step);
+    }
+  }
+  // The checkpoint's steps 1..keep_through_step each wrote a line before the checkpoint was saved; any that is
+  // missing was lost outside this run (a deleted, shortened or restored file): named, and the run goes on.
+  if (keep_through_step > 0) {
+    std::sort(kept.begin(), kept.end());
+    std::vector<std::string> gaps;
+    int64_t lost = 0, next = 1;
+    auto gap = [&](int64_t from, int64_t to) {
+      if (from > to) return;
+      lost += to - from + 1;
+      gaps.push_back(from == to ? std::to_string(from) : fmt::format("{}..{}", from, to));
+    };
+    for (int64_t step : kept) {
+      if (step < next) continue;
+      gap(next, step - 1);
+      next = step + 1;
+    }
+    gap(next, keep_through_step);
+    if (!exists) {
+      spdlog::warn("metrics '{}' is missing: the lines of steps 1..{} (before the checkpoint) are lost; this run "
+                   "appends from step {}",
+                   path.string(), keep_through_step, keep_through_step + 1);
+    } else if (lost > 0) {
+      spdlog::warn("metrics '{}' lacks the lines of {} step(s) before the checkpoint's step {}: {} (shortened or "
+                   "edited outside dcp?); this run appends from step {}",
+                   path.string(), lost, keep_through_step, fmt::join(gaps, ", "), keep_through_step + 1);
+    }
   }
   // Through a new file and a rename: a crash or a full disk during the rewrite leaves the old file whole.
   write_file_atomically(path, text);

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -47,6 +48,26 @@ std::shared_ptr<FileLock> lock_run_dir(const std::string& run_dir, const Communi
                                              : refusal);
   }
   return lock;
+}
+
+std::vector<std::string> remove_leftover_temp_files(const std::string& run_dir) {
+  // write_file_atomically's "<name>.<tag><pid>.tmp" of the run dir's own files (metrics.jsonl, summary.json,
+  // config.yaml): a kill during the rewrite leaves one behind. The run dir is locked, so none is in use.
+  std::vector<std::string> removed;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(run_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    for (const char* base : {"metrics.jsonl.", "summary.json.", "config.yaml."}) {
+      const std::string b = base;
+      if (name.size() <= b.size() + 4 || name.rfind(b, 0) != 0 || name.substr(name.size() - 4) != ".tmp") continue;
+      const std::string middle = name.substr(b.size(), name.size() - b.size() - 4);
+      if (middle.empty() || middle.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::error_code rm;
+      if (entry.is_regular_file(rm) && std::filesystem::remove(entry.path(), rm)) removed.push_back(name);
+    }
+  }
+  std::sort(removed.begin(), removed.end());
+  return removed;
 }
 
 }  // namespace dcp

@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dcp/dist.h"
 #include "util/file_lock.h"
@@ -18,5 +19,10 @@ namespace dcp {
 /// holds it, or the lock file's error. `run_dir` must exist. The lock is advisory and needs flock (local
 /// folders; NFS only where the client forwards it).
 std::shared_ptr<FileLock> lock_run_dir(const std::string& run_dir, const Communicator& world);
+
+/// Removes the temporary files "metrics.jsonl.<pid>.tmp", "summary.json.<pid>.tmp" and "config.yaml.<pid>.tmp"
+/// that a run killed while rewriting one of those files left in `run_dir`; returns their names, sorted. Call it
+/// holding the run dir's lock (no other run then writes there).
+std::vector<std::string> remove_leftover_temp_files(const std::string& run_dir);
 
 }  // namespace dcp

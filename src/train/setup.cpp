@@ -1,5 +1,6 @@
 // The trainer's set-up phase: run dir, logs, config check, threads, corpus, precision (include/dcp/trainer.h).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
@@ -60,6 +61,18 @@ TrainSetup open_training(const Config& cfg, const ProcessGroups& groups, bool re
   if (ec) throw std::runtime_error(fmt::format("cannot create run.dir '{}': {}", s.run_dir, ec.message()));
   s.run_lock = lock_run_dir(s.run_dir, groups.world());
   init_logging(s.run_dir, env.rank, cfg.run.log_level, resume ? "dcp train --resume" : "dcp train");
+  if (s.run_lock) {
+    const auto removed = remove_leftover_temp_files(s.run_dir);
+    if (!removed.empty()) {
+      spdlog::warn("removed {} temporary file(s) left in {} by an interrupted run: {}", removed.size(), s.run_dir,
+                   fmt::join(removed, ", "));
+    }
+  }
+  if (env.restart_count > 0) {
+    spdlog::warn("restart {} of this job by dcp launch --max-restarts: {}", env.restart_count,
+                 resume ? "resuming from the last good checkpoint"
+                        : "starting from scratch (no checkpoint was written before the failure)");
+  }
   check_same_config(cfg, groups.world());
 
   s.threads = threads_per_rank(cfg.train, env);

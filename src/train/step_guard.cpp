@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "util/error_message.h"
+
 namespace dcp {
 namespace {
 
@@ -50,7 +52,7 @@ bool StepGuard::admit(int64_t step, double loss, double grad_norm, const Communi
     spdlog::warn("{}: its update is skipped (train.nonfinite skip, {} of at most {})", what, skips_, max_skips_);
     return false;
   }
-  throw std::runtime_error(fmt::format(
+  throw RunFailure(kFailureNonfinite, fmt::format(
       "{}: stopped before the optimizer step, the weights are unchanged; {}{}", what,
       last_checkpoint.empty() ? "no checkpoint was written yet" : "the last good checkpoint is " + last_checkpoint,
       mode_ == "skip" ? fmt::format(" (train.nonfinite skip: {} steps skipped already, train.nonfinite_max_skips {})",

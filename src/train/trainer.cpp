@@ -177,6 +177,7 @@ void Trainer::maybe_checkpoint() {
     TrainState snapshot = state_;
     snapshot.wall_time_s += seconds_since(setup_.started);
     checkpointer_->save(model_, *optimizer_, snapshot);
+    groups_.report_checkpoint(state_.step);  // what `dcp launch --max-restarts` resumes from
   }
   groups_.world().barrier();
   last_checkpoint_ = checkpointer_->describe(state_.step);
@@ -187,7 +188,11 @@ void Trainer::finish() {
   progress_->finish();
   const double train_time = seconds_since(train_start_);
   state_.wall_time_s += seconds_since(setup_.started);
-  if (world.rank() == 0) checkpointer_->save(model_, *optimizer_, state_);
+  // Not again when the last periodic save (or the checkpoint resumed from) is of this step already.
+  if (world.rank() == 0 && !checkpointer_->holds(state_.step)) {
+    checkpointer_->save(model_, *optimizer_, state_);
+    groups_.report_checkpoint(state_.step);
+  }
   world.barrier();
 
   const double final_bpb = heldout_bits_per_byte(model_, setup_.corpus, eval_cfg_, train_cfg_.micro_batch_tokens, world);
@@ -231,6 +236,7 @@ json Trainer::summary(double final_bpb, double train_time_s) const {
                   {"train_time_s_this_run", train_time_s},
                   {"world_size", groups_.env().world_size},
                   {"process_group_creation_s", groups_.creation_seconds()},
+                  {"restarts", groups_.env().restart_count},
                   {"threads_per_rank", setup_.threads},
                   {"parameters", parameters_}};
   summary.update(record_->summary());

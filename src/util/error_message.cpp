@@ -1,5 +1,12 @@
 #include "util/error_message.h"
 
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "util/file_write.h"
+
 namespace dcp {
 
 std::string error_message(const std::exception& e) {
@@ -12,6 +19,17 @@ std::string error_message(const std::exception& e) {
     if (pos != std::string::npos) text.erase(pos);
   }
   return text;
+}
+
+void write_error_file(const std::string& kind, int exit_code, const std::string& message) {
+  const char* path = std::getenv("DCP_ERROR_FILE");
+  if (path == nullptr || *path == '\0') return;
+  try {
+    write_file_atomically(path, nlohmann::json{{"kind", kind}, {"exit_code", exit_code}, {"message", message}}.dump() +
+                                    "\n");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dcp: cannot write the error file DCP_ERROR_FILE='%s': %s\n", path, e.what());
+  }
 }
 
 }  // namespace dcp

@@ -75,9 +75,19 @@ TEST(CliUsage, ConfigAndOptionErrorsExit2AndCheckpointContentExits1) {
     std::ofstream corpus(dir / "corpus.jsonl");
     for (int i = 0; i < 50; ++i) corpus << nlohmann::json({{"text", "document " + std::to_string(i)}}).dump() << "\n";
   }
+  {
+    // A real checkpoint whose config.yaml is then corrupted (without its manifest, which would name the CRC32
+    // first): every other file verifies, so the config is what is refused.
+    std::vector<std::string> args = {DCP_BINARY};
+    const auto t = train(dir, {});
+    args.insert(args.end(), t.begin(), t.end());
+    Child first = Child::spawn(args, {{"OMP_NUM_THREADS", "1"}}, (dir / "first.log").string());
+    ASSERT_TRUE(dcp::test::exited_ok(first.wait(120))) << first.log();
+    fs::copy(dir / "run" / "checkpoint", dir / "ckpt", fs::copy_options::recursive);
+    fs::remove_all(dir / "run" / "checkpoint.old");  // else a load falls back to it
+  }
   for (const fs::path& ckpt : {dir / "ckpt", dir / "run" / "checkpoint"}) {  // a checkpoint with a corrupt config
-    fs::create_directories(ckpt);
-    std::ofstream(ckpt / "state.json") << "{}\n";
+    fs::remove(ckpt / "manifest.json");
     std::ofstream(ckpt / "config.yaml") << "::\n";
   }
   const std::string plan_file = std::string(DCP_SOURCE_DIR) + "/docs/examples/plan_world2_dp_then_sp.json";
@@ -117,6 +127,11 @@ TEST(CliUsage, NumberOptionsRefuseNanAndOutOfRangeValues) {
       {{"launch", "--grace", "nan", "--", "true"}, 2,
        "--grace: must be a non-negative finite number of seconds (at most 3600), got 'nan'"},
       {{"bench", "--grace", "inf"}, 2, "--grace: must be a non-negative finite number of seconds"},
+      {{"launch", "--nproc", "2", "--master-port", "abc", "--", "true"}, 2,
+       "--master-port: 'abc' is not a number (allowed: a port number in [1, 65535])"},
+      {{"launch", "--master-port", "70000", "--", "true"}, 2, "--master-port: 70000 is out of range"},
+      {{"launch", "--max-restarts", "-1", "--", "true"}, 2, "--max-restarts: -1 is out of range"},
+      {{"launch", "--restart-backoff-s", "nan", "--", "true"}, 2, "--restart-backoff-s: must be a non-negative finite"},
       {{"train", "--train.grad_clip=1e39"}, 2, "config key 'train.grad_clip': bad value '1e39'"},
   });
   fs::remove_all(dir);

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 
 namespace dcp::test {
@@ -35,6 +36,27 @@ inline void replace_with_manifest(const std::filesystem::path& ckpt, const std::
                                               bytes.size())));
   m["files"][name] = {{"bytes", bytes.size()}, {"crc32", hex}};
   write_file(ckpt / "manifest.json", m.dump());
+}
+
+/// `zip` (a torch::save archive) with one byte flipped in the middle of the data of its first entry whose name
+/// contains `entry` (e.g. "/data/"): the entry's own CRC32 no longer matches. The sizes come from the central
+/// directory: torch::save's local headers carry zeros (general-purpose flag bit 3, a data descriptor follows).
+/// Throws when there is no such entry.
+inline std::string flip_byte_in_zip_entry(std::string zip, const std::string& entry) {
+  auto u16 = [&](size_t at) { return static_cast<size_t>(static_cast<unsigned char>(zip[at])) |
+                                     static_cast<size_t>(static_cast<unsigned char>(zip[at + 1])) << 8; };
+  auto u32 = [&](size_t at) { return u16(at) | u16(at + 2) << 16; };
+  const std::string central("PK\x01\x02", 4);
+  for (size_t at = zip.find(central); at != std::string::npos && at + 46 <= zip.size(); at = zip.find(central, at + 4)) {
+    const size_t size = u32(at + 20), name_len = u16(at + 28), local = u32(at + 42);
+    const std::string name = zip.substr(at + 46, name_len);
+    if (name.find(entry) == std::string::npos || size < 4 || local + 30 > zip.size()) continue;
+    const size_t data = local + 30 + u16(local + 26) + u16(local + 28);
+    if (data + size > zip.size()) continue;
+    zip[data + size / 2] = static_cast<char>(zip[data + size / 2] ^ 0x5A);
+    return zip;
+  }
+  throw std::runtime_error("no zip entry named like '" + entry + "'");
 }
 
 }  // namespace dcp::test

@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <torch/optim/adamw.h>
 
+#include <cctype>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 
 #include "dcp/checkpoint.h"
 #include "train/step_guard.h"
+#include "util/error_message.h"
 #include "unit/checkpoint_edit.h"
 #include "unit/error_of.h"
 
@@ -143,8 +145,10 @@ TEST(Checkpoint, HandEditedStateIsRefusedNamingTheField) {
     std::string expected;
   };
   const std::vector<Case> cases = {
-      {"index_in_epoch", -5, "field 'index_in_epoch' is -5, outside [0, 2^53]"},
-      {"step", 1e300, "field 'step' is 1e+300, not a whole number"},
+      {"index_in_epoch", -5, "field 'index_in_epoch' is -5, out of range (allowed: a whole number in [0, 2^53])"},
+      {"step", 1e300, "field 'step' is 1e+300, out of range (allowed: a whole number in [0, 2^53])"},
+      {"step", 1e18, "field 'step' is 1e+18, out of range (allowed: a whole number in [0, 2^53])"},
+      {"step", int64_t{1000000000000000000}, "field 'step' is 1000000000000000000, out of range"},
       {"step", 4.7, "field 'step' is 4.7, not a whole number"},
       {"step", "4", "field 'step' is \"4\", not a whole number"},
       {"epoch", nullptr, "field 'epoch' is missing"},
@@ -252,16 +256,71 @@ TEST(Checkpoint, EveryCrashWindowOfTheInstallLeavesALoadableCheckpoint) {
   EXPECT_NE(e.find("writing checkpoint '" + dir + "' failed"), std::string::npos) << e;
   EXPECT_EQ(loaded_step(dir), 4) << "the only complete checkpoint was removed";
   fs::remove_all(dir);
-  // From that state a save installs the new one and then removes the old one.
+  // From that state a save installs the new one and keeps the old one as the previous checkpoint.
   save_at(dir, 5);
   EXPECT_EQ(loaded_step(dir), 5);
-  EXPECT_FALSE(fs::exists(dir + ".old"));
+  EXPECT_EQ(loaded_step(dir + ".old"), 4);
   EXPECT_FALSE(fs::exists(dir + ".tmp"));
-  // Crash after checkpoint.tmp -> checkpoint, before checkpoint.old is removed: the new one loads.
-  fs::copy(dir, dir + ".old");
-  EXPECT_EQ(loaded_step(dir), 5);
+  // The next save rotates: checkpoint.old is then step 5, the one before it is gone.
   save_at(dir, 6);
   EXPECT_EQ(loaded_step(dir), 6);
+  EXPECT_EQ(loaded_step(dir + ".old"), 5);
+  fs::remove_all(root);
+}
+
+// The review's open items: a flipped byte inside model.pt whose manifest entry was rewritten to match (the zip
+// entry's own CRC32 catches it), the same in a checkpoint without manifest, an upper-case crc32 in the manifest.
+TEST(Checkpoint, ZipEntryCrcsCatchAFlipBehindAForgedManifest) {
+  const fs::path root = scratch("zip");
+  const std::string dir = (root / "checkpoint").string();
+  save_at(dir, 3);
+  const std::string flipped = test::flip_byte_in_zip_entry(read_file(fs::path(dir) / "model.pt"), "/data/");
+  replace_with_manifest(dir, "model.pt", flipped);  // the manifest agrees with the flipped bytes
+  std::string e = test::error_of([&] { loaded_step(dir); });
+  EXPECT_NE(e.find("checkpoint file '" + dir + "/model.pt' is corrupt: zip entry '"), std::string::npos) << e;
+  EXPECT_NE(e.find("CRC error"), std::string::npos) << e;
+  fs::remove(fs::path(dir) / "manifest.json");  // a checkpoint from before manifests: the zip CRC32s still hold
+  e = test::error_of([&] { loaded_step(dir); });
+  EXPECT_NE(e.find("model.pt' is corrupt: zip entry '"), std::string::npos) << e;
+  fs::remove_all(root);
+
+  save_at(dir, 3);
+  json m = json::parse(read_file(fs::path(dir) / "manifest.json"));
+  for (auto& [name, f] : m["files"].items()) {
+    std::string crc = f["crc32"];
+    for (char& c : crc) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    f["crc32"] = crc;
+  }
+  write_file(fs::path(dir) / "manifest.json", m.dump());
+  EXPECT_EQ(loaded_step(dir), 3);
+  m["files"]["model.pt"]["crc32"] = "xyz";
+  write_file(fs::path(dir) / "manifest.json", m.dump());
+  e = test::error_of([&] { loaded_step(dir); });
+  EXPECT_NE(e.find("records crc32 'xyz' for 'model.pt': not a CRC32"), std::string::npos) << e;
+  fs::remove_all(root);
+}
+
+// A corrupt newest checkpoint falls back to checkpoint.old (the previous one); when that is bad too, both are named.
+TEST(Checkpoint, ACorruptNewestCheckpointFallsBackToThePreviousOne) {
+  const fs::path root = scratch("fallback");
+  const std::string dir = (root / "checkpoint").string();
+  save_at(dir, 4);
+  save_at(dir, 6);
+  std::string model = read_file(fs::path(dir) / "model.pt");
+  model[model.size() / 2] = static_cast<char>(model[model.size() / 2] ^ 0xFF);
+  write_file(fs::path(dir) / "model.pt", model);
+  const Config cfg = small_config();
+  Transformer m(cfg.model, cfg.attention);
+  const TrainState s = load_checkpoint(dir, m, nullptr);
+  EXPECT_EQ(s.step, 4);
+  EXPECT_EQ(s.loaded_from, dir + ".old");
+  EXPECT_EQ(load_checkpoint_config(dir).model.d_model, 32);
+  write_file(fs::path(dir + ".old") / "model.pt", model);
+  const std::string e = test::error_of([&] { loaded_step(dir); });
+  EXPECT_NE(e.find("checkpoint file '" + dir + "/model.pt' is corrupt"), std::string::npos) << e;
+  EXPECT_NE(e.find("the previous checkpoint is refused too: checkpoint file '" + dir + ".old/model.pt'"),
+            std::string::npos)
+      << e;
   fs::remove_all(root);
 }
 
@@ -288,6 +347,17 @@ TEST(StepGuard, StopsOrSkipsNonFiniteSteps) {
   EXPECT_NE(e.find("the last good checkpoint is run/checkpoint (step 1)"), std::string::npos) << e;
   e = test::error_of([&] { guard.admit(3, 2.0, std::numeric_limits<double>::infinity(), self, ""); });
   EXPECT_NE(e.find("no checkpoint was written yet"), std::string::npos) << e;
+  // Its kind tells `dcp launch --max-restarts` to restart it at most once (DCP_ERROR_FILE).
+  EXPECT_THROW(
+      {
+        try {
+          guard.admit(4, std::nan(""), 1.0, self, "");
+        } catch (const RunFailure& f) {
+          EXPECT_STREQ(f.kind, kFailureNonfinite);
+          throw;
+        }
+      },
+      RunFailure);
 
   // A loss above 3x the median of the recent ones is a warning, counted.
   StepGuard spiky(stop, 0);

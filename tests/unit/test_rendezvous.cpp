@@ -10,12 +10,14 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <future>
 #include <cstdlib>
 #include <iostream>
 #include <stdexcept>
 #include <thread>
 
 #include "dcp/dist.h"
+#include "dist/c10d_compat.h"
 #include "unit/error_of.h"
 
 using dcp::test::error_of;
@@ -124,4 +126,38 @@ TEST(Rendezvous, BadSocketIfnameFailsAtOnceNamingIt) {
   unsetenv("GLOO_SOCKET_IFNAME");
   EXPECT_NE(a.error.find("GLOO_SOCKET_IFNAME='nosuchif0'"), std::string::npos) << a.error;
   EXPECT_LT(a.seconds, 1.0);  // before the rendezvous, not after a timeout
+}
+
+// A peer that joins the rendezvous late and then never creates its groups (it died or stopped there): rank 0 gives
+// up when dist.timeout_s has passed since the start of the rendezvous, naming the group; before the fix the world
+// group's creation waited a whole timeout of its own after the rendezvous (0.6 T + T here).
+TEST(Rendezvous, GroupCreationSharesTheRendezvousDeadline) {
+  const double timeout_s = 4.0;
+  const int port = free_port();
+  std::promise<void> done;
+  std::thread late_peer([&, ready = done.get_future()]() mutable {
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(timeout_s * 600)));
+    dcp::DistEnv env;
+    env.rank = 1;
+    env.world_size = 2;
+    env.master_addr = "127.0.0.1";
+    env.master_port = port;
+    try {
+      dcp::Rendezvous joined = dcp::make_tcp_store(env, 30.0);
+      ready.wait();  // holds its connection, creates no group
+    } catch (const std::exception& e) {
+      std::cerr << "the late peer failed to join: " << e.what() << "\n";
+    }
+  });
+  Attempt a = join_alone(0, port, timeout_s);
+  done.set_value();
+  late_peer.join();
+  std::cerr << "rank 0 with a peer that joined at 0.6 x dist.timeout_s " << timeout_s << " and made no group: failed after "
+            << a.seconds << " s: " << a.error << "\n";
+  EXPECT_NE(a.error.find("creating process group 'world' (rank 0 of 2) failed: not every member reached it within "
+                         "dist.timeout_s 4 s"),
+            std::string::npos)
+      << a.error;
+  EXPECT_GE(a.seconds, timeout_s * 0.9);
+  EXPECT_LT(a.seconds, timeout_s * 1.3);
 }
