@@ -10,6 +10,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   gnuplot-nox jq                                  # plots; jq summarises metrics.jsonl in bench scripts
   python3.11-doc                                  # the default corpus: CPython 3.11 docs sources
+  libcpp-httplib-dev                              # dcp serve's HTTP server (cpp-httplib, as llama.cpp's server)
+  chromium                                        # the serve page's browser test (headless, driven by playwright-core)
   "$@"
 )
 missing=()
@@ -21,4 +23,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# The serve page's browser test drives chromium through playwright-core, pinned by tests/browser/package-lock.json
+# (no browser download: the test runs Debian's /usr/bin/chromium).
+root="$(cd "$(dirname "$0")/.." && pwd)"
+if [ ! -d "$root/tests/browser/node_modules/playwright-core" ]; then
+  if ! command -v npm >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+  fi
+  echo "dcp: installing playwright-core into tests/browser"
+  (cd "$root/tests/browser" && npm ci --no-audit --no-fund --loglevel=error)
 fi

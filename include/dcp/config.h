@@ -129,6 +129,31 @@ struct KvConfig {
   double max_rel_bpb = 0;
 };
 
+/// serve.*: `dcp serve`, the HTTP server (docs/serve.md).
+struct ServeConfig {
+  std::string host = "127.0.0.1";  ///< address to bind; 0.0.0.0 (every interface) is the user's explicit choice
+  int64_t port = 8080;             ///< 0 = an ephemeral port (printed, and written to --port-file)
+  int64_t threads = 0;             ///< intra-op threads of the scheduler's forwards; 0 = every core
+  int64_t http_threads = 128;      ///< connections served at once (a streaming one holds its thread)
+  std::string kv_policy;           ///< requests' default kv_policy; "" = the checkpoint's kv.policy
+  double kv_budget = 0;            ///< requests' default kv_budget; 0 = the checkpoint's kv.budget
+  double kv_memory_bytes = 1e9;    ///< KV bytes all sessions together may hold (their reservations)
+  int64_t max_sessions = 64;       ///< sessions decoded at once (the batch)
+  int64_t max_queue = 64;          ///< requests waiting for memory or a batch slot; beyond: 503 with Retry-After
+  int64_t max_tokens = 2048;       ///< largest max_tokens a request may ask for
+  int64_t default_max_tokens = 16; ///< max_tokens of a request that gives none (the OpenAI default)
+  int64_t max_prompt_bytes = 65536;
+  int64_t max_body_bytes = 1 << 20;  ///< larger request bodies are refused (400)
+  /// Tokens a session may reach (BOS + prompt + max_tokens); 0 = the trained data.max_seq_len. Beyond the trained
+  /// length the model extrapolates its positions (dcp generate would slide its window instead).
+  int64_t max_context = 0;
+  int64_t chunk_tokens = 0;        ///< prefill chunk; 0 = the checkpoint's kv.chunk_tokens
+  int64_t prefill_chunks = 1;      ///< prefill chunks per scheduler step, beside every session's decode token
+  std::string scheduler = "batched";  ///< batched (one forward per step) | sequential (one per session: the reference)
+  double shutdown_grace_s = 10;    ///< after SIGTERM, in-flight requests may finish for this long, then are cancelled
+  int64_t retry_after_s = 1;       ///< Retry-After of a 503
+};
+
 struct DistConfig {
   double timeout_s = 60.0;  ///< a collective or rendezvous that waits longer fails with an error
 };
@@ -144,6 +169,7 @@ struct Config {
   EvalConfig eval;
   DistConfig dist;
   KvConfig kv;
+  ServeConfig serve;
 
   /// Loads defaults, then the YAML file (if `path` is non-empty), then `overrides` ("section.key=value").
   /// Throws ConfigError (unknown key, bad value) or std::runtime_error (unreadable file).

@@ -1,6 +1,8 @@
 // Inference: attention through a KV cache, chunked prefill and token-by-token decoding, text generation.
 #pragma once
 
+#include <ATen/core/Generator.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -39,9 +41,23 @@ AttentionResult kv_cache_attention(const torch::Tensor& q, const torch::Tensor& 
 AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                              const KvCache& cache, int64_t layer, double scale = 0);
 
+/// The decode step's attention for N sequences at once (continuous batching): for sequence i and head h, the one
+/// new token's softmax(scale q.K^T + bias) V over [every entry of caches[i]'s (layer, h), with its log-weight
+/// bias | the token's own k and v], i.e. kv_cache_attention for T = 1, computed per (sequence, head) in one
+/// parallel loop over raw rows (no tensor per head) in fp32 (fp64 for fp64), in an order that does not depend
+/// on the other sequences: a sequence's output is the same bits alone or among others. The caches are only read.
+/// q, k: [N, heads, head_dim], v: [N, heads, value_dim], CPU, the caches' dtype; caches:
+/// N caches of one spec on the CPU (kv_heads == heads). scale 0 = 1/sqrt(head_dim). Returns out [N, heads,
+/// value_dim] in q's dtype. Throws std::invalid_argument for shapes, dtypes, devices, null or mismatched caches
+/// and a layer that do not fit. Twin: kv_cache_attention (tests/unit/test_serve_batching.cpp compares both with
+/// reference_kv_cache_attention).
+torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const std::vector<const KvCache*>& caches, int64_t layer, double scale = 0);
+
 /// The AttentionWrapper of one forward of a chunk through a KV cache (set as PackedBatch::attention): block
 /// `layer` attends with kv_cache_attention over the cache and the chunk, then appends the chunk's k and v at
-/// `positions` (so the chunk never sees itself twice). One object per forward: it carries that chunk's absolute
+/// `positions` (so the chunk never sees itself twice); a chunk of one token attends with kv_decode_attention (on
+/// the CPU), longer ones with kv_cache_attention. One object per forward: it carries that chunk's absolute
 /// positions. Only for softmax blocks: throws std::invalid_argument naming the layer when the block's backend is
 /// not SoftmaxAttention, and when the batch is not one sequence of positions.numel() tokens. Inference only: the
 /// cache keeps no autograd history. With `observations` (a policy asked for them) each layer's queries are
@@ -79,10 +95,27 @@ class DecodeSession {
   /// Empties the cache: the next token is at position 0 again.
   void reset();
 
+  /// One step of several sessions of one model in a single forward (continuous batching, Yu et al. 2022,
+  /// "Orca"; chunked prefill beside decoding as in Agrawal et al. 2024, "Sarathi-Serve"): session i runs
+  /// tokens[i] after what its cache holds, as sessions[i]->prefill(tokens[i]) (prefill[i] true) or ->decode
+  /// (one token, prefill[i] false) would, with 1 <= tokens[i].size() <= its chunk_tokens(). The tokens of all
+  /// sessions form one packed batch: each linear layer is one matmul over all of them; attention runs per session
+  /// over its own cache (the one-token steps of a layer together through kv_decode_attention, each longer chunk
+  /// through kv_cache_attention), then each session's policy runs after_step. Returns per session its fp32 logits
+  /// [tokens[i].size(), kVocabSize]. A session's logits equal its solo step's up to the rounding of the matmuls,
+  /// whose rows BLAS may sum in another order for another number of rows (tests/unit/test_serve_batching.cpp
+  /// measures it). Throws std::invalid_argument for sessions of different models, a session given twice, sizes
+  /// that differ, empty or too many tokens, a token outside the vocabulary.
+  static std::vector<torch::Tensor> step_batch(const std::vector<DecodeSession*>& sessions,
+                                               const std::vector<std::vector<int64_t>>& tokens,
+                                               const std::vector<bool>& prefill);
+
   /// The cache (e.g. to save() or load() it between calls; positions continue from its next_position()).
   KvCache& cache() { return *cache_; }
   const KvCache& cache() const { return *cache_; }
   int64_t chunk_tokens() const { return chunk_tokens_; }
+  /// The session's compression policy (FullKvPolicy when none was given).
+  const KvPolicy& policy() const { return *policy_; }
 
  private:
   torch::Tensor run(const std::vector<int64_t>& tokens, bool prefill);
@@ -94,10 +127,36 @@ class DecodeSession {
   std::shared_ptr<KvObservations> observations_;  // null unless the policy needs() something
 };
 
+/// How a byte is drawn from a model's logits (generate, dcp serve).
+struct SamplingOptions {
+  double temperature = 1.0;  ///< 0 = greedy (argmax)
+  int64_t top_k = 0;         ///< keep the k most likely bytes; 0 = all
+  /// Nucleus sampling (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration"): keep the most
+  /// likely bytes, in order, until their probability reaches top_p (at least one); 1 = all.
+  double top_p = 1.0;
+};
+
+/// The byte sampler of generate and dcp serve, one per sequence: its seeded CPU generator
+/// (at::CPUGeneratorImpl) advances by one draw per sampled byte, so equal seeds, options and logits give equal
+/// bytes. next(): logits [>= 256] (the model's row; only the 256 byte entries count) to fp64; temperature 0 is
+/// argmax; else logits / temperature, then top_k, then top_p (each skipped at its "all" value), then one
+/// multinomial draw from the softmax. Throws std::invalid_argument for options out of range (temperature < 0,
+/// top_k < 0, top_p outside (0, 1]) and for a temperature so small that logits / temperature overflow;
+/// std::runtime_error when the logits are not finite (`index`, the byte's index, is named).
+class ByteSampler {
+ public:
+  explicit ByteSampler(uint64_t seed);
+  int64_t next(const torch::Tensor& logits, const SamplingOptions& options, int64_t index);
+
+ private:
+  at::Generator generator_;
+};
+
 struct GenerateOptions {
   int64_t max_new_tokens = 200;
   double temperature = 1.0;   ///< 0 = greedy
   int64_t top_k = 0;          ///< 0 = no top-k filtering
+  double top_p = 1.0;         ///< 1 = no nucleus filtering (SamplingOptions::top_p)
   uint64_t seed = 0;
   int64_t context = 1024;     ///< tokens the model sees (the training max_seq_len)
   int64_t chunk_tokens = 512; ///< softmax models: prefill chunk of the KV cache (kv.chunk_tokens)
@@ -114,8 +173,9 @@ struct GenerateOptions {
 /// (FlexformerDecoding). When the window slides (the sequence is longer than `context`) positions restart at 0,
 /// so the cache or the states are rebuilt from the new window: the same computation as recomputing the window
 /// for every token (equal logits up to rounding; tests compare greedy outputs token for token), cheap per token
-/// until the window is full and a full window's prefill per token after that. Throws std::invalid_argument for a
-/// negative max_new_tokens or temperature, a negative top_k, context < 1 or chunk_tokens < 1, and for a
+/// until the window is full and a full window's prefill per token after that. Bytes are drawn by a ByteSampler
+/// seeded with `seed`. Throws std::invalid_argument for a negative max_new_tokens or temperature, a negative
+/// top_k, top_p outside (0, 1], context < 1 or chunk_tokens < 1, and for a
 /// temperature so small that logits / temperature overflow; std::runtime_error when the model's logits are not
 /// finite (NaN or inf weights).
 std::string generate(Transformer& model, const std::string& prompt, const GenerateOptions& opt);

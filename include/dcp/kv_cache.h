@@ -45,6 +45,19 @@ struct KvHeadView {
   int64_t length() const { return keys.size(0); }
 };
 
+/// Raw read-only pointers to one (layer, head)'s entries, for kernels that must not pay a tensor per head
+/// (kv_decode_attention in dcp/infer.h): `length` rows, row-major and contiguous, keys [length, head_dim] and
+/// values [length, value_dim] in the cache dtype, bias [length] fp32, positions [length] int64; null pointers
+/// when length is 0. They point into the cache's storage and are valid until its next append, commit, reserve,
+/// load or clear. Do not write through them.
+struct KvHeadData {
+  const void* keys = nullptr;
+  const void* values = nullptr;
+  const float* bias = nullptr;
+  const int64_t* positions = nullptr;
+  int64_t length = 0;
+};
+
 /// What a compression step does to one head (the result of a policy). `keep` undefined: the head is left as
 /// it is (new_bias / new_values must then be absent).
 struct KvHeadEdit {
@@ -72,6 +85,9 @@ class KvCache {
 
   /// Read-only view of (layer, head) (KvHeadView). Throws std::invalid_argument for layer or head out of range.
   KvHeadView view(int64_t layer, int64_t head) const;
+  /// The same entries as raw pointers (KvHeadData), without making a tensor. Throws std::invalid_argument for
+  /// layer or head out of range and for a cache not on the CPU.
+  KvHeadData data(int64_t layer, int64_t head) const;
 
   /// The one mutator for compression: edits[h] applies to head h of `layer` (edits.size() == kv_heads). For an
   /// edit with `keep`, the head becomes exactly the entries keep[0..m) in that order with their keys and

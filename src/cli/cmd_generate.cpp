@@ -68,6 +68,8 @@ void add_generate_command(CLI::App& app) {
   sub->add_option("--temperature", opt->temperature, "softmax temperature; 0 = greedy")
       ->check(finite_number_validator("", 0, true, 100));
   sub->add_option("--top-k", opt->top_k, "sample among the k most likely bytes; 0 = all")->check(CLI::Range(0, 256));
+  sub->add_option("--top-p", opt->top_p, "nucleus sampling: the most likely bytes up to this probability; 1 = all")
+      ->check(finite_number_validator("", 0, false, 1));
   auto chunk_tokens = std::make_shared<int64_t>(0);
   sub->add_option("--kv.chunk_tokens,--chunk-tokens", *chunk_tokens,
                   "softmax models: prefill chunk of the KV cache, tokens (default: the checkpoint's kv.chunk_tokens)")

@@ -23,6 +23,8 @@ void add_bench_sp_attention_command(CLI::App& app);
 void add_distill_command(CLI::App& app);
 void add_kv_eval_command(CLI::App& app);
 void add_kv_calibrate_command(CLI::App& app);
+void add_serve_command(CLI::App& app);
+void add_bench_serve_command(CLI::App& app);
 
 /// SP sizes to create groups for: parallel.sp_sizes, parallel.sp_size and every size `plans` use.
 /// Throws ConfigError when parallel.sp_sizes or parallel.sp_size names one that does not divide world_size (a
@@ -39,6 +41,12 @@ CLI::Validator finite_number_validator(const std::string& unit, double min = 0, 
 /// Prints a fatal error: to the run's log (and, on rank 0, the terminal) once logging is set up, else to
 /// stderr with the rank.
 void report_error(const std::string& message);
+
+/// The config `dcp serve` and `dcp bench-serve` run with: the checkpoint's, then the serve section of
+/// `config_path` (if not empty), then `overrides` (--serve.* and --kv.* only: the other keys fix the checkpoint's
+/// weights). Throws ConfigError for another key or a bad value, std::runtime_error for an unreadable checkpoint.
+Config serve_config(const std::string& checkpoint, const std::string& config_path,
+                    const std::vector<std::string>& overrides);
 
 /// Arguments CLI11 left over on `sub`, which must all be --section.key=value config overrides.
 /// Throws CLI::ValidationError for anything else.

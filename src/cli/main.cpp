@@ -82,6 +82,8 @@ int main(int argc, char** argv) {
   dcp::add_distill_command(app);
   dcp::add_kv_eval_command(app);
   dcp::add_kv_calibrate_command(app);
+  dcp::add_serve_command(app);
+  dcp::add_bench_serve_command(app);
   if (argc > 1 && argv[1][0] != '-') {
     std::vector<std::string> known;
     for (const auto* sub : app.get_subcommands({})) known.push_back(sub->get_name());

@@ -150,14 +150,16 @@ torch::Tensor KvCacheAttention::forward(const AttentionBackend& inner, int64_t l
         "positions {})", layer, T, c10::str(cu_seqlens.sizes()), positions_.numel()));
   }
   // Attend over the cache as it was before this chunk, then append: the chunk part is causal on its own.
-  AttentionResult result = kv_cache_attention(q, k, v, *cache_, layer, softmax->options());
+  const double scale = softmax->options().scale > 0 ? softmax->options().scale
+                                                    : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  // One token: the decode kernel, the same one a batched step runs (DecodeSession::step_batch), so that a
+  // session decodes the same bits alone and among others.
+  torch::Tensor out = T == 1 && q.is_cpu() && cache_->spec().device.is_cpu()
+                          ? kv_decode_attention(q, k, v, {cache_.get()}, layer, scale)
+                          : kv_cache_attention(q, k, v, *cache_, layer, softmax->options()).out;
   cache_->append(layer, k, v, positions_);
-  if (observations_) {
-    const double scale = softmax->options().scale > 0 ? softmax->options().scale
-                                                      : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
-    observations_->observe(layer, q, positions_, *cache_, scale);
-  }
-  return result.out;
+  if (observations_) observations_->observe(layer, q, positions_, *cache_, scale);
+  return out;
 }
 
 }  // namespace dcp

@@ -1,6 +1,7 @@
 // Chunked prefill and token-by-token decoding of one sequence through its KV cache.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <stdexcept>
 
 #include "dcp/infer.h"
@@ -67,6 +68,145 @@ torch::Tensor DecodeSession::run(const std::vector<int64_t>& tokens, bool prefil
     policy_->after_step(*cache_, KvStep{prefill, first, t, observations_.get()});
   }
   return logits.size() == 1 ? logits[0] : torch::cat(logits);
+}
+
+}  // namespace dcp
+
+namespace dcp {
+namespace {
+
+// The attention of a packed batch of several sessions' steps (DecodeSession::step_batch): segment i of the
+// stream is session i's tokens. The one-token segments of a layer attend together through kv_decode_attention,
+// each longer one through kv_cache_attention over its own cache; then every segment is appended to its cache and
+// recorded in its observations, in the order a solo step does (attend, append, observe).
+class BatchedKvCacheAttention : public AttentionWrapper {
+ public:
+  struct Segment {
+    KvCache* cache;
+    KvObservations* observations;  // null when the session's policy asks for nothing
+    torch::Tensor positions;       // [t] int64
+    int64_t begin, length;
+  };
+  explicit BatchedKvCacheAttention(std::vector<Segment> segments) : segments_(std::move(segments)) {
+    for (size_t i = 0; i < segments_.size(); ++i) {
+      if (segments_[i].length == 1) {
+        decode_.push_back(i);
+        decode_rows_.push_back(segments_[i].begin);
+        decode_caches_.push_back(segments_[i].cache);
+      }
+    }
+    all_decode_ = decode_.size() == segments_.size();
+    rows_ = torch::tensor(decode_rows_, torch::kInt64);
+  }
+
+  torch::Tensor forward(const AttentionBackend& inner, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
+                        const torch::Tensor& v, const torch::Tensor& /*cu_seqlens*/) const override {
+    const auto* softmax = dynamic_cast<const SoftmaxAttention*>(&inner);
+    if (softmax == nullptr) {
+      throw std::invalid_argument(fmt::format("DecodeSession::step_batch: the attention backend of layer {} is not "
+                                              "softmax", layer));
+    }
+    const double scale = softmax->options().scale > 0 ? softmax->options().scale
+                                                      : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+    torch::Tensor out;
+    if (all_decode_) {
+      out = kv_decode_attention(q, k, v, decode_caches_, layer, scale);
+    } else {
+      out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+      if (!decode_.empty()) {
+        out.index_copy_(0, rows_, kv_decode_attention(q.index_select(0, rows_), k.index_select(0, rows_),
+                                                      v.index_select(0, rows_), decode_caches_, layer, scale));
+      }
+      for (const Segment& s : segments_) {
+        if (s.length == 1) continue;
+        out.narrow(0, s.begin, s.length)
+            .copy_(kv_cache_attention(q.narrow(0, s.begin, s.length), k.narrow(0, s.begin, s.length),
+                                      v.narrow(0, s.begin, s.length), *s.cache, layer, softmax->options())
+                       .out);
+      }
+    }
+    for (const Segment& s : segments_) {
+      const torch::Tensor ks = k.narrow(0, s.begin, s.length), vs = v.narrow(0, s.begin, s.length);
+      s.cache->append(layer, ks, vs, s.positions);
+      if (s.observations) s.observations->observe(layer, q.narrow(0, s.begin, s.length), s.positions, *s.cache, scale);
+    }
+    return out;
+  }
+
+ private:
+  std::vector<Segment> segments_;
+  std::vector<size_t> decode_;
+  std::vector<int64_t> decode_rows_;
+  std::vector<const KvCache*> decode_caches_;
+  bool all_decode_ = false;
+  torch::Tensor rows_;
+};
+
+}  // namespace
+
+std::vector<torch::Tensor> DecodeSession::step_batch(const std::vector<DecodeSession*>& sessions,
+                                                     const std::vector<std::vector<int64_t>>& tokens,
+                                                     const std::vector<bool>& prefill) {
+  const size_t n = sessions.size();
+  if (n == 0) return {};
+  if (tokens.size() != n || prefill.size() != n) {
+    throw std::invalid_argument(fmt::format("DecodeSession::step_batch: {} sessions, {} token lists and {} prefill "
+                                            "flags (one each)", n, tokens.size(), prefill.size()));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (sessions[i] == nullptr) throw std::invalid_argument(fmt::format("DecodeSession::step_batch: session {} is null", i));
+    if (sessions[i]->model_.get() != sessions[0]->model_.get()) {
+      throw std::invalid_argument(fmt::format("DecodeSession::step_batch: session {} has another model than session 0", i));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (sessions[j] == sessions[i]) {
+        throw std::invalid_argument(fmt::format("DecodeSession::step_batch: session {} is also session {}", i, j));
+      }
+    }
+    const auto t = static_cast<int64_t>(tokens[i].size());
+    if (t < 1 || t > sessions[i]->chunk_tokens_ || (!prefill[i] && t != 1)) {
+      throw std::invalid_argument(fmt::format(
+          "DecodeSession::step_batch: session {} has {} tokens (a prefill step runs 1 to chunk_tokens {}, a decode "
+          "step 1)", i, t, sessions[i]->chunk_tokens_));
+    }
+    for (size_t j = 0; j < tokens[i].size(); ++j) {
+      if (tokens[i][j] < 0 || tokens[i][j] >= kVocabSize) {
+        throw std::invalid_argument(fmt::format("DecodeSession::step_batch: session {}: token {} at index {} outside "
+                                                "[0, {})", i, tokens[i][j], j, kVocabSize));
+      }
+    }
+  }
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> flat, positions, cu{0};
+  std::vector<BatchedKvCacheAttention::Segment> segments;
+  std::vector<int64_t> firsts(n);
+  for (size_t i = 0; i < n; ++i) {
+    DecodeSession& s = *sessions[i];
+    const auto t = static_cast<int64_t>(tokens[i].size());
+    const int64_t first = s.cache_->next_position();
+    firsts[i] = first;
+    flat.insert(flat.end(), tokens[i].begin(), tokens[i].end());
+    for (int64_t p = first; p < first + t; ++p) positions.push_back(p);
+    segments.push_back({s.cache_.get(), s.observations_.get(), torch::arange(first, first + t, torch::kInt64),
+                        cu.back(), t});
+    cu.push_back(cu.back() + t);
+  }
+  PackedBatch batch;
+  const auto total = static_cast<int64_t>(flat.size());
+  batch.tokens = torch::tensor(flat, torch::kInt64);
+  batch.targets = torch::zeros({total}, torch::kInt64);
+  batch.positions = torch::tensor(positions, torch::kInt64);
+  batch.cu_seqlens = torch::tensor(cu, torch::kInt64);
+  batch.attention = std::make_shared<BatchedKvCacheAttention>(std::move(segments));
+  const torch::Tensor logits = sessions[0]->model_->forward(batch);
+  std::vector<torch::Tensor> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    DecodeSession& s = *sessions[i];
+    const auto t = static_cast<int64_t>(tokens[i].size());
+    out[i] = logits.narrow(0, cu[i], t);
+    s.policy_->after_step(*s.cache_, KvStep{prefill[i], firsts[i], t, s.observations_.get()});
+  }
+  return out;
 }
 
 }  // namespace dcp

@@ -6,14 +6,16 @@
 namespace dcp {
 
 std::string generate(Transformer& model, const std::string& prompt, const GenerateOptions& opt) {
-  if (opt.max_new_tokens < 0 || opt.temperature < 0 || opt.top_k < 0 || opt.context < 1 || opt.chunk_tokens < 1) {
+  if (opt.max_new_tokens < 0 || opt.temperature < 0 || opt.top_k < 0 || opt.context < 1 || opt.chunk_tokens < 1 ||
+      !(opt.top_p > 0 && opt.top_p <= 1)) {
     throw std::invalid_argument(fmt::format(
-        "generate: max_new_tokens {}, temperature {}, top_k {} must be >= 0, context {} and chunk_tokens {} >= 1",
-        opt.max_new_tokens, opt.temperature, opt.top_k, opt.context, opt.chunk_tokens));
+        "generate: max_new_tokens {}, temperature {}, top_k {} must be >= 0, top_p {} in (0, 1], context {} and "
+        "chunk_tokens {} >= 1",
+        opt.max_new_tokens, opt.temperature, opt.top_k, opt.top_p, opt.context, opt.chunk_tokens));
   }
   torch::NoGradGuard no_grad;
   model->eval();
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
+  ByteSampler sampler(opt.seed);
   std::vector<int64_t> tokens{kBosToken};
   for (unsigned char c : prompt) tokens.push_back(c);
   // Both decoders run only the tokens not yet seen: a softmax model from its KV cache, a flexformer model from
@@ -58,30 +60,10 @@ std::string generate(Transformer& model, const std::string& prompt, const Genera
     return model->forward(batch)[n - 1];
   };
   std::string out;
+  const SamplingOptions sampling{opt.temperature, opt.top_k, opt.top_p};
   for (int64_t i = 0; i < opt.max_new_tokens; ++i) {
     int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - opt.context);
-    torch::Tensor logits = next_logits(start).slice(0, 0, 256).to(torch::kFloat64);  // bytes only
-    if (!torch::isfinite(logits).all().item<bool>()) {  // argmax would silently pick byte 0
-      throw std::runtime_error(fmt::format("generate: the model's logits for new byte {} are not finite (NaN or "
-                                           "inf weights in the checkpoint?)",
-                                           i));
-    }
-    int64_t next;
-    if (opt.temperature == 0) {
-      next = logits.argmax().item<int64_t>();
-    } else {
-      logits = logits / opt.temperature;
-      if (!torch::isfinite(logits).all().item<bool>()) {
-        throw std::invalid_argument(fmt::format("generate: temperature {} is too small: logits / temperature "
-                                                "overflow (use 0 for greedy decoding)",
-                                                opt.temperature));
-      }
-      if (opt.top_k > 0 && opt.top_k < logits.numel()) {
-        auto kth = std::get<0>(logits.topk(opt.top_k))[opt.top_k - 1];
-        logits = logits.masked_fill(logits < kth, -std::numeric_limits<double>::infinity());
-      }
-      next = torch::multinomial(torch::softmax(logits, 0), 1, false, gen).item<int64_t>();
-    }
+    const int64_t next = sampler.next(next_logits(start), sampling, i);
     tokens.push_back(next);
     out.push_back(static_cast<char>(next));
     if (opt.on_byte) opt.on_byte(static_cast<char>(next));

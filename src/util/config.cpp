@@ -95,6 +95,25 @@ void visit(C& c, F&& f) {
   f("kv.policy", c.kv.policy, Choices{});  // checked by make_kv_policy where a cache is built (dcp generate)
   f("kv.budget", c.kv.budget, RealRule{0.0, 1e15});
   f("kv.max_rel_bpb", c.kv.max_rel_bpb, RealRule{0.0, 1.0});
+  f("serve.host", c.serve.host, Choices{});
+  f("serve.port", c.serve.port, IntRule{0, 65535});
+  f("serve.threads", c.serve.threads, IntRule{0, 1024});
+  f("serve.http_threads", c.serve.http_threads, IntRule{1, 4096});
+  f("serve.kv_policy", c.serve.kv_policy, EmptyOrText{});  // checked by make_kv_policy when the server starts
+  f("serve.kv_budget", c.serve.kv_budget, RealRule{0.0, 1e15});
+  f("serve.kv_memory_bytes", c.serve.kv_memory_bytes, RealRule{1.0});
+  f("serve.max_sessions", c.serve.max_sessions, IntRule{1, 1 << 16});
+  f("serve.max_queue", c.serve.max_queue, IntRule{0, 1 << 20});
+  f("serve.max_tokens", c.serve.max_tokens, IntRule{1, 1 << 24});
+  f("serve.default_max_tokens", c.serve.default_max_tokens, IntRule{1, 1 << 24});
+  f("serve.max_prompt_bytes", c.serve.max_prompt_bytes, IntRule{1, 1 << 30});
+  f("serve.max_body_bytes", c.serve.max_body_bytes, IntRule{64, 1 << 30});
+  f("serve.max_context", c.serve.max_context, IntRule{0, 1 << 30});
+  f("serve.chunk_tokens", c.serve.chunk_tokens, IntRule{0, 1 << 24});
+  f("serve.prefill_chunks", c.serve.prefill_chunks, IntRule{1, 1 << 16});
+  f("serve.scheduler", c.serve.scheduler, Choices{"batched", "sequential"});
+  f("serve.shutdown_grace_s", c.serve.shutdown_grace_s, RealRule{0.0, 86400.0});
+  f("serve.retry_after_s", c.serve.retry_after_s, IntRule{0, 86400});
 }
 
 std::string join(const Choices& v) {

@@ -185,6 +185,28 @@ void KvCache::append(int64_t layer, const torch::Tensor& k, const torch::Tensor&
     }
   }
   torch::NoGradGuard no_grad;  // the cache holds values, never autograd history
+  if (spec_.device.is_cpu() && k.stride(2) == 1 && v.stride(2) == 1) {
+    // Row copies without a tensor per head: a decode step appends one row per head and layer, where the tensor
+    // path below costs more than the attention over a short cache (the same bytes land in the same places).
+    const int64_t es = static_cast<int64_t>(c10::elementSize(spec_.dtype));
+    const char* kp = static_cast<const char*>(k.data_ptr());
+    const char* vp = static_cast<const char*>(v.data_ptr());
+    for (int64_t h = 0; h < spec_.kv_heads; ++h) {
+      Head& hd = head(layer, h);
+      grow(hd, hd.length + t);
+      char* kd = static_cast<char*>(hd.keys.data_ptr()) + hd.length * spec_.head_dim * es;
+      char* vd = static_cast<char*>(hd.values.data_ptr()) + hd.length * spec_.value_dim * es;
+      for (int64_t i = 0; i < t; ++i) {
+        std::memcpy(kd + i * spec_.head_dim * es, kp + (i * k.stride(0) + h * k.stride(1)) * es, spec_.head_dim * es);
+        std::memcpy(vd + i * spec_.value_dim * es, vp + (i * v.stride(0) + h * v.stride(1)) * es, spec_.value_dim * es);
+      }
+      std::fill_n(hd.bias.data_ptr<float>() + hd.length, t, 0.0f);
+      std::copy_n(p, t, hd.positions.data_ptr<int64_t>() + hd.length);
+      hd.length += t;
+    }
+    next_position_[static_cast<size_t>(layer)] = p[t - 1] + 1;
+    return;
+  }
   const torch::Tensor pos = positions.to(spec_.device);
   for (int64_t h = 0; h < spec_.kv_heads; ++h) {
     Head& hd = head(layer, h);
@@ -212,6 +234,20 @@ KvHeadView KvCache::view(int64_t layer, int64_t h) const {
   }
   return {hd.keys.narrow(0, 0, hd.length), hd.values.narrow(0, 0, hd.length), hd.bias.narrow(0, 0, hd.length),
           hd.positions.narrow(0, 0, hd.length)};
+}
+
+KvHeadData KvCache::data(int64_t layer, int64_t h) const {
+  check_layer(layer, "data");
+  if (h < 0 || h >= spec_.kv_heads) {
+    throw std::invalid_argument(fmt::format("KvCache::data: head {} outside [0, {})", h, spec_.kv_heads));
+  }
+  if (!spec_.device.is_cpu()) {
+    throw std::invalid_argument("KvCache::data: raw pointers need a CPU cache, this one is on " + spec_.device.str());
+  }
+  const Head& hd = head(layer, h);
+  if (hd.length == 0) return {};
+  return {hd.keys.data_ptr(), hd.values.data_ptr(), hd.bias.data_ptr<float>(), hd.positions.data_ptr<int64_t>(),
+          hd.length};
 }
 
 void KvCache::commit(int64_t layer, const std::vector<KvHeadEdit>& edits) {

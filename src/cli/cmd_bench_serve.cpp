@@ -1,0 +1,49 @@
+// dcp bench-serve: a bounded loopback load on dcp serve (src/tools/serve_bench.cpp does the work).
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "dcp/checkpoint.h"
+#include "tools/serve_bench.h"
+
+namespace dcp {
+
+void add_bench_serve_command(CLI::App& app) {
+  auto* sub = app.add_subcommand("bench-serve", "Load dcp serve on loopback: throughput, latency, sessions per KV memory");
+  auto o = std::make_shared<ServeBenchOptions>();
+  auto checkpoint = std::make_shared<std::string>();
+  sub->add_option("--checkpoint", *checkpoint, "checkpoint folder of a softmax model")->required();
+  sub->add_option("--out", o->out, "result files PREFIX.md, .csv, .png (e.g. bench/results/cpu2_serve)")->required();
+  sub->add_option("--clients", o->clients, "concurrency levels of the throughput runs")->delimiter(',');
+  sub->add_option("--requests", o->requests, "requests per throughput run (at least the clients)")->check(CLI::Range(1, 100000));
+  sub->add_option("--min-prompt", o->min_prompt, "shortest prompt, bytes")->check(CLI::Range(1, 1 << 24));
+  sub->add_option("--max-prompt", o->max_prompt, "longest prompt, bytes")->check(CLI::Range(1, 1 << 24));
+  sub->add_option("--max-tokens", o->max_tokens, "completion bytes per request")->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--policies", o->policies, "memory runs: NAME or NAME@BUDGET")->delimiter(',');
+  sub->add_option("--memory-clients", o->memory_clients, "clients of the memory runs")->check(CLI::Range(1, 4096));
+  sub->add_option("--memory-requests", o->memory_requests, "requests per memory run")->check(CLI::Range(1, 100000));
+  sub->add_option("--memory-bytes", o->memory_bytes, "serve.kv_memory_bytes of the memory runs (0: memory-full-sessions full caches of the mean prompt)")
+      ->check(finite_number_validator("bytes", 0, true));
+  sub->add_option("--memory-full-sessions", o->memory_full_sessions, "full caches the default memory holds")->check(CLI::Range(1, 4096));
+  sub->add_option("--seed", o->seed, "prompt choice");
+  sub->add_flag("!--no-plot", o->plot, "skip the PNG");
+  sub->allow_extras();
+  sub->footer("serve.* and kv.* keys can be overridden as --section.key=value (e.g. --serve.chunk_tokens=64).");
+  sub->callback([sub, o, checkpoint] {
+    if (o->min_prompt > o->max_prompt) {
+      throw ConfigError(fmt::format("--min-prompt {} is above --max-prompt {}", o->min_prompt, o->max_prompt));
+    }
+    for (int64_t c : o->clients) {
+      if (c < 1) throw ConfigError(fmt::format("--clients: {} must be >= 1", c));
+    }
+    Config cfg = serve_config(*checkpoint, "", config_overrides(*sub));
+    if (cfg.attention.backend != "softmax") {
+      throw ConfigError(fmt::format("bench-serve: {} is attention.backend {}; dcp serve serves softmax checkpoints",
+                                    *checkpoint, cfg.attention.backend));
+    }
+    Transformer model(cfg.model, cfg.attention, resolve_precision(cfg.train.precision).precision);
+    load_checkpoint(*checkpoint, model, nullptr);
+    run_serve_bench(model, cfg, *checkpoint, *o);
+  });
+}
+
+}  // namespace dcp

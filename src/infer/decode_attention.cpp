@@ -1,0 +1,178 @@
+// The decode step's attention: one new token of each of N sequences over its own (compressed) cache and itself,
+// every (sequence, head) pair in one parallel loop over raw rows. Through kv_cache_attention a decoded token costs
+// some twenty tensor operations per head, and over a short cache their dispatch costs more than the arithmetic;
+// here it costs none, which is what lets a continuous-batching step run many sessions at about the price of one
+// (docs/serve.md "Scheduler"). The arithmetic is the same softmax(scale q.K^T + bias) V as kv_cache_attention's
+// (spec section 2: the cache entries with their log-weight biases, then the token's own key, which no bias
+// carries), in one pass: scores, their maximum, exp and sum, then the weighted values.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#include "dcp/infer.h"
+
+namespace dcp {
+namespace {
+
+// The accumulator: fp32 for fp32 and bf16 rows (as kv_cache_attention's cache part), fp64 for fp64.
+template <class T>
+struct Acc {
+  using type = float;
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
+
+template <class A, class T>
+inline A widen(T x) {
+  return static_cast<A>(static_cast<float>(x));
+}
+template <>
+inline double widen<double, double>(double x) {
+  return x;
+}
+
+// <q, k> over d elements in 16 independent partial sums (vector lanes without reassociating one sum), added in
+// a fixed order: the same value for the same rows on every call, whatever else the call computes.
+template <class A, class T>
+inline A dot(const A* q, const T* k, int64_t d) {
+  constexpr int kLanes = 16;
+  A part[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= d; j += kLanes) {
+    for (int u = 0; u < kLanes; ++u) part[u] += q[j + u] * widen<A>(k[j + u]);
+  }
+  A s = 0;
+  for (; j < d; ++j) s += q[j] * widen<A>(k[j]);
+  for (int u = 0; u < kLanes; ++u) s += part[u];
+  return s;
+}
+
+struct Rows {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_stride[2], k_stride[2], v_stride[2];  // elements per sequence, per head
+};
+
+template <class T>
+void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t layer, int64_t heads, int64_t d,
+            int64_t dv, double scale, T* out) {
+  using A = typename Acc<T>::type;
+  const int64_t n_seq = static_cast<int64_t>(caches.size());
+  const int64_t pairs = n_seq * heads;
+  // A pair over a cache of L entries costs about 4 L d flops; grain 1 keeps long caches spread over threads.
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> qs(static_cast<size_t>(d)), acc(static_cast<size_t>(dv));
+    std::vector<A> scores;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t s = pair / heads, h = pair % heads;
+      const KvHeadData hd = caches[static_cast<size_t>(s)]->data(layer, h);
+      const T* q = static_cast<const T*>(r.q) + s * r.q_stride[0] + h * r.q_stride[1];
+      const T* k_new = static_cast<const T*>(r.k) + s * r.k_stride[0] + h * r.k_stride[1];
+      const T* v_new = static_cast<const T*>(r.v) + s * r.v_stride[0] + h * r.v_stride[1];
+      for (int64_t j = 0; j < d; ++j) qs[static_cast<size_t>(j)] = widen<A>(q[j]) * static_cast<A>(scale);
+      const int64_t n = hd.length;
+      scores.resize(static_cast<size_t>(n + 1));
+      const T* keys = static_cast<const T*>(hd.keys);
+      const T* values = static_cast<const T*>(hd.values);
+      A m = -std::numeric_limits<A>::infinity();
+      for (int64_t i = 0; i < n; ++i) {
+        const A x = dot<A>(qs.data(), keys + i * d, d) + static_cast<A>(hd.bias[i]);
+        scores[static_cast<size_t>(i)] = x;
+        m = std::max(m, x);
+      }
+      const A self = dot<A>(qs.data(), k_new, d);
+      scores[static_cast<size_t>(n)] = self;
+      m = std::max(m, self);
+      A sum = 0;
+      for (int64_t i = 0; i <= n; ++i) {
+        const A p = std::exp(scores[static_cast<size_t>(i)] - m);
+        scores[static_cast<size_t>(i)] = p;
+        sum += p;
+      }
+      std::fill(acc.begin(), acc.end(), A{0});
+      for (int64_t i = 0; i < n; ++i) {
+        const A p = scores[static_cast<size_t>(i)];
+        const T* row = values + i * dv;
+        for (int64_t j = 0; j < dv; ++j) acc[static_cast<size_t>(j)] += p * widen<A>(row[j]);
+      }
+      const A p_self = scores[static_cast<size_t>(n)];
+      for (int64_t j = 0; j < dv; ++j) acc[static_cast<size_t>(j)] += p_self * widen<A>(v_new[j]);
+      const A inv = A{1} / sum;
+      T* o = out + (s * heads + h) * dv;
+      for (int64_t j = 0; j < dv; ++j) o[j] = static_cast<T>(acc[static_cast<size_t>(j)] * inv);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const std::vector<const KvCache*>& caches, int64_t layer, double scale) {
+  const int64_t n = static_cast<int64_t>(caches.size());
+  if (n == 0) throw std::invalid_argument("kv_decode_attention: no caches");
+  for (int64_t i = 0; i < n; ++i) {
+    if (caches[static_cast<size_t>(i)] == nullptr) {
+      throw std::invalid_argument(fmt::format("kv_decode_attention: cache {} is null", i));
+    }
+  }
+  const KvCacheSpec& s = caches[0]->spec();
+  for (int64_t i = 1; i < n; ++i) {
+    const KvCacheSpec& o = caches[static_cast<size_t>(i)]->spec();
+    if (o.layers != s.layers || o.kv_heads != s.kv_heads || o.head_dim != s.head_dim || o.value_dim != s.value_dim ||
+        o.dtype != s.dtype || o.device != s.device) {
+      throw std::invalid_argument(fmt::format("kv_decode_attention: cache {} has another shape or dtype than cache 0", i));
+    }
+  }
+  if (layer < 0 || layer >= s.layers) {
+    throw std::invalid_argument(fmt::format("kv_decode_attention: layer {} outside [0, {})", layer, s.layers));
+  }
+  auto shape = [](const torch::Tensor& t) { return t.defined() ? c10::str(t.sizes()) : std::string("undefined"); };
+  if (!q.defined() || q.dim() != 3 || q.size(0) != n || q.size(1) != s.kv_heads || q.size(2) != s.head_dim ||
+      !k.defined() || k.sizes() != q.sizes() || !v.defined() || v.dim() != 3 || v.size(0) != n ||
+      v.size(1) != s.kv_heads || v.size(2) != s.value_dim) {
+    throw std::invalid_argument(fmt::format(
+        "kv_decode_attention: q, k must be [{}, {}, {}] and v [{}, {}, {}] (one token per cache), got q {}, k {}, v {}",
+        n, s.kv_heads, s.head_dim, n, s.kv_heads, s.value_dim, shape(q), shape(k), shape(v)));
+  }
+  for (const auto* t : {&q, &k, &v}) {
+    if (t->scalar_type() != s.dtype || !t->device().is_cpu()) {
+      throw std::invalid_argument(fmt::format("kv_decode_attention: q, k, v must be CPU {} tensors (the cache dtype), "
+                                              "got {} on {}", c10::toString(s.dtype), c10::toString(t->scalar_type()),
+                                              t->device().str()));
+    }
+  }
+  // Rows are read with their own strides; only the last dimension must be dense.
+  auto dense = [](const torch::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
+  const torch::Tensor qd = dense(q), kd = dense(k), vd = dense(v);
+  if (!s.device.is_cpu()) throw std::invalid_argument("kv_decode_attention: the caches must be on the CPU");
+  if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  torch::Tensor out = torch::empty({n, s.kv_heads, s.value_dim}, q.options());
+  const Rows rows{qd.data_ptr(), kd.data_ptr(), vd.data_ptr(), {qd.stride(0), qd.stride(1)},
+                  {kd.stride(0), kd.stride(1)}, {vd.stride(0), vd.stride(1)}};
+  switch (s.dtype) {
+    case torch::kFloat:
+      attend<float>(rows, caches, layer, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<float>());
+      break;
+    case torch::kDouble:
+      attend<double>(rows, caches, layer, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<double>());
+      break;
+    case torch::kBFloat16:
+      attend<c10::BFloat16>(rows, caches, layer, s.kv_heads, s.head_dim, s.value_dim, scale,
+                            out.data_ptr<c10::BFloat16>());
+      break;
+    default:
+      throw std::invalid_argument("kv_decode_attention: unsupported dtype " + std::string(c10::toString(s.dtype)));
+  }
+  return out;
+}
+
+}  // namespace dcp

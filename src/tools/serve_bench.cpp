@@ -1,0 +1,332 @@
+#include "tools/serve_bench.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "dcp/data.h"
+#include "dcp/infer.h"
+#include "dcp/serve.h"
+#include "infer/serve/api.h"
+#include "infer/serve/client.h"
+#include "tools/bench_common.h"
+
+namespace dcp {
+namespace {
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return -1;
+  std::sort(v.begin(), v.end());
+  const auto k = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
+  return v[std::min(v.size() - 1, k == 0 ? 0 : k - 1)];  // nearest rank
+}
+
+struct Spec {
+  std::string policy;
+  double budget = 1;
+};
+
+Spec parse_spec(const std::string& s) {
+  const size_t at = s.find('@');
+  Spec r{s.substr(0, at), 1};
+  if (at != std::string::npos) {
+    try {
+      r.budget = std::stod(s.substr(at + 1));
+    } catch (const std::exception&) {
+      throw ConfigError(fmt::format("--policies: '{}' is not NAME or NAME@BUDGET", s));
+    }
+  }
+  return r;
+}
+
+// Prompts of [min, max] bytes cut from the held-out documents at seeded offsets, ending on a UTF-8 boundary.
+std::vector<std::string> make_prompts(const Config& cfg, const ServeBenchOptions& o, int64_t count) {
+  DataConfig data = cfg.data;
+  data.max_seq_len = 1 << 24;  // whole documents: prompts longer than the trained window
+  const Corpus corpus = Corpus::load(data);
+  std::vector<std::string_view> docs;
+  for (int64_t id : corpus.heldout_ids()) {
+    if (corpus.samples()[static_cast<size_t>(id)].length >= o.min_prompt) docs.push_back(corpus.bytes(id));
+  }
+  if (docs.empty()) {
+    throw std::runtime_error(fmt::format("bench-serve: no held-out document of {} has {} bytes or more", data.path,
+                                         o.min_prompt));
+  }
+  std::mt19937_64 rng(o.seed);
+  std::vector<std::string> out;
+  for (int64_t i = 0; i < count; ++i) {
+    const std::string_view d = docs[rng() % docs.size()];
+    const int64_t want = o.min_prompt + static_cast<int64_t>(rng() % static_cast<uint64_t>(o.max_prompt - o.min_prompt + 1));
+    const int64_t len = std::min<int64_t>(want, static_cast<int64_t>(d.size()));
+    const int64_t start = static_cast<int64_t>(rng() % static_cast<uint64_t>(d.size() - len + 1));
+    std::string p(d.substr(static_cast<size_t>(start), static_cast<size_t>(len)));
+    // Start and end on character boundaries (a cut inside a character is not a JSON string).
+    size_t s = 0;
+    while (s < p.size() && (static_cast<unsigned char>(p[s]) & 0xC0) == 0x80) ++s;
+    p = p.substr(s);
+    p.resize(serve::utf8_complete_prefix(p));
+    out.push_back(p);
+  }
+  return out;
+}
+
+ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& id, const std::string& run,
+                       const Spec& spec, int64_t clients, const std::vector<std::string>& prompts, int64_t max_tokens) {
+  cfg.serve.host = "127.0.0.1";
+  cfg.serve.port = 0;
+  cfg.serve.max_queue = std::max<int64_t>(cfg.serve.max_queue, static_cast<int64_t>(prompts.size()));
+  cfg.serve.max_sessions = std::max<int64_t>(cfg.serve.max_sessions, clients);
+  cfg.serve.http_threads = std::max<int64_t>(cfg.serve.http_threads, clients + 8);
+  Server server(model, cfg, id);
+  const int port = server.bind();
+  std::thread serving([&] { server.run(); });
+  ServeBenchRow row;
+  row.run = run;
+  row.policy = spec.policy;
+  row.budget = spec.budget;
+  row.clients = clients;
+  row.requests = static_cast<int64_t>(prompts.size());
+  row.kv_memory_bytes = cfg.serve.kv_memory_bytes;
+  std::atomic<bool> running{true};
+  std::atomic<int64_t> peak_sessions{0};
+  std::atomic<double> peak_kv{0};
+  std::thread monitor([&] {
+    while (running) {
+      const auto [status, text] = serve::get("127.0.0.1", port, "/metrics", 5);
+      if (status == 200) {
+        peak_sessions = std::max<int64_t>(peak_sessions, static_cast<int64_t>(serve::metric(text, "dcp_sessions_active")));
+        peak_kv = std::max<double>(peak_kv, serve::metric(text, "dcp_kv_bytes"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  struct Done {
+    double sent = 0, first = -1;              // seconds after t0
+    std::vector<std::pair<double, double>> gaps;  // (start, end) of each inter-token gap, per byte
+    int64_t bytes = 0;
+    bool ok = false, abstained = false;
+  };
+  std::vector<Done> done(prompts.size());
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> workers;
+  for (int64_t c = 0; c < clients; ++c) {
+    workers.emplace_back([&] {
+      for (size_t i = next++; i < prompts.size(); i = next++) {
+        nlohmann::json body = {{"prompt", prompts[i]}, {"max_tokens", max_tokens}, {"temperature", 0},
+                               {"stream", true}, {"kv_policy", spec.policy}};
+        if (spec.policy != "full") body["kv_budget"] = spec.budget;
+        Done& d = done[i];
+        d.sent = std::chrono::duration<double>(clock::now() - t0).count();
+        const serve::ClientReply r = serve::complete("127.0.0.1", port, body, 600);
+        d.ok = r.status == 200 && r.done && !r.last.is_null();
+        double prev = -1;
+        for (size_t e = 0; e < r.events.size(); ++e) {
+          const auto& ch = r.events[e].value("choices", nlohmann::json::array());
+          if (ch.empty()) continue;
+          const std::string text = ch[0].value("text", "");
+          if (text.empty()) continue;
+          const double at = d.sent + r.event_s[e];
+          if (d.first < 0) {
+            d.first = at;
+          } else {
+            const auto k = static_cast<double>(text.size());
+            for (size_t b = 0; b < text.size(); ++b) d.gaps.emplace_back(prev + (at - prev) * b / k, prev + (at - prev) * (b + 1) / k);
+          }
+          prev = at;
+          d.bytes += static_cast<int64_t>(text.size());
+        }
+        if (d.ok) d.abstained = r.last.value("kv_cache", nlohmann::json::object()).value("abstained", false);
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  const double wall = std::chrono::duration<double>(clock::now() - t0).count();
+  running = false;
+  monitor.join();
+  server.shutdown();
+  serving.join();
+  std::vector<double> ttft, itl, itl_prefill;
+  for (size_t i = 0; i < done.size(); ++i) {
+    const Done& d = done[i];
+    row.answered += d.ok ? 1 : 0;
+    row.failed += d.ok ? 0 : 1;
+    row.tokens += d.bytes;
+    row.abstained += d.abstained ? 1 : 0;
+    if (d.first >= 0) ttft.push_back(d.first - d.sent);
+    for (const auto& [a, b] : d.gaps) {
+      itl.push_back(b - a);
+      // Did another request's prefill (between its send and its first token) overlap this gap?
+      bool overlap = false;
+      for (size_t j = 0; j < done.size() && !overlap; ++j) {
+        overlap = j != i && done[j].first >= 0 && done[j].sent < b && done[j].first > a;
+      }
+      if (overlap) itl_prefill.push_back(b - a);
+    }
+  }
+  row.wall_s = wall;
+  row.tokens_per_s = static_cast<double>(row.tokens) / wall;
+  row.ttft_p50 = percentile(ttft, 50);
+  row.ttft_p99 = percentile(ttft, 99);
+  row.itl_p50 = percentile(itl, 50);
+  row.itl_p99 = percentile(itl, 99);
+  row.itl_prefill_p50 = percentile(itl_prefill, 50);
+  row.itl_prefill_p99 = percentile(itl_prefill, 99);
+  row.peak_sessions = peak_sessions;
+  row.peak_kv_bytes = peak_kv;
+  spdlog::info("bench-serve: {} {}@{} clients {}: {}/{} answered, {:.1f} tokens/s, TTFT p50 {:.3f} s, ITL p50 {:.4f} "
+               "p99 {:.4f} s, peak {} sessions", run, spec.policy, spec.budget, clients, row.answered, row.requests,
+               row.tokens_per_s, row.ttft_p50, row.itl_p50, row.itl_p99, row.peak_sessions);
+  return row;
+}
+
+std::string csv(const std::vector<ServeBenchRow>& rows) {
+  std::string out = "run,policy,budget,clients,requests,answered,failed,tokens,wall_s,tokens_per_s,ttft_p50_s,ttft_p99_s,"
+                    "itl_p50_s,itl_p99_s,itl_prefill_p50_s,itl_prefill_p99_s,peak_sessions,peak_kv_bytes,"
+                    "kv_memory_bytes,abstained\n";
+  for (const auto& r : rows) {
+    out += fmt::format("{},{},{},{},{},{},{},{},{:.3f},{:.2f},{:.4f},{:.4f},{:.5f},{:.5f},{:.5f},{:.5f},{},{:.0f},{:.0f},{}\n",
+                       r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.failed, r.tokens, r.wall_s,
+                       r.tokens_per_s, r.ttft_p50, r.ttft_p99, r.itl_p50, r.itl_p99, r.itl_prefill_p50,
+                       r.itl_prefill_p99, r.peak_sessions, r.peak_kv_bytes, r.kv_memory_bytes, r.abstained);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_in, const std::string& checkpoint,
+                                           const ServeBenchOptions& o) {
+  Config cfg = cfg_in;
+  cfg.serve.max_context = std::max<int64_t>(cfg.serve.max_context, o.max_prompt + o.max_tokens + 1);
+  cfg.serve.max_tokens = std::max<int64_t>(cfg.serve.max_tokens, o.max_tokens);
+  cfg.serve.max_prompt_bytes = std::max<int64_t>(cfg.serve.max_prompt_bytes, o.max_prompt);
+  const std::string id = std::filesystem::path(checkpoint).lexically_normal().parent_path().filename().string();
+  std::vector<Spec> specs;
+  for (const auto& s : o.policies) specs.push_back(parse_spec(s));
+  const double load_start = load_average_1min();
+  const auto started = std::chrono::steady_clock::now();
+  std::vector<ServeBenchRow> rows;
+  int64_t most = o.memory_requests;
+  for (int64_t c : o.clients) most = std::max(most, std::max(o.requests, c));
+  const std::vector<std::string> prompts = make_prompts(cfg, o, most);
+  // Throughput and latency, full cache, memory not binding.
+  Config wide = cfg;
+  wide.serve.kv_memory_bytes = 1e12;
+  for (int64_t c : o.clients) {
+    const int64_t n = std::max(o.requests, c);
+    rows.push_back(run_load(model, wide, id, c == 1 ? "sequential" : "throughput", {"full", 1}, c,
+                            std::vector<std::string>(prompts.begin(), prompts.begin() + n), o.max_tokens));
+  }
+  // Sessions held at one KV memory budget, per policy.
+  const KvCacheSpec spec = kv_cache_spec(model);
+  KvCache probe(spec);
+  const double mean_tokens = (o.min_prompt + o.max_prompt) / 2.0 + o.max_tokens + 1;
+  const double memory = o.memory_bytes > 0 ? o.memory_bytes
+                                           : o.memory_full_sessions * mean_tokens * spec.layers * spec.kv_heads *
+                                                 static_cast<double>(probe.entry_bytes());
+  Config fixed = cfg;
+  fixed.serve.kv_memory_bytes = memory;
+  for (const Spec& s : specs) {
+    rows.push_back(run_load(model, fixed, id, "memory", s, o.memory_clients,
+                            std::vector<std::string>(prompts.begin(), prompts.begin() + o.memory_requests), o.max_tokens));
+  }
+  const double load_end = load_average_1min();
+  const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+
+  // The report.
+  const ServeBenchRow* seq = nullptr;
+  const ServeBenchRow* b16 = nullptr;
+  const ServeBenchRow* mem_full = nullptr;
+  for (const auto& r : rows) {
+    if (r.run == "sequential") seq = &r;
+    if (r.run == "throughput" && r.clients == 16) b16 = &r;
+    if (r.run == "memory" && r.policy == "full") mem_full = &r;
+  }
+  std::ostringstream md;
+  md << "# dcp bench-serve: continuous batching and KV memory on loopback\n\n";
+  md << fmt::format("```sh\n{}\n```\n\n", own_command_line());
+  md << fmt::format("Checkpoint `{}` (d_model {}, {} layers, {} heads, {}), threads {}, scheduler {}, prefill chunk "
+                    "{} tokens ({} per step). {} UTC, {:.0f} s in all; 1-minute load average {:.2f} at the start, "
+                    "{:.2f} at the end. BLAS: {}.\n\n",
+                    checkpoint, cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads,
+                    c10::toString(kv_cache_spec(model).dtype), cfg.serve.threads,
+                    cfg.serve.scheduler, cfg.serve.chunk_tokens > 0 ? cfg.serve.chunk_tokens : cfg.kv.chunk_tokens,
+                    cfg.serve.prefill_chunks, utc_now("%Y-%m-%d %H:%M"), total_s, load_start, load_end,
+                    blas_description());
+  md << fmt::format("Prompts: {} to {} bytes cut from the held-out documents of `{}` (seed {}); every request streams "
+                    "{} greedy bytes. The trained window is {} tokens: longer prompts make the model extrapolate its "
+                    "positions, which changes what it writes, not what a step costs. Latencies are the clients' "
+                    "(arrival of each server-sent event; an event of k bytes counts as k equal gaps).\n\n",
+                    o.min_prompt, o.max_prompt, cfg.data.path, o.seed, o.max_tokens, cfg.data.max_seq_len);
+  if (seq && b16) {
+    md << fmt::format("**Batching**: 16 concurrent sessions {:.1f} tokens/s against {:.1f} for 16 run one after "
+                      "another: **{:.2f}x** (target >= 3x).\n\n",
+                      b16->tokens_per_s, seq->tokens_per_s, b16->tokens_per_s / seq->tokens_per_s);
+    if (b16->itl_prefill_p50 > 0) {
+      md << fmt::format("**Latency during prefills** (16 clients): inter-token p50 {:.1f} ms, p99 {:.1f} ms over the "
+                        "gaps that overlapped another request's prefill: p99 / p50 = **{:.2f}** (target < 2); over all "
+                        "gaps p50 {:.1f} ms, p99 {:.1f} ms.\n\n",
+                        1e3 * b16->itl_prefill_p50, 1e3 * b16->itl_prefill_p99, b16->itl_prefill_p99 / b16->itl_prefill_p50,
+                        1e3 * b16->itl_p50, 1e3 * b16->itl_p99);
+    }
+  }
+  if (mem_full) {
+    md << fmt::format("**Memory**: at serve.kv_memory_bytes = {:.0f} ({} clients, {} requests) the full cache held at "
+                      "most {} sessions at once;",
+                      memory, o.memory_clients, o.memory_requests, mem_full->peak_sessions);
+    for (const auto& r : rows) {
+      if (r.run != "memory" || r.policy == "full") continue;
+      md << fmt::format(" {} at {} held {} ({:.2f}x)", r.policy, r.budget, r.peak_sessions,
+                        mem_full->peak_sessions > 0 ? static_cast<double>(r.peak_sessions) / mem_full->peak_sessions : 0.0);
+      md << (&r == &rows.back() ? "." : ";");
+    }
+    md << " (target: minimax at 0.25 >= 3x the full cache).\n\n";
+  }
+  md << "| run | policy | budget | clients | requests | answered | tokens/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | "
+        "ITL p99 ms | ITL p99 ms in prefills | peak sessions | peak KV MB | abstained |\n";
+  md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& r : rows) {
+    md << fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {:.3f} | {:.3f} | {:.2f} | {:.2f} | {} | {} | {:.1f} | {} |\n",
+                      r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.tokens_per_s, r.ttft_p50,
+                      r.ttft_p99, 1e3 * r.itl_p50, 1e3 * r.itl_p99,
+                      r.itl_prefill_p99 > 0 ? fmt::format("{:.2f}", 1e3 * r.itl_prefill_p99) : "-", r.peak_sessions,
+                      r.peak_kv_bytes / 1e6, r.abstained);
+  }
+  if (!o.out.empty()) {
+    std::filesystem::create_directories(std::filesystem::path(o.out).parent_path().empty()
+                                            ? std::filesystem::path(".")
+                                            : std::filesystem::path(o.out).parent_path());
+    const std::string csv_path = o.out + ".csv", png = o.out + ".png";
+    write_text(csv_path, csv(rows));
+    if (o.plot && gnuplot_available()) {
+      const std::string script = fmt::format(
+          "set terminal pngcairo size 1100,450 font ',10'\nset output '{}'\nset datafile separator ','\n"
+          "set multiplot layout 1,2\nset title 'throughput, full cache'\nset xlabel 'concurrent clients'\n"
+          "set ylabel 'tokens/s'\nset logscale x 2\nset grid\n"
+          "plot '{}' using ($4):(stringcolumn(1) ne 'memory' ? $10 : 1/0) with linespoints lw 2 title 'tokens/s'\n"
+          "unset logscale x\nset title 'sessions held at {:.0f} KV bytes'\nset xlabel ''\nset ylabel 'peak sessions'\n"
+          "set style data histograms\nset style fill solid 0.6\nset boxwidth 0.8\nset xtics rotate by -30\n"
+          "plot '< grep ^memory {}' using 17:xtic(sprintf('%s@%s', stringcolumn(2), stringcolumn(3))) title 'peak sessions'\n"
+          "unset multiplot\n",
+          png, csv_path, memory, csv_path);
+      run_gnuplot(script, o.out + ".gnuplot", o.out + ".gnuplot.log");
+      md << fmt::format("\n![throughput and sessions]({})\n", std::filesystem::path(png).filename().string());
+    }
+    write_text(o.out + ".md", md.str());
+    fmt::print("bench-serve: wrote {}.md, {}, {}\n", o.out, csv_path, png);
+  }
+  fmt::print("{}", md.str());
+  return rows;
+}
+
+}  // namespace dcp

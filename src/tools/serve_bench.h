@@ -1,0 +1,56 @@
+// `dcp bench-serve`: a bounded load on dcp serve over loopback (docs/serve.md "Benchmark"): N concurrent
+// streaming clients send prompts cut from held-out documents, and each run reports throughput, time to first
+// token and inter-token latency percentiles as the clients saw them, and the sessions the server held at once.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dcp/config.h"
+#include "dcp/model.h"
+
+namespace dcp {
+
+struct ServeBenchOptions {
+  std::vector<int64_t> clients{1, 4, 16, 64};  ///< concurrency levels of the throughput runs (policy full)
+  int64_t requests = 16;       ///< requests per run: max(requests, clients)
+  int64_t min_prompt = 1024, max_prompt = 8192;  ///< prompt bytes, uniform, cut from held-out documents
+  int64_t max_tokens = 128;    ///< completion bytes per request (greedy, so every request runs to max_tokens)
+  /// The memory runs: policy specs "NAME" or "NAME@BUDGET", each with `memory_clients` clients at
+  /// serve.kv_memory_bytes = memory_bytes (0: what `memory_full_sessions` full caches of the mean prompt need).
+  std::vector<std::string> policies{"full", "window@0.25", "window@0.5", "minimax@0.25", "minimax@0.5"};
+  int64_t memory_clients = 32;
+  int64_t memory_requests = 32;
+  double memory_bytes = 0;
+  int64_t memory_full_sessions = 4;
+  uint64_t seed = 1;
+  std::string out;             ///< files out.md, out.csv, out.png (+ .gnuplot)
+  bool plot = true;
+};
+
+/// One run's numbers.
+struct ServeBenchRow {
+  std::string run;       ///< throughput | sequential | memory
+  std::string policy;
+  double budget = 1;
+  int64_t clients = 0, requests = 0, answered = 0, failed = 0;
+  int64_t tokens = 0;    ///< completion bytes received
+  double wall_s = 0, tokens_per_s = 0;
+  double ttft_p50 = 0, ttft_p99 = 0, itl_p50 = 0, itl_p99 = 0;  ///< seconds
+  /// Inter-token latency p50 / p99 of the gaps that overlapped a prefill of another session (a long prompt
+  /// being prefilled while this stream decodes), -1 when none did.
+  double itl_prefill_p50 = -1, itl_prefill_p99 = -1;
+  int64_t peak_sessions = 0;     ///< most sessions active at once (sampled from /metrics every 20 ms)
+  double peak_kv_bytes = 0;      ///< most KV bytes held at once (KvCache::bytes, sampled likewise)
+  double kv_memory_bytes = 0;
+  int64_t abstained = 0;         ///< requests whose minimax policy kept some head exact
+};
+
+/// Runs the benchmark on `model` (cfg: the checkpoint's config with serve.* resolved) and writes the report;
+/// returns the rows. Throws std::runtime_error when the held-out documents hold no prompt of min_prompt bytes or
+/// a server cannot start, ConfigError for a bad policy spec.
+std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg, const std::string& checkpoint,
+                                           const ServeBenchOptions& options);
+
+}  // namespace dcp
