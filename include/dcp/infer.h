@@ -46,8 +46,9 @@ AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch
 /// bias | the token's own k and v], i.e. kv_cache_attention for T = 1, computed per (sequence, head) in one
 /// parallel loop over raw rows (no tensor per head) in fp32 (fp64 for fp64), in an order that does not depend
 /// on the other sequences: a sequence's output is the same bits alone or among others. The caches are only read.
-/// q, k: [N, heads, head_dim], v: [N, heads, value_dim], CPU, the caches' dtype; caches:
-/// N caches of one spec on the CPU (kv_heads == heads). scale 0 = 1/sqrt(head_dim). Returns out [N, heads,
+/// q: [N, heads, head_dim], k: [N, kv_heads, head_dim], v: [N, kv_heads, value_dim], CPU, the caches' dtype;
+/// caches: N caches of one spec on the CPU; heads a multiple of kv_heads (grouped-query attention: query head h
+/// reads KV head h / (heads / kv_heads)). scale 0 = 1/sqrt(head_dim). Returns out [N, heads,
 /// value_dim] in q's dtype. Throws std::invalid_argument for shapes, dtypes, devices, null or mismatched caches
 /// and a layer that do not fit. Twin: kv_cache_attention (tests/unit/test_serve_batching.cpp compares both with
 /// reference_kv_cache_attention).

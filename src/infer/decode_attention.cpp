@@ -63,8 +63,8 @@ struct Rows {
 };
 
 template <class T>
-void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t layer, int64_t heads, int64_t d,
-            int64_t dv, double scale, T* out) {
+void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t layer, int64_t heads, int64_t kv_heads,
+            int64_t d, int64_t dv, double scale, T* out) {
   using A = typename Acc<T>::type;
   const int64_t n_seq = static_cast<int64_t>(caches.size());
   const int64_t pairs = n_seq * heads;
@@ -73,11 +73,12 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
     std::vector<A> qs(static_cast<size_t>(d)), acc(static_cast<size_t>(dv));
     std::vector<A> scores;
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t s = pair / heads, h = pair % heads;
-      const KvHeadData hd = caches[static_cast<size_t>(s)]->data(layer, h);
+      // Query head h reads KV head h / (heads / kv_heads) (grouped-query attention; equal counts without GQA).
+      const int64_t s = pair / heads, h = pair % heads, kh = h / (heads / kv_heads);
+      const KvHeadData hd = caches[static_cast<size_t>(s)]->data(layer, kh);
       const T* q = static_cast<const T*>(r.q) + s * r.q_stride[0] + h * r.q_stride[1];
-      const T* k_new = static_cast<const T*>(r.k) + s * r.k_stride[0] + h * r.k_stride[1];
-      const T* v_new = static_cast<const T*>(r.v) + s * r.v_stride[0] + h * r.v_stride[1];
+      const T* k_new = static_cast<const T*>(r.k) + s * r.k_stride[0] + kh * r.k_stride[1];
+      const T* v_new = static_cast<const T*>(r.v) + s * r.v_stride[0] + kh * r.v_stride[1];
       for (int64_t j = 0; j < d; ++j) qs[static_cast<size_t>(j)] = widen<A>(q[j]) * static_cast<A>(scale);
       const int64_t n = hd.length;
       scores.resize(static_cast<size_t>(n + 1));
@@ -136,13 +137,17 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
     throw std::invalid_argument(fmt::format("kv_decode_attention: layer {} outside [0, {})", layer, s.layers));
   }
   auto shape = [](const torch::Tensor& t) { return t.defined() ? c10::str(t.sizes()) : std::string("undefined"); };
-  if (!q.defined() || q.dim() != 3 || q.size(0) != n || q.size(1) != s.kv_heads || q.size(2) != s.head_dim ||
-      !k.defined() || k.sizes() != q.sizes() || !v.defined() || v.dim() != 3 || v.size(0) != n ||
-      v.size(1) != s.kv_heads || v.size(2) != s.value_dim) {
+  if (!q.defined() || q.dim() != 3 || q.size(0) != n || q.size(1) < s.kv_heads || q.size(1) % s.kv_heads != 0 ||
+      q.size(2) != s.head_dim || !k.defined() || k.dim() != 3 || k.size(0) != n || k.size(1) != s.kv_heads ||
+      k.size(2) != s.head_dim || !v.defined() || v.dim() != 3 || v.size(0) != n || v.size(1) != s.kv_heads ||
+      v.size(2) != s.value_dim) {
     throw std::invalid_argument(fmt::format(
-        "kv_decode_attention: q, k must be [{}, {}, {}] and v [{}, {}, {}] (one token per cache), got q {}, k {}, v {}",
-        n, s.kv_heads, s.head_dim, n, s.kv_heads, s.value_dim, shape(q), shape(k), shape(v)));
+        "kv_decode_attention: q must be [{}, a multiple of {}, {}], k [{}, {}, {}] and v [{}, {}, {}] (one token per "
+        "cache), got q {}, k {}, v {}",
+        n, s.kv_heads, s.head_dim, n, s.kv_heads, s.head_dim, n, s.kv_heads, s.value_dim, shape(q), shape(k),
+        shape(v)));
   }
+  const int64_t heads = q.size(1);
   for (const auto* t : {&q, &k, &v}) {
     if (t->scalar_type() != s.dtype || !t->device().is_cpu()) {
       throw std::invalid_argument(fmt::format("kv_decode_attention: q, k, v must be CPU {} tensors (the cache dtype), "
@@ -155,18 +160,18 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
   const torch::Tensor qd = dense(q), kd = dense(k), vd = dense(v);
   if (!s.device.is_cpu()) throw std::invalid_argument("kv_decode_attention: the caches must be on the CPU");
   if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
-  torch::Tensor out = torch::empty({n, s.kv_heads, s.value_dim}, q.options());
+  torch::Tensor out = torch::empty({n, heads, s.value_dim}, q.options());
   const Rows rows{qd.data_ptr(), kd.data_ptr(), vd.data_ptr(), {qd.stride(0), qd.stride(1)},
                   {kd.stride(0), kd.stride(1)}, {vd.stride(0), vd.stride(1)}};
   switch (s.dtype) {
     case torch::kFloat:
-      attend<float>(rows, caches, layer, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<float>());
+      attend<float>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<float>());
       break;
     case torch::kDouble:
-      attend<double>(rows, caches, layer, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<double>());
+      attend<double>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<double>());
       break;
     case torch::kBFloat16:
-      attend<c10::BFloat16>(rows, caches, layer, s.kv_heads, s.head_dim, s.value_dim, scale,
+      attend<c10::BFloat16>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale,
                             out.data_ptr<c10::BFloat16>());
       break;
     default:
