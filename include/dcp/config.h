@@ -92,12 +92,19 @@ struct TrainConfig {
   std::string precision = "auto";
   /// static (parallel.sp_size everywhere) | bucket | packed | dcp-intra | dcp-inter | dcp-inter-pac | dcp-opt
   std::string planner = "dcp-opt";
+  /// dcp-opt: the most rounds a step may have (StepPlan rounds: the ranks repartitioned within a step); 0 = as
+  /// many as pay in the cost model, 1 = one partition per step. The other planners plan one round.
+  int64_t max_rounds = 0;
   /// Device model the planners and step predictions use: auto (this machine, profiled on first use and cached
   /// in train.profile_dir), h200 (the analytic H200 model) or a `dcp profile` JSON file.
   std::string cost_model = "auto";
   /// Folder of train.cost_model auto's cached profiles; "" = $DCP_CACHE_DIR, $XDG_CACHE_HOME/dcp or
   /// $HOME/.cache/dcp (profile_cache_dir).
   std::string profile_dir;
+  /// train.cost_model auto: the longest sample the profile measures, tokens (ProfileOptions::max_length); 0 =
+  /// data.max_seq_len. Longer samples are predicted by the fitted FLOP and byte rates (attention's s^2 term
+  /// included): a long point takes minutes on a CPU, and the fits need only a few lengths.
+  int64_t profile_max_length = 0;
 };
 
 struct ParallelConfig {

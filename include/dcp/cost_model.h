@@ -103,6 +103,12 @@ struct DeviceSpec {
   /// profile may set it ("ring_block_efficiency"; absent: 0.9, `dcp profile` does not measure ring attention).
   double ring_block_efficiency = 0.9;
   double micro_batch_overhead_s = 2e-3;  ///< kernel launches, data loading, loss: seconds per micro-batch
+  /// Seconds each round of a step adds after the first (StepPlan rounds), beyond the wait for the slowest group
+  /// that the sum of the rounds' makespans already holds: the ranks of a round's groups finish at slightly
+  /// different times and the next round's groups wait for their members (no barrier). The h200 model takes one
+  /// collective latency (10 us: the first collective of the next group absorbs the skew), an assumption;
+  /// `dcp profile` under `dcp launch` measures it on the real groups ("round_switch").
+  double round_switch_s = 10e-6;
   /// Measured all-to-alls by SP size (a profile's "sequence_parallel" fits). An SP size listed here uses its
   /// latency_s and bytes_per_s instead of collective_latency_s and intra_node_bw / inter_node_bw, and adds its
   /// overhead_s_per_byte.
@@ -124,7 +130,8 @@ struct DeviceSpec {
 
   /// Reads the "device" object of a JSON file written by `dcp profile` (write_profile in dcp/profiler.h): the
   /// string name and the numbers memory_bytes, peak_flops, mfu, attention_mfu, intra_node_bw, inter_node_bw, gpus_per_node,
-  /// collective_latency_s and micro_batch_overhead_s, all required; the optional ring_block_efficiency; and
+  /// collective_latency_s and micro_batch_overhead_s, all required; the optional ring_block_efficiency and
+  /// round_switch_s (absent in profiles written before rounds: the default); and
   /// all_to_all from the optional
   /// "sequence_parallel" object (absent in single-process profiles and in those written before SP was profiled):
   /// its array "fits" of objects with the integer sp_size (>= 2, each once) and the numbers latency_s (>= 0),
@@ -139,7 +146,7 @@ struct DeviceSpec {
   /// (a hand-edited profile with peak_flops 1e-300 or an overhead of 1e300 s would otherwise make them 0 or inf):
   /// peak_flops x mfu (and x attention_mfu when set) in [1e3, 1e21] FLOP/s, mfu in (0, 10], attention_mfu in
   /// [0, 1e6], bandwidths (intra, inter and each all-to-all fit's) in [1e3, 1e15] B/s, gpus_per_node in
-  /// [1, 1e6], ring_block_efficiency in (0, 1], latencies and micro_batch_overhead_s in [0, 3600] s, overhead_s_per_byte in [0, 1] s, memory_bytes
+  /// [1, 1e6], ring_block_efficiency in (0, 1], latencies, micro_batch_overhead_s and round_switch_s in [0, 3600] s, overhead_s_per_byte in [0, 1] s, memory_bytes
   /// in (0, 1e18]; all-to-all and ring fits for sp_size >= 2. Throws std::invalid_argument naming the device, the field
   /// and the value.
   void validate() const;
@@ -229,7 +236,9 @@ struct FlopCount {
 ///   that stream's (max(0, sum x - sum c) <= sum max(0, x - c)); it keeps time additive over samples, which
 ///   the planners need. Ring modes need softmax attention (kSoftmax, kSoftmaxReference).
 /// A step adds step_seconds: the data-parallel gradient all-reduce of 2 (W-1)/W * params * b bytes per rank
-/// (ring all-reduce) plus 2 collective latencies; the optimizer update is neglected.
+/// (ring all-reduce) plus 2 collective latencies; the optimizer update is neglected. A step of R rounds takes
+/// the sum over its rounds of the slowest group's seconds, plus (R - 1) * round_switch_s (round_seconds), plus
+/// step_seconds (evaluate_step, dcp/planners.h).
 class CostModel {
  public:
   /// Throws std::invalid_argument when the shape is invalid, a device rate is not positive, or an all_to_all
@@ -274,6 +283,9 @@ class CostModel {
   double ring_latency(int64_t sp_size) const;
   /// Per global step: gradient all-reduce over `world_size` ranks, seconds (0 for one rank).
   double step_seconds(int64_t world_size) const;
+  /// Seconds a step of `rounds` rounds adds for its round switches: (rounds - 1) * device().round_switch_s (0
+  /// for one round). Throws std::invalid_argument when rounds < 1.
+  double round_seconds(int64_t rounds) const;
   /// Bytes leaving a rank per second in an all-to-all of an aligned group of sp ranks: the fitted
   /// device().all_to_all[sp] when present, else NVLink inside a node, InfiniBand across.
   double all_to_all_bandwidth(int64_t sp_size) const;

@@ -92,7 +92,10 @@ std::vector<int64_t> resolve_sp_sizes(const std::string& spec, int64_t world_siz
 std::vector<int64_t> usable_sp_sizes(const std::string& spec, int64_t world_size, int64_t heads);
 
 /// The run's process groups, created once at start-up: the world, and for each SP size s the aligned block
-/// of ranks [k*s, (k+1)*s) that holds this rank. group(s) is a map look-up, no communication.
+/// of ranks [k*s, (k+1)*s) that holds this rank. group(s) is a map look-up, no communication. Every group is
+/// warmed at creation (an all-reduce, an all-to-all and a ring exchange on each), so that a plan whose rounds
+/// switch groups within a step never pays a group's first use inside a step (lazy buffers and connections
+/// of a dynamic group are a known first-use spike, anchors-parallel-training.md section 3.2).
 class ProcessGroups {
  public:
   /// Rendezvous over a c10d TCPStore at env.master_addr:env.master_port (rank 0 serves it, or the launcher under
@@ -110,6 +113,9 @@ class ProcessGroups {
   /// The SP sizes group() answers, ascending: 1, world_size and those given at construction.
   std::vector<int64_t> sp_sizes() const;
   double creation_seconds() const { return creation_seconds_; }
+  /// Seconds the warm-up of every group took (after creation_seconds()).
+  double warm_up_seconds() const { return warm_up_seconds_; }
+
   /// Under `dcp launch --max-restarts` (DistEnv::agent_store): tells the launchers that the checkpoint of step
   /// `step` is written, so that a restart resumes (a job that fails before its first one restarts from scratch).
   /// Does nothing otherwise; never throws (a failure is logged as a warning).
@@ -118,11 +124,13 @@ class ProcessGroups {
   struct AgentLink;  // the launcher's store, under agent_store
 
  private:
+  void warm_up() const;
   DistEnv env_;
   std::shared_ptr<AgentLink> agent_;
   std::shared_ptr<Communicator> world_;
   std::map<int64_t, std::shared_ptr<Communicator>> groups_;
   double creation_seconds_ = 0;
+  double warm_up_seconds_ = 0;
 };
 
 }  // namespace dcp

@@ -26,34 +26,48 @@ struct GroupPlan {
   std::vector<MicroBatch> micro_batches;  ///< grad_accum_steps = micro_batches.size(); may be empty
   SpMode sp_mode = SpMode::kUlysses;      ///< irrelevant when sp_size is 1
   int64_t ulysses_size = 0;               ///< kUlyssesRing only: ranks per Ulysses subgroup (1 < it < sp_size)
+  /// The round of the step (0-based) in which the group runs: a step's rounds run one after the other, and the
+  /// groups of one round partition the ranks (docs/step_plan.md, "Rounds").
+  int64_t round = 0;
 
   /// The group's layout: (sp_size, sp_size) for Ulysses, (sp_size, 1) for ring, (sp_size, ulysses_size).
   /// Throws std::invalid_argument for an ulysses-ring group whose ulysses_size does not divide sp_size.
   SpLayout layout() const;
 };
 
-/// One global step: groups that partition the ranks, and the number of target tokens of the whole step, by
-/// which every token loss is divided so the step gradient is that of the mean token loss.
+/// One global step: an ordered list of rounds, each a set of groups that partition the ranks, and the number of
+/// target tokens of the whole step, by which every token loss is divided so the step gradient is that of the
+/// mean token loss. A rank runs its group's micro-batches of round 0, then of round 1, ...; gradients accumulate
+/// over every round and one reduction ends the step. A one-round plan is the classic layout (one partition of the
+/// ranks per step; every plan written before rounds existed), and its JSON is the same as before.
 struct StepPlan {
   int64_t epoch = 0;
   int64_t index = 0;                  ///< step index inside the epoch
+  /// The groups of every round, listed by round (GroupPlan::round, non-decreasing; rounds 0..num_rounds()-1).
   std::vector<GroupPlan> groups;
   int64_t global_num_tokens = 0;      ///< tokens, = sum over all micro-batches of num_tokens
 
-  /// Every sample id of the step: groups in order, micro-batches in order.
+  /// Every sample id of the step: groups in order (so rounds in order), micro-batches in order.
   std::vector<int64_t> sample_ids() const;
 
-  /// The group that holds `rank`; throws std::out_of_range naming the rank when none does.
-  const GroupPlan& group_of(int64_t rank) const;
+  /// 1 + the largest GroupPlan::round (1 for a plan without groups).
+  int64_t num_rounds() const;
 
-  /// Checks that groups partition [0, world_size) into aligned blocks (first_rank % sp_size == 0), that
-  /// token counts add up against `samples`, that no sample id appears twice (in one micro-batch or two), that
-  /// recompute_layers is within [0, n_layers], and that a kUlyssesRing group's ulysses_size divides its sp_size
-  /// and lies strictly between 1 and it (other modes: 0). Throws std::invalid_argument describing the first violation.
+  /// The group of round `round` that holds `rank`; throws std::out_of_range naming the rank and the round when
+  /// none does.
+  const GroupPlan& group_of(int64_t rank, int64_t round = 0) const;
+
+  /// Checks every round: its groups partition [0, world_size) into aligned blocks (first_rank % sp_size == 0),
+  /// recompute_layers is within [0, n_layers], a kUlyssesRing group's ulysses_size divides its sp_size and lies
+  /// strictly between 1 and it (other modes: 0); and the step: groups are listed by round with no round left
+  /// empty, token counts add up against `samples`, no sample id appears twice (in one micro-batch, two groups or
+  /// two rounds). Throws std::invalid_argument describing the first violation; in a plan of several rounds the
+  /// message names the round ("round 1: group at rank 2 ...").
   void validate(int64_t world_size, const std::vector<Sample>& samples, int64_t n_layers) const;
 
-  /// Canonical JSON text (schema in docs/step_plan.md) and its inverse; from_json throws
-  /// std::invalid_argument naming the missing or malformed field.
+  /// Canonical JSON text (schema in docs/step_plan.md) and its inverse: one round as a top-level "groups" list
+  /// (the format of every plan written before rounds), several as "rounds": [{"groups": [...]}, ...]. from_json
+  /// reads either (not both) and throws std::invalid_argument naming the missing or malformed field and its round.
   std::string to_json() const;
   static StepPlan from_json(const std::string& text);
 

@@ -37,6 +37,9 @@ struct PlannerOptions {
   /// `dcp-opt` only: the modes its groups may take (it chooses per group, sp_layouts_allowed); empty = every
   /// mode the attention runs (sp_modes_allowed). The other planners give their groups Ulysses.
   std::vector<SpMode> sp_modes;
+  /// `dcp-opt` only: the most rounds a step may have (StepPlan rounds; train.max_rounds, --max-rounds): 0 = as
+  /// many as pay in its cost model, 1 = one partition of the ranks per step. The other planners plan one round.
+  int64_t max_rounds = 0;
 };
 
 /// A planner's output: the steps of one epoch, and the samples it could not place (no allowed SP size holds
@@ -189,12 +192,16 @@ Planner planner_by_name(const std::string& name);
 
 /// Predicted cost of one step; a group's time is the sum of its micro-batches' CostModel::seconds.
 struct StepCost {
-  double makespan_s = 0;    ///< largest group time, seconds
-  double mean_rank_s = 0;   ///< mean over ranks of their group's time, seconds
-  double step_s = 0;        ///< makespan_s + CostModel::step_seconds(world_size)
-  double peak_bytes = 0;    ///< largest MemoryModel::bytes over the micro-batches
+  /// Sum over the rounds of the round's largest group time, seconds (one round: the largest group time)
+  double makespan_s = 0;
+  double mean_rank_s = 0;   ///< mean over ranks of their groups' times summed over the rounds, seconds
+  /// makespan_s + CostModel::round_seconds(rounds) + CostModel::step_seconds(world_size)
+  double step_s = 0;
+  double peak_bytes = 0;    ///< largest MemoryModel::bytes over the micro-batches of every round
+  std::vector<double> round_makespan_s;  ///< per round: its largest group time, seconds
 };
-/// A group's time uses its layout (GroupPlan::layout()), its memory the SP size alone (MemoryModel).
+/// A group's time uses its layout (GroupPlan::layout()), its memory the SP size alone (MemoryModel). Rounds run
+/// one after the other, each as long as its slowest group, and each switch costs DeviceSpec::round_switch_s.
 StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples, int64_t world_size,
                        const CostModel& cost, const MemoryModel& memory);
 
@@ -214,7 +221,7 @@ double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sampl
 
 /// Built-in workloads, lengths in tokens.
 struct WorkloadOptions {
-  std::string name = "opensora-zipf";  ///< opensora-zipf | lognormal | uniform
+  std::string name = "opensora-zipf";  ///< opensora-zipf | lognormal | megatron-lognormal | uniform
   int64_t num_samples = 8000;          ///< lognormal and uniform
   uint64_t seed = 1234;
   int64_t min_tokens = 1024;           ///< lognormal (clip) and uniform
@@ -233,8 +240,16 @@ struct WorkloadOptions {
 /// rounding remainder added to bucket 0, n = data size for videos and frac * data size for images. Lengths come
 /// in bucket order (the planners shuffle). lognormal: exp(N(ln median, sigma)) rounded and clipped to
 /// [min, max]; uniform: integers uniform in [min, max]; both from a SplitMix64 stream of `seed`.
-/// Throws std::invalid_argument for an unknown name or non-positive sizes.
+/// megatron-lognormal: the lengths of Megatron-Core's dynamic context parallelism benchmark (lognormal 128-8192
+/// tokens, mean 1024; NVIDIA's Dynamic-CP blog, anchors-parallel-training.md section 1.2): lognormal with sigma 1
+/// and median 631.3 tokens (the clipped mean is then 1024), clipped to [128, 8192], whatever min, max, median
+/// and sigma say; num_samples and seed apply. Throws std::invalid_argument for an unknown name or non-positive
+/// sizes.
 std::vector<int64_t> workload_lengths(const WorkloadOptions& options);
+
+/// Tokens per rank of a step of the named workload (`dcp simulate` / `dcp plan` without --tokens-per-step take
+/// world_size times this): 2048 for megatron-lognormal (its benchmark's tokens per GPU), else 131072.
+int64_t workload_tokens_per_rank(const std::string& name);
 
 /// One positive integer per line (surrounding blanks allowed, empty lines skipped). Throws std::runtime_error
 /// naming the file (and the line number and text of a bad line) when it cannot be read, a line is not a

@@ -65,11 +65,15 @@ struct ShardRange {
 /// Throws std::invalid_argument for empty or non-positive lengths or sp_rank outside [0, sp_size).
 ShardRange shard_range(const std::vector<int64_t>& lengths, int64_t sp_rank, const SpLayout& layout);
 
-/// One micro-batch of this rank's group.
+/// One micro-batch of this rank's group in one round of the step.
 struct MicroBatchWork {
   std::vector<int64_t> sample_ids;  ///< in stream order
   ShardRange shard;                 ///< the tokens this rank computes
   MicroBatchContext context;        ///< install with MicroBatchScope while running the model on it
+  int64_t round = 0;                ///< the plan's round (GroupPlan::round) this micro-batch runs in
+  int64_t group_first_rank = 0;     ///< the first rank of its group in that round
+  SpLayout layout;                  ///< its group's layout (GroupPlan::layout())
+  int64_t index = 0;                ///< its position among the group's micro-batches
 };
 
 /// What one global step measured, identical on every rank after the step's single gradient reduction.
@@ -81,6 +85,10 @@ struct StepStats {
   /// Per rank: peak bytes during the forward+backward of its micro-batches (MemoryMeter, dcp/memory_meter.h:
   /// tensor storage with the counting allocator, else the process high-water mark). Carried exactly.
   std::vector<int64_t> rank_peak_bytes;
+  /// Per rank, per round of the plan: seconds from the rank's start of the round (its first micro-batch, or the
+  /// end of its previous round) to the end of its last micro-batch in it, waits for its group's members
+  /// included. Empty when the step's runner did not time its rounds (Runtime::finish_step).
+  std::vector<std::vector<double>> rank_round_s;
 };
 
 /// Installs a micro-batch's context for the current thread until destroyed (restores the previous one).
@@ -118,20 +126,29 @@ at::Tensor layer(int64_t index, const std::function<at::Tensor(const at::Tensor&
 /// of the plan hash over `world`).
 void check_same_plan(const StepPlan& plan, const Communicator& world);
 
-/// The micro-batches of `plan` that this rank's group runs, with their shards and contexts. `lengths`: tokens of
-/// every sample id the plan names. Throws std::invalid_argument when the plan has no tokens, a group's Ulysses
-/// part (sp_size under ulysses, ulysses_size under ulysses-ring) does not divide `heads`, or an id has no
-/// length; std::out_of_range when no process group of an sp_size exists.
+/// The micro-batches this rank runs in `plan`, in execution order: round 0's micro-batches of the rank's group
+/// in that round, then round 1's, ..., with their shards and contexts (each context names the group of its
+/// round). `lengths`: tokens of every sample id the plan names. Throws std::invalid_argument when the plan has
+/// no tokens, a group's Ulysses part (sp_size under ulysses, ulysses_size under ulysses-ring) does not divide
+/// `heads` (naming the group and, in a plan of several rounds, its round), or an id has no length;
+/// std::out_of_range when no process group of an sp_size exists or a round has no group for this rank.
 std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::vector<int64_t>& lengths,
                                                const ProcessGroups& groups, int64_t heads);
 
 /// The step's single reduction: sums every parameter gradient (undefined ones count as zero), `loss_sum`, and
-/// each rank's `busy_s` and `peak_bytes` in its own slots over the world, then writes the summed gradients back
-/// into .grad. With every
-/// micro-batch's loss divided by plan.global_num_tokens before backward, every rank then holds the gradient of
-/// the step's mean token loss. Throws std::runtime_error when a peer fails.
+/// each rank's `busy_s`, `peak_bytes` and `round_s` (seconds per round of the plan, or empty) in its own slots
+/// over the world, then writes the summed gradients back into .grad. With every micro-batch's loss divided by
+/// plan.global_num_tokens before backward, every rank then holds the gradient of the step's mean token loss,
+/// whatever the rounds. Throws std::runtime_error when a peer fails, std::invalid_argument when round_s is
+/// neither empty nor one value per round.
 StepStats reduce_step(const StepPlan& plan, const std::vector<at::Tensor>& parameters, double loss_sum,
-                      double busy_s, int64_t peak_bytes, const Communicator& world);
+                      double busy_s, int64_t peak_bytes, const Communicator& world,
+                      const std::vector<double>& round_s = {});
+
+/// The context of a fault in `work` of `plan`: "step plan (epoch E, index I), round R, the group at rank F
+/// (sp_size S, sp_mode M), micro_batch K" (the round only in a plan of several rounds). Errors of the step's
+/// micro-batches carry it, so that a peer that died or hung is reported with where the step stood.
+std::string describe_work(const StepPlan& plan, const MicroBatchWork& work);
 
 /// DCP for a user's model (about ten lines, docs/integration.md):
 ///   dcp::Runtime dcp(options);                                  // rendezvous, process groups, cost model

@@ -32,7 +32,7 @@ struct BenchOptions {
 };
 
 // Keys the bench sets itself on every slice.
-const char* const kBenchOwnedKeys[] = {"train.planner", "train.stop_after_steps", "run.dir"};
+const char* const kBenchOwnedKeys[] = {"train.planner", "train.stop_after_steps", "run.dir", "train.max_rounds"};
 
 std::vector<std::string> known_planners() {
   auto names = planner_names();
@@ -58,9 +58,20 @@ std::vector<std::string> parse_planners(const std::string& list) {
                                              "by single commas, e.g. static,dcp-opt, or all)",
                                              list));
     }
+    // NAME@R: planner NAME with train.max_rounds R (e.g. dcp-opt@1, one partition per step).
+    const size_t at = name.find('@');
+    const std::string base = name.substr(0, at);
+    if (at != std::string::npos) {
+      const std::string rounds = name.substr(at + 1);
+      if (rounds.empty() || rounds.size() > 7 || rounds.find_first_not_of("0123456789") != std::string::npos) {
+        throw CLI::ValidationError(fmt::format("--planners: '{}': after '@' comes train.max_rounds, a whole number "
+                                               "(e.g. dcp-opt@1)",
+                                               name));
+      }
+    }
     if (name == "all") {
       for (const auto& n : planner_names()) add(n);
-    } else if (std::find(known.begin(), known.end(), name) != known.end()) {
+    } else if (std::find(known.begin(), known.end(), base) != known.end()) {
       add(name);
     } else {
       throw CLI::ValidationError(
@@ -75,7 +86,8 @@ void run_bench(const BenchOptions& opt, const std::vector<std::string>& override
   for (const auto& o : overrides) {
     for (const char* key : kBenchOwnedKeys) {
       if (o.rfind(fmt::format("--{}=", key), 0) == 0) {
-        throw CLI::ValidationError(fmt::format("'{}': dcp bench sets {} itself (use --planners / --out)", o, key));
+        throw CLI::ValidationError(
+            fmt::format("'{}': dcp bench sets {} itself (use --planners, e.g. dcp-opt@1, / --out)", o, key));
       }
     }
   }
@@ -134,7 +146,8 @@ void add_bench_command(CLI::App& app) {
       ->check(CLI::ExistingFile);
   sub->add_option("--nproc", opt->nproc, "local processes (ranks) of every run")->check(CLI::Range(1, 1024));
   sub->add_option("--planners", opt->planners,
-                  fmt::format("comma-separated planners; all = {}; static (parallel.sp_size everywhere) is also known",
+                  fmt::format("comma-separated planners; all = {}; static (parallel.sp_size everywhere) is also known; "
+                              "NAME@R runs planner NAME with train.max_rounds R (dcp-opt@1: one partition per step)",
                               fmt::join(planner_names(), ",")));
   sub->add_option("--out", opt->out_dir, "folder of the runs, one per planner (DIR/<planner>)");
   sub->add_option("--report", opt->report, "path prefix of the .md, .csv and .png results (default: OUT/bench)");
@@ -144,7 +157,7 @@ void add_bench_command(CLI::App& app) {
   sub->add_flag("!--no-plot", opt->plot, "skip the gnuplot PNG");
   sub->allow_extras();
   sub->footer("Config keys are overridden as --section.key=value for every run, e.g. --train.max_steps=30; "
-              "train.planner, train.stop_after_steps and run.dir are set by the bench.");
+              "train.planner, train.max_rounds, train.stop_after_steps and run.dir are set by the bench.");
   sub->callback([sub, opt] { run_bench(*opt, config_overrides(*sub)); });
 }
 

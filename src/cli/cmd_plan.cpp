@@ -27,24 +27,39 @@ void run_plan(const PlanArgs& a) {
              set.skipped_ids.size());
   for (const auto& step : set.steps) {
     const StepCost c = evaluate_step(step, in.samples, a.world_size, *in.cost, *in.memory);
-    const double bound = step_lower_bound(step.sample_ids(), in.samples, a.world_size, *in.cost, *in.memory);
-    fmt::print("\nstep {}: {} tokens, predicted {:.3f} s (lower bound {:.3f} s), imbalance {:.3f}, peak {:.1f} GB\n",
-               step.index, step.global_num_tokens, c.step_s, bound,
+    const double bound =
+        step_lower_bound(step.sample_ids(), in.samples, a.world_size, *in.cost, *in.memory, in.options.sp_modes);
+    const int64_t rounds = step.num_rounds();
+    fmt::print("\nstep {}: {} tokens, {} round(s), predicted {:.3f} s (lower bound {:.3f} s), imbalance {:.3f}, peak "
+               "{:.1f} GB\n",
+               step.index, step.global_num_tokens, rounds, c.step_s, bound,
                c.makespan_s > 0 ? 1.0 - c.mean_rank_s / c.makespan_s : 0.0, c.peak_bytes / 1e9);
-    for (const auto& g : step.groups) {
-      double seconds = 0;
-      int64_t tokens = 0;
-      std::string recompute;
-      for (const auto& mb : g.micro_batches) {
-        std::vector<int64_t> lengths;
-        for (int64_t id : mb.sample_ids) lengths.push_back(in.samples[static_cast<size_t>(id)].length);
-        seconds += in.cost->seconds(lengths, g.sp_size, mb.recompute_layers);
-        tokens += mb.num_tokens;
-        recompute += (recompute.empty() ? "" : ",") + std::to_string(mb.recompute_layers);
+    for (int64_t r = 0; r < rounds; ++r) {
+      const std::string indent = rounds > 1 ? "    " : "  ";
+      if (rounds > 1) {
+        fmt::print("  round {}: {:.3f} s (its slowest group){}\n", r, c.round_makespan_s[static_cast<size_t>(r)],
+                   r > 0 ? fmt::format(", after a switch of {:.6f} s", in.cost->device().round_switch_s) : "");
       }
-      fmt::print("  ranks [{}, {}) sp_size {}: {} micro-batch(es), {} tokens, recompute_layers [{}], {:.3f} s\n",
-                 g.first_rank, g.first_rank + g.sp_size, g.sp_size, g.micro_batches.size(), tokens, recompute,
-                 seconds);
+      for (const auto& g : step.groups) {
+        if (g.round != r) continue;
+        double seconds = 0;
+        int64_t tokens = 0;
+        std::string recompute;
+        for (const auto& mb : g.micro_batches) {
+          std::vector<int64_t> lengths;
+          for (int64_t id : mb.sample_ids) lengths.push_back(in.samples[static_cast<size_t>(id)].length);
+          seconds += in.cost->seconds(lengths, g.layout(), mb.recompute_layers);
+          tokens += mb.num_tokens;
+          recompute += (recompute.empty() ? "" : ",") + std::to_string(mb.recompute_layers);
+        }
+        const std::string mode = g.sp_size == 1 ? ""
+                                 : g.sp_mode == SpMode::kUlyssesRing
+                                     ? fmt::format(" ulysses-ring (ulysses_size {})", g.ulysses_size)
+                                     : fmt::format(" {}", sp_mode_name(g.sp_mode));
+        fmt::print("{}ranks [{}, {}) sp_size {}{}: {} micro-batch(es), {} tokens, recompute_layers [{}], {:.3f} s\n",
+                   indent, g.first_rank, g.first_rank + g.sp_size, g.sp_size, mode, g.micro_batches.size(), tokens,
+                   recompute, seconds);
+      }
     }
   }
 }
@@ -56,7 +71,9 @@ void add_plan_command(CLI::App& app) {
   auto a = std::make_shared<PlanArgs>();
   add_planning_options(sub, *a);
   sub->add_option("--planner", a->planner, "a planner: bucket, packed, dcp-intra, dcp-inter, dcp-inter-pac or dcp-opt");
-  sub->footer("With --json the output is a plan file (docs/step_plan.md); its sample ids are line numbers "
+  sub->footer("Each step lists its rounds (dcp-opt repartitions the ranks within a step when that pays; "
+              "--max-rounds 1 plans one partition), each round its groups. "
+              "With --json the output is a plan file (docs/step_plan.md); its sample ids are line numbers "
               "(0-based) of --lengths, or indices of the generated workload. Config overrides --attention.KEY=VALUE (e.g. "
               "--attention.backend=flexformer), --memory.KEY=VALUE and, with --config, --model.KEY=VALUE set the "
               "planned model.");

@@ -51,9 +51,9 @@ void add_simulate_command(CLI::App& app) {
                 "dcp-intra, dcp-inter and dcp-inter-pac form their own iterations as the reference does (their "
                 "steps column counts them) instead of planning the common steps; see PlannerOptions");
   sub->add_flag("--by-sp-size", a->by_sp_size,
-                "also report, per planner, SP size and SP mode (ulysses, ring, ulysses-ring with its "
-                "ulysses_size; '-' for sp 1), the groups, micro-batches, samples, tokens and mean "
-                "recompute_layers of its plans");
+                "also report, per planner, round index, SP size and SP mode (ulysses, ring, ulysses-ring with "
+                "its ulysses_size; '-' for sp 1), the groups (counted per round), micro-batches, samples, tokens "
+                "and mean recompute_layers of its plans");
   sub->footer("Config overrides --attention.KEY=VALUE (e.g. --attention.backend=flexformer), --memory.KEY=VALUE "
               "and, with --config, --model.KEY=VALUE set the planned model. "
               "Every plan is validated (groups partition the ranks, every sample exactly once, memory within the "

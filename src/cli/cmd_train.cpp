@@ -27,9 +27,10 @@ std::vector<int64_t> sp_sizes_for(const Config& cfg, int64_t world_size, const s
       // groups of sizes dividing the world only.
       if (g.sp_size < 1 || world_size % g.sp_size != 0) {
         throw std::invalid_argument(fmt::format(
-            "step plan (epoch {}, index {}): the group at rank {} has sp_size {}, which does not divide the world "
+            "step plan (epoch {}, index {}): {}the group at rank {} has sp_size {}, which does not divide the world "
             "size {} (a run creates process groups of sizes that divide it)",
-            p.epoch, p.index, g.first_rank, g.sp_size, world_size));
+            p.epoch, p.index, p.num_rounds() > 1 ? fmt::format("round {}: ", g.round) : "", g.first_rank, g.sp_size,
+            world_size));
       }
       all.insert(g.sp_size);
       // The subgroups of ulysses-ring; a bad size is left to StepPlan::validate, which names it.

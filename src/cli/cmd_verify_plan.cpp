@@ -27,6 +27,13 @@ StepPlan plan_of_step(const VerifyArgs& a) {
   return plans[static_cast<size_t>(a.step)];
 }
 
+// "none" for sp 1, else the mode ("ulysses-ring U" with its ulysses_size).
+std::string mode_of(const GroupPlan& g) {
+  std::string m = g.sp_size == 1 ? "none" : sp_mode_name(g.sp_mode);
+  if (g.sp_mode == SpMode::kUlyssesRing) m += fmt::format(" {}", g.ulysses_size);
+  return m;
+}
+
 // Runs as every rank: one distributed step, then the single-process reference on the same samples.
 void verify_as_rank(const VerifyArgs& a, const std::vector<std::string>& overrides) {
   Config cfg = Config::load(a.config_path, overrides);
@@ -51,6 +58,7 @@ void verify_as_rank(const VerifyArgs& a, const std::vector<std::string>& overrid
   nlohmann::json out = {{"plan_file", a.plan_file},
                         {"step", a.step},
                         {"world_size", env.world_size},
+                        {"rounds", plan.num_rounds()},
                         {"sp_sizes", [&] {
                            std::vector<int64_t> s;
                            for (const auto& g : plan.groups) s.push_back(g.sp_size);
@@ -58,13 +66,20 @@ void verify_as_rank(const VerifyArgs& a, const std::vector<std::string>& overrid
                          }()},
                         {"sp_modes", [&] {
                            std::vector<std::string> s;
-                           for (const auto& g : plan.groups) {
-                             std::string m = g.sp_size == 1 ? "none" : sp_mode_name(g.sp_mode);
-                             if (g.sp_mode == SpMode::kUlyssesRing) m += fmt::format(" {}", g.ulysses_size);
-                             s.push_back(m);
-                           }
+                           for (const auto& g : plan.groups) s.push_back(mode_of(g));
                            return s;
                          }()},
+                        {"round_sp_sizes", [&] {
+                           std::vector<std::vector<int64_t>> s(static_cast<size_t>(plan.num_rounds()));
+                           for (const auto& g : plan.groups) s[static_cast<size_t>(g.round)].push_back(g.sp_size);
+                           return s;
+                         }()},
+                        {"round_sp_modes", [&] {
+                           std::vector<std::vector<std::string>> s(static_cast<size_t>(plan.num_rounds()));
+                           for (const auto& g : plan.groups) s[static_cast<size_t>(g.round)].push_back(mode_of(g));
+                           return s;
+                         }()},
+                        {"rank_round_s", r.rank_round_s},
                         {"global_num_tokens", plan.global_num_tokens},
                         {"precision", precision_name(Precision::kFp32)},
                         {"loss_parallel", r.loss},
@@ -90,8 +105,10 @@ void add_verify_plan_command(CLI::App& app) {
   sub->add_option("--step", a->step, "which step of the plan file (0-based)");
   sub->add_option("--tolerance", a->tolerance, "pass when max_rel_err <= this")->check(finite_number_validator("", 1e-12, false, 1.0));
   sub->allow_extras();
-  sub->footer("Prints JSON with max_abs_err, max_rel_err (= max_abs_err / max |reference gradient|) and pass; "
-              "exits 3 when the check fails. Both sides compute in fp32 whatever train.precision.");
+  sub->footer("Prints JSON with the plan's rounds (round_sp_sizes, round_sp_modes: each round's groups; "
+              "rank_round_s: each rank's seconds per round), max_abs_err, max_rel_err (= max_abs_err / max "
+              "|reference gradient|) and pass; exits 3 when the check fails. Both sides compute in fp32 whatever "
+              "train.precision.");
   sub->callback([sub, a] {
     // Results go to stdout as JSON; keep log lines on stderr.
     spdlog::set_default_logger(spdlog::stderr_color_mt("verify-plan"));

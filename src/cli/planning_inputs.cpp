@@ -17,7 +17,9 @@ namespace fs = std::filesystem;
 void add_planning_options(CLI::App* sub, PlanningArgs& a) {
   auto* lengths = sub->add_option("--lengths", a.lengths_file, "file of sample lengths, one integer (tokens) a line")
                       ->check(CLI::ExistingFile);
-  auto* workload = sub->add_option("--workload", a.workload, "built-in workload: opensora-zipf, lognormal, uniform");
+  auto* workload = sub->add_option("--workload", a.workload,
+                                   "built-in workload: opensora-zipf, lognormal, megatron-lognormal (Megatron's "
+                                   "dynamic-CP benchmark lengths, steps of 2048 tokens per rank), uniform");
   lengths->excludes(workload);
   sub->add_option("--world-size", a.world_size, "ranks (GPUs)")->required()->check(CLI::Range(1, 1 << 20));
   sub->add_option("--cost-model", a.cost_model, "device model: h200 (analytic) or a `dcp profile` JSON file "
@@ -30,10 +32,10 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a) {
       ->check(CLI::ExistingFile);
   sub->add_option("--samples-per-step", a.samples_per_step, "samples per global step (0: use --tokens-per-step)")
       ->check(CLI::NonNegativeNumber);
-  sub->add_option("--tokens-per-step", a.tokens_per_step, "token budget of a global step (0: world_size x 131072)")
+  sub->add_option("--tokens-per-step", a.tokens_per_step, "token budget of a global step (0: world_size x 131072; megatron-lognormal: x 2048)")
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--num-samples", a.num_samples,
-                  fmt::format("samples of the lognormal and uniform workloads (at most {})", kMaxNumSamples))
+                  fmt::format("samples of the lognormal, megatron-lognormal and uniform workloads (at most {})", kMaxNumSamples))
       ->check(CLI::Range(int64_t{1}, kMaxNumSamples));
   sub->add_option("--static-sp", a.static_sp,
                   "SP size of bucket and packed (0: the smallest at which the longest sample fits)")
@@ -48,6 +50,10 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a) {
   sub->add_option("--sp-modes", a.sp_modes,
                   "SP modes dcp-opt may choose per group: 'auto' (ulysses, ring and ulysses-ring for softmax "
                   "attention, ulysses for linear) or a comma-separated list of ulysses, ring, ulysses-ring");
+  sub->add_option("--max-rounds", a.max_rounds,
+                  "dcp-opt: the most rounds a step may have (the ranks repartitioned within a step; 0 = as many as "
+                  "pay in the cost model, 1 = one partition per step)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   sub->add_option("--seed", a.seed, "seed of the epoch order and of the generated workload");
   sub->add_flag("--json", a.json, "print JSON");
   sub->allow_extras();
@@ -155,8 +161,10 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
   in.memory = std::make_unique<MemoryModel>(memory_model_for(a.cost_model, in.shape, device, memory, longest));
   in.options.seed = a.seed;
   in.options.samples_per_step = a.samples_per_step;
-  in.options.tokens_per_step = a.tokens_per_step > 0 ? a.tokens_per_step : a.world_size * 131072;
+  in.options.tokens_per_step =
+      a.tokens_per_step > 0 ? a.tokens_per_step : a.world_size * workload_tokens_per_rank(a.workload);
   in.options.static_sp_size = a.static_sp;
+  in.options.max_rounds = a.max_rounds;
   return in;
 }
 

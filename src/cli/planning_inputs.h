@@ -19,6 +19,7 @@ struct PlanningArgs {
   double mfu = 0;  // 0 = the device model's own
   int64_t heads = 0, kv_heads = -1;  // 0 / -1 = the shape's own
   std::string sp_modes = "auto";     // PlannerOptions::sp_modes: "auto" or a comma-separated list
+  int64_t max_rounds = 0;            // PlannerOptions::max_rounds (dcp-opt): 0 = as many as pay
   double memory_budget_bytes = 0;  // 0 = the --config's memory section (default 0.9 x device memory)
   bool json = false;
   std::vector<std::string> overrides;  // --section.key=value for the model, attention and memory sections
@@ -26,7 +27,7 @@ struct PlanningArgs {
 
 
 /// Registers --lengths/--workload, --world-size, --cost-model, --config, step sizes, --static-sp, --mfu,
-/// --heads, --kv-heads, --sp-modes, --seed and --json on `sub`, and lets it take config overrides (the command stores config_overrides(*sub)
+/// --heads, --kv-heads, --sp-modes, --max-rounds, --seed and --json on `sub`, and lets it take config overrides (the command stores config_overrides(*sub)
 /// in `overrides`). Every number option is bounded (--num-samples by kMaxNumSamples).
 void add_planning_options(CLI::App* sub, PlanningArgs& a);
 

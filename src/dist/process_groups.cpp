@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
+#include <torch/torch.h>
 
 #include <chrono>
 #include <cstdio>
@@ -99,6 +100,22 @@ ProcessGroups::ProcessGroups(const DistEnv& env, double timeout_s, const std::ve
   groups_[env.world_size] = world_;
   if (!groups_.count(1)) groups_[1] = std::make_shared<Communicator>("self", 0, 1, nullptr);
   creation_seconds_ = seconds_since(start);
+  const auto warm_start = std::chrono::steady_clock::now();
+  warm_up();
+  warm_up_seconds_ = seconds_since(warm_start);
+}
+
+void ProcessGroups::warm_up() const {
+  // Every rank walks the sizes in the same (ascending) order and uses its own block of each: the blocks of one
+  // size run side by side, and no rank waits on a group before its members reach it.
+  for (const auto& [size, group] : groups_) {
+    if (size == 1) continue;
+    auto t = torch::ones({size * 4}, torch::kFloat32);
+    group->allreduce_sum(t);
+    group->all_to_all(t);
+    const int64_t r = group->rank();
+    group->exchange(t.slice(0, 0, 4).clone(), (r + 1) % size, (r + size - 1) % size).wait();
+  }
 }
 
 void ProcessGroups::report_checkpoint(int64_t step) const {

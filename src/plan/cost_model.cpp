@@ -170,6 +170,7 @@ DeviceSpec DeviceSpec::from_profile(const std::string& path) {
   spec.collective_latency_s = field("collective_latency_s").get<double>();
   spec.micro_batch_overhead_s = field("micro_batch_overhead_s").get<double>();
   if (d.contains("ring_block_efficiency")) spec.ring_block_efficiency = field("ring_block_efficiency").get<double>();
+  if (d.contains("round_switch_s")) spec.round_switch_s = field("round_switch_s").get<double>();
   spec.all_to_all = read_comm_fits(doc, path, "fits", true);
   spec.ring = read_comm_fits(doc, path, "ring_fits", false);
   try {
@@ -201,6 +202,7 @@ void DeviceSpec::validate() const {
   check("collective_latency_s", collective_latency_s, 0, 3600);
   check("micro_batch_overhead_s", micro_batch_overhead_s, 0, 3600);
   check("ring_block_efficiency", ring_block_efficiency, 0, 1, true);
+  check("round_switch_s", round_switch_s, 0, 3600);
   for (const auto& [fits, what] : {std::pair<const std::map<int64_t, CommFit>*, const char*>{&all_to_all, "all_to_all"},
                                     {&ring, "ring"}}) {
     for (const auto& [sp, fit] : *fits) {
@@ -419,6 +421,11 @@ double CostModel::seconds(const std::vector<int64_t>& lengths, int64_t sp_size, 
   double t = fixed(layout, recompute_layers);
   for (int64_t len : lengths) t += work(len, layout, recompute_layers);
   return t;
+}
+
+double CostModel::round_seconds(int64_t rounds) const {
+  if (rounds < 1) throw std::invalid_argument(fmt::format("cost model: a step has {} rounds (at least 1)", rounds));
+  return static_cast<double>(rounds - 1) * device_.round_switch_s;
 }
 
 double CostModel::step_seconds(int64_t world_size) const {

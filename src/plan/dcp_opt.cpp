@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <set>
 #include <utility>
@@ -52,6 +53,14 @@ void update(LoadSet& s, LoadSet::iterator& pos, double v) {
 // within 1 % of the bound and the fallbacks cost more than half of dcp-opt's time at world 1024.
 constexpr double kStaticGap = 0.01;
 
+// A packed plan of one partition of the ranks: its groups, each group's predicted seconds (the sum of its
+// micro-batches' CostModel::seconds) and their maximum.
+struct Packed {
+  std::vector<GroupPlan> groups;
+  std::vector<double> group_seconds;
+  double makespan = 0;
+};
+
 // One step of dcp-opt: the samples' times at every power-of-two size and the search over group layouts.
 class OptStep {
  public:
@@ -65,7 +74,7 @@ class OptStep {
     // length, so this is also their order by time at every size where they fit: fill walks the samples in
     // index order (no per-size sort) and reads the tables below sequentially.
     const size_t n = ids_.size();
-    size_t K = sizes_.size();
+    const size_t K = sizes_.size();
     {
       std::vector<std::pair<int64_t, size_t>> keyed(n);  // (-length, position): a plain sort is stable here
       for (size_t i = 0; i < n; ++i) keyed[i] = {-length_of(samples_, ids_[i]), i};
@@ -104,22 +113,52 @@ class OptStep {
         t_[i * K + k] = work_[i * K + k] + cost_.fixed_seconds(layouts_[k], *r) * share;
       }
     }
-    prune();
-    K = sizes_.size();
-    by_cost_.resize(n * K);
-    for (size_t i = 0; i < n; ++i) {
-      // Sizes by GPU-seconds s * t(s), ascending (ties: smaller size). It does not depend on the target, so
-      // fill finds a sample's preferred size and its cheapest open group without scanning every size.
-      auto* o = &by_cost_[i * K];
-      for (size_t k = 0; k < K; ++k) o[k] = k;
-      std::sort(o, o + K, [&](size_t a, size_t b) {
-        const double ca = gpu_seconds(i, a), cb = gpu_seconds(i, b);
-        return ca < cb || (ca == cb && a < b);
-      });
-    }
+    prune_and_order();
   }
 
-  std::vector<GroupPlan> plan() {
+  // The samples `subset` of `parent` (indices into parent.ids(), ascending, so still longest first) with the
+  // parent's tables: a round of rounds search (RoundSearch) costs no cost-model evaluation.
+  OptStep(const OptStep& parent, const std::vector<size_t>& subset)
+      : samples_(parent.samples_), layouts_(parent.layouts_), sizes_(parent.sizes_), world_(parent.world_),
+        cost_(parent.cost_), memory_(parent.memory_), layers_(parent.layers_), max_tokens_(parent.max_tokens_) {
+    const size_t n = subset.size(), K = sizes_.size();
+    ids_.resize(n);
+    t_.resize(n * K), recompute_.resize(n * K), work_.resize(n * K);
+    for (size_t j = 0; j < n; ++j) {
+      const size_t i = subset[j];
+      ids_[j] = parent.ids_[i];
+      std::copy_n(&parent.t_[i * K], K, &t_[j * K]);
+      std::copy_n(&parent.recompute_[i * K], K, &recompute_[j * K]);
+      std::copy_n(&parent.work_[i * K], K, &work_[j * K]);
+    }
+    prune_and_order();
+  }
+
+  // The samples, longest first (ties keep the step's order): index i of the accessors below.
+  const std::vector<int64_t>& ids() const { return ids_; }
+  // Sample i's least GPU-seconds over the sizes it fits, counting its work alone (no micro-batch's fixed
+  // cost): a group of s ranks spends at least this on it, however it packs.
+  double least_work_gpu_seconds(size_t i) const {
+    double best = kInf;
+    for (size_t k = 0; k < sizes_.size(); ++k) {
+      if (t(i, k) < kInf) best = std::min(best, static_cast<double>(sizes_[k]) * work_[i * sizes_.size() + k]);
+    }
+    return best;
+  }
+  // Sample i's least time over the sizes (t: its work plus its share of a micro-batch's fixed cost).
+  double least_time(size_t i) const {
+    double best = kInf;
+    for (size_t k = 0; k < sizes_.size(); ++k) best = std::min(best, t(i, k));
+    return best;
+  }
+  // floor_bound over every size for the samples [from, to) alone: no partition of the ranks runs them in less
+  // (in the times t).
+  double range_bound(size_t from, size_t to) const { return floor_bound(0, kInf, from, to); }
+  // Sample i's size of least GPU-seconds, and its time there.
+  int64_t cheapest_size(size_t i) const { return sizes_[by_cost_[i * sizes_.size()]]; }
+  double cheapest_time(size_t i) const { return t(i, by_cost_[i * sizes_.size()]); }
+
+  Packed plan() {
     const size_t K = sizes_.size();
     // For every floor (it trades GPU-seconds for fewer, larger groups), the smallest target the fill meets,
     // searched from the floor's lower bound, then looser targets for the best floor. After the first floor,
@@ -163,15 +202,15 @@ class OptStep {
     // static layouts of every size are packed too (those whose bound leaves them a chance to be kStaticGap
     // faster) and the fastest packed plan is kept: dcp-opt is never more than that slower than them in its
     // own model.
-    auto chosen = pack(best);
+    Packed chosen = pack(best);
     for (size_t k = 0; k < K; ++k) {
-      if (uniform_bound(k) >= chosen.second * (1 - kStaticGap)) continue;
+      if (uniform_bound(k) >= chosen.makespan * (1 - kStaticGap)) continue;
       if (auto l = uniform(k)) {
-        auto cand = pack(*l);
-        if (cand.second < chosen.second) chosen = std::move(cand);
+        Packed cand = pack(*l);
+        if (cand.makespan < chosen.makespan) chosen = std::move(cand);
       }
     }
-    return std::move(chosen.first);
+    return chosen;
   }
 
  private:
@@ -231,6 +270,23 @@ class OptStep {
     max_tokens_ = std::move(max_tokens2), layouts_ = std::move(layouts2), sizes_ = std::move(sizes2);
   }
 
+  // prune(), then each sample's sizes by GPU-seconds s * t(s), ascending (ties: smaller size). That order does
+  // not depend on the target, so fill finds a sample's preferred size and its cheapest open group without
+  // scanning every size.
+  void prune_and_order() {
+    prune();
+    const size_t n = ids_.size(), K = sizes_.size();
+    by_cost_.resize(n * K);
+    for (size_t i = 0; i < n; ++i) {
+      auto* o = &by_cost_[i * K];
+      for (size_t k = 0; k < K; ++k) o[k] = k;
+      std::sort(o, o + K, [&](size_t a, size_t b) {
+        const double ca = gpu_seconds(i, a), cb = gpu_seconds(i, b);
+        return ca < cb || (ca == cb && a < b);
+      });
+    }
+  }
+
   // Predicted seconds of sample i at size index k (inf when it does not fit), and its GPU-seconds there.
   double t(size_t i, size_t k) const { return t_[i * sizes_.size() + k]; }
   double gpu_seconds(size_t i, size_t k) const { return static_cast<double>(sizes_[k]) * t(i, k); }
@@ -253,11 +309,12 @@ class OptStep {
   // fill meets (its loads stay within the target once every sample has a size that meets it). T minus that
   // sum / world_size grows with T, so a bisection (to kTargetTolerance, returning the lower end) finds it.
   // Returns a bound >= `stop` at once when the bound reaches `stop` (the floor cannot win then).
-  double floor_bound(size_t floor, double stop) const {
-    const size_t n = ids_.size(), K = sizes_.size();
+  // `from` and `to` restrict it to the samples [from, to) (by default all).
+  double floor_bound(size_t floor, double stop, size_t from = 0, size_t to = SIZE_MAX) const {
+    const size_t n = std::min(to, ids_.size()), K = sizes_.size();
     const double world = static_cast<double>(world_);
     double lo = 0, hi = 0, cheapest = 0;
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = from; i < n; ++i) {
       size_t fastest = floor, first = K;
       for (size_t k = floor; k < K; ++k) {
         if (t(i, k) < t(i, fastest)) fastest = k;
@@ -272,7 +329,7 @@ class OptStep {
     hi = std::max({lo, hi, cheapest / world});  // every sample at its cheapest size: the sum is `cheapest`
     auto meets = [&](double T) {
       double sum = 0;
-      for (size_t i = 0; i < n; ++i) sum += gpu_seconds(i, preferred_size(i, T, floor));
+      for (size_t i = from; i < n; ++i) sum += gpu_seconds(i, preferred_size(i, T, floor));
       return sum <= world * T;
     };
     if (lo >= stop || meets(lo)) return lo;
@@ -553,10 +610,9 @@ class OptStep {
 
   // Groups placed largest first (aligned: every offset is a sum of larger powers of two), each packing its
   // samples longest first into micro-batches (pack_group).
-  std::pair<std::vector<GroupPlan>, double> pack(const Layout& l) const {
+  Packed pack(const Layout& l) const {
     const size_t K = sizes_.size();
-    std::vector<GroupPlan> out;
-    double makespan = 0;
+    Packed out;
     int64_t first = 0;
     std::vector<size_t> members;
     for (size_t g = 0; g < l.groups.size(); ++g) {
@@ -579,11 +635,12 @@ class OptStep {
           if (capped.second < seconds) bins = std::move(capped.first), seconds = capped.second;
         }
       }
-      makespan = std::max(makespan, seconds);
-      out.push_back(group_of_layout(first, layouts_[k], std::move(bins)));
+      out.makespan = std::max(out.makespan, seconds);
+      out.group_seconds.push_back(seconds);
+      out.groups.push_back(group_of_layout(first, layouts_[k], std::move(bins)));
       first += sizes_[k];
     }
-    return {std::move(out), makespan};
+    return out;
   }
 
   // The least seconds any packing of a static layout at size index k can take: its groups share the samples'
@@ -705,6 +762,157 @@ class OptStep {
   std::vector<int64_t> max_tokens_;  // [size index * (layers_ + 1) + r] MemoryModel::max_tokens(size, r)
 };
 
+// Rounds (StepPlan rounds): the step's longest samples in one round on the groups they need, the others in
+// later rounds at their own best sizes, when the sum of the rounds' makespans (plus the switches) beats the one
+// partition. Greedy over a few splits of the samples by length (longest first):
+//  - candidates: the samples whose cheapest size (least GPU-seconds) is above 1, and those whose time at their
+//    cheapest size exceeds 1, 1/2 or 1/4 of the step's bound (alone they would hold a small group longer than
+//    the step should last); each candidate is a prefix of the samples by length;
+//  - a candidate is skipped when a lower bound of the two rounds (for each, the larger of its samples' least
+//    GPU-seconds over world_size and its slowest sample's least time) cannot beat the best plan so far;
+//  - round 0 is the prefix planned by dcp-opt (OptStep); the slack its groups leave (GPU-seconds below its
+//    makespan) takes the longest other samples that fit it, and round 0 is planned again with them if that
+//    does not lengthen it; the rest is round 1, one partition;
+//  - the best candidate is kept when it beats the best plan by kRoundGain, and its round 1 is split again the
+//    same way while rounds are allowed (max_rounds: 0 = no limit).
+// Every plan compared is packed, in the seconds evaluate_step predicts, so a plan of rounds is never slower
+// than the one partition in dcp-opt's own model.
+constexpr double kRoundGain = 1e-3;
+// Share of round 0's slack the moved samples' least GPU-seconds may fill: packing them into groups whose loads
+// differ leaves some of it unusable.
+constexpr double kSlackUse = 0.9;
+
+class RoundSearch {
+ public:
+  RoundSearch(const std::vector<Sample>& samples, const std::vector<SpLayout>& layouts, int64_t world_size,
+              const CostModel& cost, const MemoryModel& memory, int64_t max_rounds)
+      : samples_(samples), layouts_(layouts), world_(world_size), cost_(cost), memory_(memory),
+        max_rounds_(max_rounds <= 0 ? std::numeric_limits<int64_t>::max() : max_rounds),
+        switch_s_(cost.device().round_switch_s) {}
+
+  // The step's groups, round by round (GroupPlan::round set).
+  std::vector<GroupPlan> plan(std::vector<int64_t> ids) const {
+    OptStep whole(samples_, std::move(ids), layouts_, world_, cost_, memory_);
+    Packed one = whole.plan();
+    std::vector<Packed> rounds;
+    if (max_rounds_ > 1) {
+      double seconds = one.makespan;
+      rounds = split(whole, seconds, max_rounds_);
+    }
+    if (rounds.empty()) rounds.push_back(std::move(one));
+    std::vector<GroupPlan> out;
+    for (size_t r = 0; r < rounds.size(); ++r) {
+      for (auto& g : rounds[r].groups) {
+        g.round = static_cast<int64_t>(r);
+        out.push_back(std::move(g));
+      }
+    }
+    return out;
+  }
+
+ private:
+  // Rounds of `step`'s samples that beat `best_s` (the seconds of its one partition, already planned) by
+  // kRoundGain, at most `rounds_left` of them; empty when no split does. On success best_s is their seconds
+  // (makespans and switches).
+  std::vector<Packed> split(const OptStep& step, double& best_s, int64_t rounds_left) const {
+    const std::vector<int64_t>& ids = step.ids();
+    const size_t n = ids.size();
+    if (n < 2 || rounds_left < 2) return {};
+    // Prefix sums of the samples' least work GPU-seconds. A sample's least time grows with its length (at every
+    // size, and fewer sizes hold a longer one), so the slowest of [from, to) is its first.
+    std::vector<double> gpu(n + 1, 0.0);
+    for (size_t i = 0; i < n; ++i) gpu[i + 1] = gpu[i] + step.least_work_gpu_seconds(i);
+    const double world = static_cast<double>(world_);
+    auto bound = [&](size_t from, size_t to) {  // no round holding samples [from, to) is shorter
+      return std::max((gpu[to] - gpu[from]) / world, step.least_time(from));
+    };
+    std::vector<size_t> candidates;
+    auto add = [&](size_t m) {
+      if (m > 0 && m < n && std::find(candidates.begin(), candidates.end(), m) == candidates.end()) {
+        candidates.push_back(m);
+      }
+    };
+    size_t large = 0;  // the longest samples whose cheapest size is above 1
+    while (large < n && step.cheapest_size(large) > 1) ++large;
+    add(large);
+    const double whole = bound(0, n);
+    for (double f : {1.0, 0.5, 0.25}) {
+      size_t m = 0;
+      while (m < n && step.cheapest_time(m) > f * whole) ++m;
+      add(m);
+    }
+    std::vector<Packed> best;
+    std::optional<OptStep> best_rest;
+    double best_rest_s = 0;
+    for (size_t m : candidates) {
+      const double rest_lo = bound(m, n);
+      if (bound(0, m) + rest_lo + switch_s_ >= best_s * (1 - kRoundGain)) continue;
+      // The long samples' own bound sees what the GPU-seconds alone do not: that they run whole, at sizes
+      // where each finishes in time (O(m K) per evaluation, m the few long samples).
+      if (step.range_bound(0, m) + rest_lo + switch_s_ >= best_s * (1 - kRoundGain)) continue;
+      std::vector<size_t> head(m), tail;
+      for (size_t i = 0; i < m; ++i) head[i] = i;
+      Packed first = OptStep(step, head).plan();
+      if (first.makespan + rest_lo + switch_s_ >= best_s * (1 - kRoundGain)) continue;
+      // Round 0's slack takes the longest other samples that fit it (by their least GPU-seconds, each finishing
+      // within round 0 alone).
+      double slack = 0;
+      for (size_t g = 0; g < first.groups.size(); ++g) {
+        slack += static_cast<double>(first.groups[g].sp_size) * (first.makespan - first.group_seconds[g]);
+      }
+      slack *= kSlackUse;
+      std::vector<size_t> fuller_head = head, kept_tail;
+      for (size_t i = m; i < n; ++i) {
+        const double g = step.least_work_gpu_seconds(i);
+        if (g <= slack && step.least_time(i) <= first.makespan) {
+          fuller_head.push_back(i);
+          slack -= g;
+        } else {
+          kept_tail.push_back(i);
+        }
+      }
+      if (fuller_head.size() > head.size() && !kept_tail.empty()) {
+        Packed fuller = OptStep(step, fuller_head).plan();
+        if (fuller.makespan <= first.makespan * (1 + kRoundGain)) {
+          first = std::move(fuller);
+          tail = std::move(kept_tail);
+        }
+      }
+      if (tail.empty()) {
+        for (size_t i = m; i < n; ++i) tail.push_back(i);
+      }
+      OptStep rest(step, tail);
+      Packed second = rest.plan();
+      const double total = first.makespan + second.makespan + switch_s_;
+      if (total < best_s * (1 - kRoundGain)) {
+        best_s = total, best_rest_s = second.makespan;
+        best.clear();
+        best.push_back(std::move(first));
+        best.push_back(std::move(second));
+        best_rest.emplace(std::move(rest));
+      }
+    }
+    if (best.empty() || rounds_left < 3) return best;
+    // The last round split again, while that pays.
+    double rest_s = best_rest_s;
+    std::vector<Packed> more = split(*best_rest, rest_s, rounds_left - 1);
+    if (!more.empty()) {
+      best_s = best[0].makespan + switch_s_ + rest_s;
+      best.pop_back();
+      for (auto& p : more) best.push_back(std::move(p));
+    }
+    return best;
+  }
+
+  const std::vector<Sample>& samples_;
+  const std::vector<SpLayout>& layouts_;
+  int64_t world_;
+  const CostModel& cost_;
+  const MemoryModel& memory_;
+  int64_t max_rounds_;
+  double switch_s_;
+};
+
 }  // namespace
 
 PlanSet plan_dcp_opt(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
@@ -724,8 +932,8 @@ PlanSet plan_dcp_opt(const std::vector<Sample>& samples, int64_t world_size, con
   for (const auto& step : steps) {
     auto ids = kept(step, skipped);
     if (ids.empty()) continue;
-    OptStep opt(samples, std::move(ids), layouts, world_size, cost, memory);
-    out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), opt.plan()));
+    const RoundSearch search(samples, layouts, world_size, cost, memory, options.max_rounds);
+    out.steps.push_back(make_step(options, static_cast<int64_t>(out.steps.size()), search.plan(std::move(ids))));
   }
   return out;
 }

@@ -88,8 +88,9 @@ StepPlan make_step(const PlannerOptions& opt, int64_t index, std::vector<GroupPl
   StepPlan p;
   p.epoch = opt.epoch;
   p.index = index;
-  std::sort(groups.begin(), groups.end(),
-            [](const GroupPlan& a, const GroupPlan& b) { return a.first_rank < b.first_rank; });
+  std::sort(groups.begin(), groups.end(), [](const GroupPlan& a, const GroupPlan& b) {
+    return a.round < b.round || (a.round == b.round && a.first_rank < b.first_rank);
+  });
   for (const auto& g : groups) {
     for (const auto& mb : g.micro_batches) p.global_num_tokens += mb.num_tokens;
   }

@@ -40,7 +40,7 @@ std::vector<int64_t> kept(const std::vector<int64_t>& ids, const std::vector<cha
 /// A group of `layout`: sp_mode kUlysses when ulysses_size is sp_size (or sp_size is 1), kRing when it is 1,
 /// else kUlyssesRing with that ulysses_size.
 GroupPlan group_of_layout(int64_t first_rank, const SpLayout& layout, std::vector<MicroBatch> micro_batches);
-/// A StepPlan of these groups, sorted by first rank, with its global token count.
+/// A StepPlan of these groups, sorted by round, then first rank, with its global token count.
 StepPlan make_step(const PlannerOptions& opt, int64_t index, std::vector<GroupPlan> groups);
 
 /// Quarter-octave length bucket of `length` tokens (positive): the smallest k with length <= 2^(k/4), so bucket

@@ -30,6 +30,8 @@ Planner planner_by_name(const std::string& name) {
 StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples, int64_t world_size,
                        const CostModel& cost, const MemoryModel& memory) {
   StepCost c;
+  const int64_t rounds = plan.num_rounds();
+  c.round_makespan_s.assign(static_cast<size_t>(rounds), 0.0);
   double busy = 0;
   for (const auto& g : plan.groups) {
     double t = 0;
@@ -39,13 +41,35 @@ StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples,
       t += cost.seconds(lengths, g.layout(), mb.recompute_layers);
       c.peak_bytes = std::max(c.peak_bytes, memory.bytes(mb.num_tokens, g.sp_size, mb.recompute_layers));
     }
-    c.makespan_s = std::max(c.makespan_s, t);
+    double& round = c.round_makespan_s.at(static_cast<size_t>(g.round));
+    round = std::max(round, t);
     busy += t * static_cast<double>(g.sp_size);
   }
+  for (double m : c.round_makespan_s) c.makespan_s += m;
   c.mean_rank_s = busy / static_cast<double>(world_size);
-  c.step_s = c.makespan_s + cost.step_seconds(world_size);
+  c.step_s = c.makespan_s + cost.round_seconds(rounds) + cost.step_seconds(world_size);
   return c;
 }
+
+namespace {
+
+// The smallest M with M >= (1 / k) * sum of `big[i]` over the samples i with `small[i]` > M (samples that must run
+// on a group of more than W / (k + 1) ranks, where at most k such groups run at once): the samples by `small`
+// descending, M in each interval between two of them.
+double big_sample_bound(std::vector<std::pair<double, double>> small_big, int64_t k) {
+  std::sort(small_big.begin(), small_big.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  double best = kInf, sum = 0;
+  const size_t n = small_big.size();
+  for (size_t j = 0; j <= n; ++j) {  // the first j samples are big: M in [small[j], small[j - 1])
+    const double lo = j < n ? small_big[j].first : 0.0, hi = j > 0 ? small_big[j - 1].first : kInf;
+    const double m = std::max(sum / static_cast<double>(k), lo);
+    if (m <= hi) best = std::min(best, m);
+    if (j < n) sum += small_big[j].second;
+  }
+  return best;
+}
+
+}  // namespace
 
 double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, int64_t world_size,
                         const CostModel& cost, const MemoryModel& memory, const std::vector<SpMode>& modes) {
@@ -53,23 +77,41 @@ double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sampl
   const auto layouts = sp_layouts_allowed(world_size, cost, modes);
   const int64_t L = cost.shape().layers;
   const double overhead = cost.device().micro_batch_overhead_s;
-  double sum_gpu_s = 0, longest = 0;
+  constexpr int64_t kBigGroups = 3;  // the big-sample bound for k = 1 .. kBigGroups groups at once
+  double sum_gpu_s = 0, sum_work_s = 0, longest = 0;
+  std::vector<std::vector<std::pair<double, double>>> big(kBigGroups);
   for (int64_t id : ids) {
     const int64_t len = samples.at(static_cast<size_t>(id)).length;
-    double g = kInf, f = kInf;
+    double g = kInf, f = kInf, w = kInf;
+    std::vector<double> small_s(kBigGroups, kInf), big_s(kBigGroups, kInf);
     for (const SpLayout& l : layouts) {
       const int64_t s = l.sp_size;
       auto r = memory.min_recompute_layers(len, s);
       if (!r) continue;
       const double per_mb = overhead * static_cast<double>(len) / static_cast<double>(memory.max_tokens(s, L));
-      g = std::min(g, static_cast<double>(s) * (cost.work_seconds(len, l, *r) + per_mb));
-      f = std::min(f, cost.seconds({len}, l, *r));
+      const double work = cost.work_seconds(len, l, *r), alone = cost.seconds({len}, l, *r);
+      g = std::min(g, static_cast<double>(s) * (work + per_mb));
+      w = std::min(w, static_cast<double>(s) * work);
+      f = std::min(f, alone);
+      for (int64_t k = 1; k <= kBigGroups; ++k) {
+        const bool is_big = s * (k + 1) > world_size;
+        double& slot = is_big ? big_s[static_cast<size_t>(k - 1)] : small_s[static_cast<size_t>(k - 1)];
+        slot = std::min(slot, is_big ? work : alone);
+      }
     }
     if (g == kInf) continue;
     sum_gpu_s += g;
+    sum_work_s += w;
     longest = std::max(longest, f);
+    for (int64_t k = 1; k <= kBigGroups; ++k) big[static_cast<size_t>(k - 1)].emplace_back(small_s[static_cast<size_t>(k - 1)], big_s[static_cast<size_t>(k - 1)]);
   }
-  return std::max(sum_gpu_s / static_cast<double>(world_size), longest) + cost.step_seconds(world_size);
+  const double world = static_cast<double>(world_size);
+  double bound = std::max(sum_gpu_s / world, longest);
+  if (sum_work_s > 0) bound = std::max(bound, sum_work_s / world + overhead);
+  for (int64_t k = 1; k <= kBigGroups && k + 1 <= world_size; ++k) {
+    bound = std::max(bound, big_sample_bound(std::move(big[static_cast<size_t>(k - 1)]), k));
+  }
+  return bound + cost.step_seconds(world_size);
 }
 
 }  // namespace dcp

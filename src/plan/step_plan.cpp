@@ -16,22 +16,38 @@ namespace {
 
 using nlohmann::json;
 
-json to_json_value(const StepPlan& p) {
-  json groups = json::array();
-  for (const auto& g : p.groups) {
-    json mbs = json::array();
-    for (const auto& mb : g.micro_batches) {
-      mbs.push_back({{"sample_ids", mb.sample_ids},
-                     {"num_tokens", mb.num_tokens},
-                     {"recompute_layers", mb.recompute_layers}});
-    }
-    json jg = {{"first_rank", g.first_rank}, {"sp_size", g.sp_size}, {"micro_batches", mbs}};
-    // Absent = ulysses, so that plans written before ring modes keep their JSON and hash.
-    if (g.sp_mode != SpMode::kUlysses) jg["sp_mode"] = sp_mode_name(g.sp_mode);
-    if (g.sp_mode == SpMode::kUlyssesRing) jg["ulysses_size"] = g.ulysses_size;
-    groups.push_back(std::move(jg));
+json group_json(const GroupPlan& g) {
+  json mbs = json::array();
+  for (const auto& mb : g.micro_batches) {
+    mbs.push_back({{"sample_ids", mb.sample_ids},
+                   {"num_tokens", mb.num_tokens},
+                   {"recompute_layers", mb.recompute_layers}});
   }
-  return {{"epoch", p.epoch}, {"index", p.index}, {"global_num_tokens", p.global_num_tokens}, {"groups", groups}};
+  json jg = {{"first_rank", g.first_rank}, {"sp_size", g.sp_size}, {"micro_batches", mbs}};
+  // Absent = ulysses, so that plans written before ring modes keep their JSON and hash.
+  if (g.sp_mode != SpMode::kUlysses) jg["sp_mode"] = sp_mode_name(g.sp_mode);
+  if (g.sp_mode == SpMode::kUlyssesRing) jg["ulysses_size"] = g.ulysses_size;
+  return jg;
+}
+
+json to_json_value(const StepPlan& p) {
+  json out = {{"epoch", p.epoch}, {"index", p.index}, {"global_num_tokens", p.global_num_tokens}};
+  const int64_t rounds = p.num_rounds();
+  if (rounds <= 1) {
+    // One round: the top-level "groups" of every plan written before rounds, so its JSON and hash stay.
+    json groups = json::array();
+    for (const auto& g : p.groups) groups.push_back(group_json(g));
+    out["groups"] = std::move(groups);
+    return out;
+  }
+  json jr = json::array();
+  for (int64_t r = 0; r < rounds; ++r) jr.push_back({{"groups", json::array()}});
+  for (const auto& g : p.groups) {
+    // A negative round is kept in the text (as round 0's) only for validate() to name; plans never hold one.
+    jr[static_cast<size_t>(std::max<int64_t>(g.round, 0))]["groups"].push_back(group_json(g));
+  }
+  out["rounds"] = std::move(jr);
+  return out;
 }
 
 template <class T>
@@ -57,37 +73,71 @@ T field(const json& j, const char* name, const std::string& where) {
   }
 }
 
+GroupPlan group_from_json(const json& jg, const std::string& where, int64_t round) {
+  GroupPlan g;
+  g.round = round;
+  g.first_rank = field<int64_t>(jg, "first_rank", where + " group");
+  g.sp_size = field<int64_t>(jg, "sp_size", where + " group");
+  std::string gwhere = fmt::format("{} group at rank {}", where, g.first_rank);
+  if (jg.contains("sp_mode")) {
+    const auto name = field<std::string>(jg, "sp_mode", gwhere);
+    try {
+      g.sp_mode = sp_mode_from_name(name);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(fmt::format("step plan: field 'sp_mode' in {}: {}", gwhere, e.what()));
+    }
+  }
+  // Read whenever present, so that validate() names one that does not belong to the mode.
+  if (jg.contains("ulysses_size")) g.ulysses_size = field<int64_t>(jg, "ulysses_size", gwhere);
+  for (const auto& jm : field<json>(jg, "micro_batches", gwhere)) {
+    MicroBatch mb;
+    mb.sample_ids = field<std::vector<int64_t>>(jm, "sample_ids", gwhere + " micro_batch");
+    mb.num_tokens = field<int64_t>(jm, "num_tokens", gwhere + " micro_batch");
+    if (jm.contains("recompute_layers")) {
+      mb.recompute_layers = field<int64_t>(jm, "recompute_layers", gwhere + " micro_batch");
+    }
+    g.micro_batches.push_back(std::move(mb));
+  }
+  return g;
+}
+
+// A JSON list (field `name` of `where`); anything else is malformed.
+json list_field(const json& j, const char* name, const std::string& where) {
+  json v = field<json>(j, name, where);
+  if (!v.is_array()) {
+    throw std::invalid_argument(
+        fmt::format("step plan: field '{}' in {} is malformed: {} is not a list", name, where, v.dump()));
+  }
+  return v;
+}
+
 StepPlan from_json_value(const json& j) {
   StepPlan p;
   p.epoch = field<int64_t>(j, "epoch", "step");
   p.index = field<int64_t>(j, "index", "step");
   p.global_num_tokens = field<int64_t>(j, "global_num_tokens", "step");
   std::string where = fmt::format("step (epoch {}, index {})", p.epoch, p.index);
-  for (const auto& jg : field<json>(j, "groups", where)) {
-    GroupPlan g;
-    g.first_rank = field<int64_t>(jg, "first_rank", where + " group");
-    g.sp_size = field<int64_t>(jg, "sp_size", where + " group");
-    std::string gwhere = fmt::format("{} group at rank {}", where, g.first_rank);
-    if (jg.contains("sp_mode")) {
-      const auto name = field<std::string>(jg, "sp_mode", gwhere);
-      try {
-        g.sp_mode = sp_mode_from_name(name);
-      } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument(fmt::format("step plan: field 'sp_mode' in {}: {}", gwhere, e.what()));
-      }
+  const bool has_rounds = j.contains("rounds");
+  if (has_rounds && j.contains("groups")) {
+    throw std::invalid_argument(fmt::format(
+        "step plan: {} has both 'groups' and 'rounds' (one round is a top-level 'groups' list; several are "
+        "'rounds': [{{\"groups\": [...]}}, ...])",
+        where));
+  }
+  if (!has_rounds) {
+    for (const auto& jg : field<json>(j, "groups", where)) p.groups.push_back(group_from_json(jg, where, 0));
+    return p;
+  }
+  const json& rounds = list_field(j, "rounds", where);
+  if (rounds.empty()) throw std::invalid_argument(fmt::format("step plan: field 'rounds' in {} is empty", where));
+  for (size_t r = 0; r < rounds.size(); ++r) {
+    const std::string rwhere = fmt::format("{} round {}", where, r);
+    const json groups = list_field(rounds[r], "groups", rwhere);
+    if (groups.empty()) {
+      throw std::invalid_argument(
+          fmt::format("step plan: {} has no group (the groups of a round partition the ranks)", rwhere));
     }
-    // Read whenever present, so that validate() names one that does not belong to the mode.
-    if (jg.contains("ulysses_size")) g.ulysses_size = field<int64_t>(jg, "ulysses_size", gwhere);
-    for (const auto& jm : field<json>(jg, "micro_batches", gwhere)) {
-      MicroBatch mb;
-      mb.sample_ids = field<std::vector<int64_t>>(jm, "sample_ids", gwhere + " micro_batch");
-      mb.num_tokens = field<int64_t>(jm, "num_tokens", gwhere + " micro_batch");
-      if (jm.contains("recompute_layers")) {
-        mb.recompute_layers = field<int64_t>(jm, "recompute_layers", gwhere + " micro_batch");
-      }
-      g.micro_batches.push_back(std::move(mb));
-    }
-    p.groups.push_back(std::move(g));
+    for (const auto& jg : groups) p.groups.push_back(group_from_json(jg, rwhere, static_cast<int64_t>(r)));
   }
   return p;
 }
@@ -117,71 +167,114 @@ std::vector<int64_t> StepPlan::sample_ids() const {
   return ids;
 }
 
-const GroupPlan& StepPlan::group_of(int64_t rank) const {
+int64_t StepPlan::num_rounds() const {
+  int64_t last = 0;
+  for (const auto& g : groups) last = std::max(last, g.round);
+  return last + 1;
+}
+
+const GroupPlan& StepPlan::group_of(int64_t rank, int64_t round) const {
   for (const auto& g : groups) {
-    if (rank >= g.first_rank && rank < g.first_rank + g.sp_size) return g;
+    if (g.round == round && rank >= g.first_rank && rank < g.first_rank + g.sp_size) return g;
   }
-  throw std::out_of_range(fmt::format("step plan (epoch {}, index {}) has no group for rank {}", epoch, index, rank));
+  if (num_rounds() == 1 && round == 0) {
+    throw std::out_of_range(fmt::format("step plan (epoch {}, index {}) has no group for rank {}", epoch, index, rank));
+  }
+  throw std::out_of_range(
+      fmt::format("step plan (epoch {}, index {}) has no group for rank {} in round {}", epoch, index, rank, round));
 }
 
 void StepPlan::validate(int64_t world_size, const std::vector<Sample>& samples, int64_t n_layers) const {
   auto fail = [&](const std::string& what) {
     throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}): {}", epoch, index, what));
   };
+  const int64_t rounds = num_rounds();
+  // A one-round plan's messages are those of plans before rounds; with several, each names its round.
+  auto in_round = [&](int64_t round, const std::string& what) {
+    return rounds > 1 ? fmt::format("round {}: {}", round, what) : what;
+  };
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const GroupPlan& g = groups[i];
+    if (g.round < 0) fail(fmt::format("the group at rank {} has round {} (rounds count from 0)", g.first_rank, g.round));
+    if (i > 0 && g.round < groups[i - 1].round) {
+      fail(fmt::format("the group at rank {} of round {} is listed after a group of round {} (groups are listed by "
+                       "round)",
+                       g.first_rank, g.round, groups[i - 1].round));
+    }
+  }
+  std::vector<int64_t> groups_in_round(static_cast<size_t>(rounds), 0);
+  for (const auto& g : groups) ++groups_in_round[static_cast<size_t>(g.round)];
+  for (int64_t r = 0; r < rounds; ++r) {
+    if (groups_in_round[static_cast<size_t>(r)] == 0 && !groups.empty()) {
+      fail(fmt::format("round {} has no group (the groups of a round partition the ranks)", r));
+    }
+  }
   std::vector<int> covered(static_cast<size_t>(world_size), 0);
   int64_t total = 0;
-  // Where each sample id was first seen: a sample trains at most once per step.
-  std::unordered_map<int64_t, std::pair<int64_t, size_t>> placed;  // id -> (group's first rank, micro-batch)
-  auto where = [](const std::pair<int64_t, size_t>& p) {
-    return fmt::format("micro_batch {} of the group at rank {}", p.second, p.first);
+  // Where each sample id was first seen: a sample trains at most once per step, over all rounds.
+  struct Place {
+    int64_t round, first_rank;
+    size_t micro_batch;
   };
-  for (const auto& g : groups) {
+  std::unordered_map<int64_t, Place> placed;
+  auto where = [&](const Place& p) {
+    return rounds > 1 ? fmt::format("micro_batch {} of the group at rank {} in round {}", p.micro_batch, p.first_rank,
+                                    p.round)
+                      : fmt::format("micro_batch {} of the group at rank {}", p.micro_batch, p.first_rank);
+  };
+  auto check_covered = [&](int64_t round) {
+    for (int64_t r = 0; r < world_size; ++r) {
+      if (!covered[static_cast<size_t>(r)]) fail(in_round(round, fmt::format("rank {} is in no group", r)));
+    }
+    std::fill(covered.begin(), covered.end(), 0);
+  };
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const GroupPlan& g = groups[gi];
+    if (gi > 0 && g.round != groups[gi - 1].round) check_covered(groups[gi - 1].round);
+    auto fail_here = [&](const std::string& what) { fail(in_round(g.round, what)); };
     if (g.sp_size < 1 || g.first_rank < 0 || g.first_rank + g.sp_size > world_size) {
-      fail(fmt::format("group [{}, {}) is outside world_size {}", g.first_rank, g.first_rank + g.sp_size, world_size));
+      fail_here(
+          fmt::format("group [{}, {}) is outside world_size {}", g.first_rank, g.first_rank + g.sp_size, world_size));
     }
     if (g.first_rank % g.sp_size != 0) {
-      fail(fmt::format("group at rank {} with sp_size {} is not aligned", g.first_rank, g.sp_size));
+      fail_here(fmt::format("group at rank {} with sp_size {} is not aligned", g.first_rank, g.sp_size));
     }
     const bool ulysses_ring = g.sp_mode == SpMode::kUlyssesRing;
     if (ulysses_ring && (g.ulysses_size <= 1 || g.ulysses_size >= g.sp_size || g.sp_size % g.ulysses_size != 0)) {
-      fail(fmt::format("group at rank {}: sp_mode ulysses-ring with sp_size {} needs ulysses_size strictly between 1 "
-                       "and sp_size that divides it, not {} (use sp_mode ulysses or ring for the ends)",
-                       g.first_rank, g.sp_size, g.ulysses_size));
+      fail_here(fmt::format("group at rank {}: sp_mode ulysses-ring with sp_size {} needs ulysses_size strictly "
+                            "between 1 and sp_size that divides it, not {} (use sp_mode ulysses or ring for the ends)",
+                            g.first_rank, g.sp_size, g.ulysses_size));
     }
     if (!ulysses_ring && g.ulysses_size != 0) {
-      fail(fmt::format("group at rank {}: ulysses_size {} is set but sp_mode is {} (only ulysses-ring has one)",
-                       g.first_rank, g.ulysses_size, sp_mode_name(g.sp_mode)));
+      fail_here(fmt::format("group at rank {}: ulysses_size {} is set but sp_mode is {} (only ulysses-ring has one)",
+                            g.first_rank, g.ulysses_size, sp_mode_name(g.sp_mode)));
     }
     for (int64_t r = g.first_rank; r < g.first_rank + g.sp_size; ++r) {
-      if (covered[static_cast<size_t>(r)]++) fail(fmt::format("rank {} is in more than one group", r));
+      if (covered[static_cast<size_t>(r)]++) fail_here(fmt::format("rank {} is in more than one group", r));
     }
     for (size_t m = 0; m < g.micro_batches.size(); ++m) {
       const MicroBatch& mb = g.micro_batches[m];
-      if (mb.sample_ids.empty()) fail("a micro_batch has no samples");
+      if (mb.sample_ids.empty()) fail_here(fmt::format("a micro_batch of the group at rank {} has no samples", g.first_rank));
       int64_t tokens = 0;
+      const Place here{g.round, g.first_rank, m};
       for (int64_t id : mb.sample_ids) {
-        if (id < 0 || id >= static_cast<int64_t>(samples.size())) fail(fmt::format("unknown sample id {}", id));
-        const auto [it, first] = placed.emplace(id, std::pair{g.first_rank, m});
-        if (!first) {
-          fail(fmt::format("sample id {} is used twice: in {} and in {}", id, where(it->second),
-                           where({g.first_rank, m})));
-        }
+        if (id < 0 || id >= static_cast<int64_t>(samples.size())) fail_here(fmt::format("unknown sample id {}", id));
+        const auto [it, first] = placed.emplace(id, here);
+        if (!first) fail(fmt::format("sample id {} is used twice: in {} and in {}", id, where(it->second), where(here)));
         tokens += samples[static_cast<size_t>(id)].length;
       }
       if (tokens != mb.num_tokens) {
-        fail(fmt::format("micro_batch num_tokens {} but its samples hold {} tokens (do the sample ids refer to this "
-                         "corpus and data.max_seq_len?)",
-                         mb.num_tokens, tokens));
+        fail_here(fmt::format("micro_batch num_tokens {} but its samples hold {} tokens (do the sample ids refer to "
+                              "this corpus and data.max_seq_len?)",
+                              mb.num_tokens, tokens));
       }
       if (mb.recompute_layers < 0 || mb.recompute_layers > n_layers) {
-        fail(fmt::format("recompute_layers {} outside [0, {}]", mb.recompute_layers, n_layers));
+        fail_here(fmt::format("recompute_layers {} outside [0, {}]", mb.recompute_layers, n_layers));
       }
       total += tokens;
     }
   }
-  for (int64_t r = 0; r < world_size; ++r) {
-    if (!covered[static_cast<size_t>(r)]) fail(fmt::format("rank {} is in no group", r));
-  }
+  check_covered(groups.empty() ? 0 : groups.back().round);
   if (total != global_num_tokens) {
     fail(fmt::format("global_num_tokens {} but micro_batches hold {} tokens", global_num_tokens, total));
   }

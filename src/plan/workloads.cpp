@@ -65,7 +65,20 @@ double unit(uint64_t seed, uint64_t i) {
 
 }  // namespace
 
-std::vector<int64_t> workload_lengths(const WorkloadOptions& o) {
+int64_t workload_tokens_per_rank(const std::string& name) { return name == "megatron-lognormal" ? 2048 : 131072; }
+
+std::vector<int64_t> workload_lengths(const WorkloadOptions& options) {
+  WorkloadOptions o = options;
+  if (o.name == "megatron-lognormal") {
+    // Megatron-Core's dynamic-CP benchmark lengths: lognormal, clipped to [128, 8192], mean 1024. sigma 1 and
+    // the median solved so that the clipped mean is 1024 (E[clip(X)] = a Phi(za) + b (1 - Phi(zb)) +
+    // e^(mu + s^2/2) (Phi(zb - s) - Phi(za - s)), za = (ln a - mu) / s, zb likewise).
+    o.name = "lognormal";
+    o.min_tokens = 128;
+    o.max_tokens = 8192;
+    o.lognormal_sigma = 1.0;
+    o.lognormal_median = 631.2553867;
+  }
   if (o.name == "opensora-zipf") {
     if (o.zipf_data_size < 1 || o.zipf_image_frac < 0) {
       throw std::invalid_argument(fmt::format("opensora-zipf: data size {} must be positive and image frac {} "
@@ -76,7 +89,7 @@ std::vector<int64_t> workload_lengths(const WorkloadOptions& o) {
   }
   if (o.name != "lognormal" && o.name != "uniform") {
     throw std::invalid_argument(
-        fmt::format("unknown workload '{}' (known: opensora-zipf, lognormal, uniform)", o.name));
+        fmt::format("unknown workload '{}' (known: opensora-zipf, lognormal, megatron-lognormal, uniform)", o.name));
   }
   if (o.num_samples < 1 || o.min_tokens < 1 || o.max_tokens < o.min_tokens) {
     throw std::invalid_argument(fmt::format("workload {}: num_samples {} and min_tokens {} must be positive and "

@@ -182,8 +182,11 @@ json profile_cache_key(const Config& cfg, const ModelShape& shape, int64_t threa
           {"world_size", env.world_size},
           {"local_world_size", env.local_world_size},
           {"max_seq_len", cfg.data.max_seq_len},
+          {"profile_max_length", cfg.train.profile_max_length},
           {"micro_batch_tokens", cfg.train.micro_batch_tokens},
-          {"sp_sizes", cfg.parallel.sp_sizes}};
+          {"sp_sizes", cfg.parallel.sp_sizes},
+          // Profiles under `dcp launch` measure the switch between a step's rounds since issue 26.
+          {"round_switch", env.world_size > 1}};
 }
 
 std::string profile_cache_path(const std::string& dir, const json& key) {

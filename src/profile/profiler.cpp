@@ -20,6 +20,7 @@
 #include "dcp/precision.h"
 #include "profile/comm.h"
 #include "profile/over_ranks.h"
+#include "profile/round_switch.h"
 #include "profile/runs.h"
 #include "profile/validation.h"
 #include "runtime/optimizer.h"
@@ -384,6 +385,15 @@ ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, cons
     }
     if (!result.validation.empty()) {
       result.memory.sp_token_bytes = fit_sp_token_bytes(result.validation, result.shape, result.memory);
+    }
+    if (!sp_sizes.empty()) {
+      // From sp-1 groups to the largest group, each rank holding what the shortest validation micro-batch gives
+      // it: the switch a step of rounds pays where planners use them (long samples on large groups after short
+      // ones alone).
+      const int64_t sp = sp_sizes.back();
+      const int64_t local = std::max<int64_t>(1, validation_lengths(grid, options, sp).front() / sp);
+      result.round_switch = profile_round_switch(model, world, groups->group(sp), cfg, local, options.comm_repeats);
+      result.device.round_switch_s = result.round_switch.switch_s;
     }
   }
   result.max_rss_bytes = over_ranks(world, {max_rss_bytes()}).max[0];

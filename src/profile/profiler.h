@@ -99,6 +99,20 @@ struct ValidationPoint {
   bool held_out = false;  ///< left out of the overhead fit (alternate points: lengths and recompute both vary)
 };
 
+/// The switch between two rounds of a step, measured on real groups (profile_round_switch,
+/// profile/round_switch.h): medians of whole runs (barrier, work, barrier), mean over the ranks, seconds.
+struct RoundSwitchProfile {
+  int64_t sp_size = 0;       ///< the second round's group (the first runs sp 1 on every rank)
+  int64_t local_tokens = 0;  ///< tokens a rank holds in each round
+  int64_t repeats = 0;
+  double first_s = 0;   ///< round 0 alone
+  double second_s = 0;  ///< round 1 alone
+  double both_s = 0;    ///< round 0, then round 1 (no barrier between)
+  double barrier_s = 0; ///< no work: the closing barrier each run holds
+  double raw_s = 0;     ///< both_s - first_s - second_s + barrier_s (may be negative: noise)
+  double switch_s = 0;  ///< max(0, raw_s): DeviceSpec::round_switch_s
+};
+
 /// Result of profile_model: the fitted device and the grid it was fitted to.
 struct ProfileResult {
   /// model_shape_of(cfg, activation_bytes(p)) for p = train.precision resolved on this CPU: SwiGLU, byte
@@ -135,6 +149,9 @@ struct ProfileResult {
   /// process.
   std::vector<SpProfile> ring;
   std::vector<ValidationPoint> validation;  ///< by SP size, then length, then recompute; empty in one process
+  /// The round switch on the largest SP size profiled (device.round_switch_s = its switch_s); sp_size 0 in one
+  /// process (the device keeps the default).
+  RoundSwitchProfile round_switch;
   int64_t world_size = 1;            ///< ranks that measured concurrently
   int64_t threads = 0;               ///< intra-op threads per rank
   int64_t repeats = 0;
@@ -194,7 +211,9 @@ std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<
 /// real SP micro-batches of the model on that group (ValidationPoint; train/profile_validation.h), to which
 ///   measured - CostModel::seconds without overhead = overhead_s_per_byte * CostModel::all_to_all_bytes
 /// is fitted (relative residuals, >= 0) on alternate points, the others held out, and compared with the
-/// MemoryModel. Without `groups` (nullptr): one process, no SP profile.
+/// MemoryModel; then the round switch (profile_round_switch, profile/round_switch.h) from sp-1 micro-batches to
+/// the largest SP size, at the smallest validation length per rank, into device.round_switch_s. Without `groups`
+/// (nullptr): one process, no SP profile (round_switch_s keeps the DeviceSpec default).
 /// Throws std::invalid_argument for bad options (repeats or comm_repeats < 1, long_point_s <= 0, max_length
 /// (or data.max_seq_len for 0) outside [min_profile_max_length, data.max_seq_len], no grid length fitting
 /// data.max_seq_len, validation lengths that are not multiples of an SP size),
@@ -219,7 +238,8 @@ ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, cons
 /// held_out; "ring_fits", when the result has ring fits: per SP size sp_size, latency_s, bytes_per_s (read back
 /// into DeviceSpec::ring), bandwidth_fitted, the three relative errors and its "grid" of local_tokens,
 /// bytes_leaving_rank (the block), measured_s, predicted_s, held_out), "world_size", "threads", "repeats",
-/// "max_rss_bytes", "wall_s" and "notes" (what is assumed rather than measured). Throws std::runtime_error
+/// "round_switch" (when measured: sp_size, local_tokens, repeats, first_s, second_s, both_s, barrier_s, raw_s,
+/// switch_s), "max_rss_bytes", "wall_s" and "notes" (what is assumed rather than measured). Throws std::runtime_error
 /// naming the path when it cannot be written.
 void write_profile(const ProfileResult& result, const std::string& path);
 

@@ -42,11 +42,20 @@ RunCostModels resolve_cost_models(const Config& cfg, const ModelShape& shape, in
                                     "train.cost_model a profile file",
                                     cfg.data.max_seq_len, shortest));
     }
+    const int64_t longest = cfg.train.profile_max_length;
+    if (longest > 0 && (longest < shortest || longest > cfg.data.max_seq_len)) {
+      throw ConfigError(fmt::format("config key 'train.profile_max_length': bad value '{}' (allowed: 0, or a length "
+                                    "in [{}, data.max_seq_len {}]: the shortest the profile's grids can be built "
+                                    "from with its SP sizes, and no longer than a sample)",
+                                    longest, shortest, cfg.data.max_seq_len));
+    }
+    ProfileOptions options;
+    options.max_length = longest;
     const json key = profile_cache_key(cfg, shape, threads, env);
     Config profiled = cfg;
     profiled.train.threads = threads;
     const CachedProfile c = resolve_cached_profile(cfg, shape, key, groups.world(), [&] {
-      return profile_model(profiled, &groups);
+      return profile_model(profiled, &groups, options);
     });
     if (c.profiled) {
       spdlog::info("train.cost_model auto: profiled this model in {:.1f} s; cached at {}", c.seconds, c.path);

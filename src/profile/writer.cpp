@@ -118,7 +118,8 @@ void write_profile(const ProfileResult& r, const std::string& path) {
         {"gpus_per_node", d.gpus_per_node},
         {"collective_latency_s", d.collective_latency_s},
         {"micro_batch_overhead_s", d.micro_batch_overhead_s},
-        {"ring_block_efficiency", d.ring_block_efficiency}}},
+        {"ring_block_efficiency", d.ring_block_efficiency},
+        {"round_switch_s", d.round_switch_s}}},
       {"model",
        {{"hidden", r.shape.hidden},
         {"layers", r.shape.layers},
@@ -179,6 +180,14 @@ void write_profile(const ProfileResult& r, const std::string& path) {
               "token, each byte also costing overhead_s_per_byte, fitted to the validation micro-batches not held "
               "out); the gradient all-reduce and SP sizes without a fit keep the defaults"}}};
   if (!r.sequence_parallel.empty() || !r.ring.empty()) doc["sequence_parallel"] = sequence_parallel_json(r);
+  if (r.round_switch.sp_size > 0) {
+    const RoundSwitchProfile& s = r.round_switch;
+    doc["round_switch"] = {
+        {"formula", "raw_s = both_s - first_s - second_s + barrier_s; switch_s = max(0, raw_s) (device.round_switch_s)"},
+        {"sp_size", s.sp_size},     {"local_tokens", s.local_tokens}, {"repeats", s.repeats},
+        {"first_s", s.first_s},     {"second_s", s.second_s},         {"both_s", s.both_s},
+        {"barrier_s", s.barrier_s}, {"raw_s", s.raw_s},               {"switch_s", s.switch_s}};
+  }
   write_file_checked(path, doc.dump(1) + "\n");
 }
 

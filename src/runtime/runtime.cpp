@@ -109,54 +109,87 @@ std::vector<MicroBatchWork> rank_micro_batches(const StepPlan& plan, const std::
   if (plan.global_num_tokens <= 0) {
     throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}) has no tokens", plan.epoch, plan.index));
   }
+  const int64_t rounds = plan.num_rounds();
   for (const auto& g : plan.groups) {  // checked on every rank before any work, so all ranks fail alike
     if (layout_fits_heads(g.layout(), heads)) continue;
     const bool ring = g.sp_mode == SpMode::kUlyssesRing;
     throw std::invalid_argument(fmt::format(
         "step plan (epoch {}, index {}): {} {} does not divide the K/V heads {} (model.n_kv_heads, n_heads without "
-        "grouped-query attention; the group at rank {}: Ulysses shards heads; sp_mode ring does not)",
+        "grouped-query attention; the group at rank {}{}: Ulysses shards heads; sp_mode ring does not)",
         plan.epoch, plan.index, ring ? "ulysses_size" : "sp_size", ring ? g.ulysses_size : g.sp_size, heads,
-        g.first_rank));
+        g.first_rank, rounds > 1 ? fmt::format(" in round {}", g.round) : ""));
   }
-  const GroupPlan& group = plan.group_of(groups.world().rank());
-  const Communicator& sp_group = groups.group(group.sp_size);
+  const int64_t rank = groups.world().rank();
   std::vector<MicroBatchWork> out;
-  for (const auto& mb : group.micro_batches) {
-    std::vector<int64_t> mb_lengths;
-    for (int64_t id : mb.sample_ids) {
-      if (id < 0 || id >= static_cast<int64_t>(lengths.size())) {
-        throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}) names sample {} but only {} lengths "
-                                                "are known", plan.epoch, plan.index, id, lengths.size()));
+  for (int64_t round = 0; round < rounds; ++round) {
+    const GroupPlan& group = plan.group_of(rank, round);
+    const Communicator& sp_group = groups.group(group.sp_size);
+    const SpLayout layout = group.layout();
+    for (size_t m = 0; m < group.micro_batches.size(); ++m) {
+      const MicroBatch& mb = group.micro_batches[m];
+      std::vector<int64_t> mb_lengths;
+      for (int64_t id : mb.sample_ids) {
+        if (id < 0 || id >= static_cast<int64_t>(lengths.size())) {
+          throw std::invalid_argument(fmt::format("step plan (epoch {}, index {}) names sample {} but only {} "
+                                                  "lengths are known",
+                                                  plan.epoch, plan.index, id, lengths.size()));
+        }
+        mb_lengths.push_back(lengths[static_cast<size_t>(id)]);
       }
-      mb_lengths.push_back(lengths[static_cast<size_t>(id)]);
+      MicroBatchWork w;
+      w.sample_ids = mb.sample_ids;
+      w.shard = shard_range(mb_lengths, sp_group.rank(), layout);
+      w.context = MicroBatchContext{group.sp_size > 1 ? &sp_group : nullptr, group.sp_size, sp_group.rank(),
+                                    mb.recompute_layers, group.sp_mode};
+      w.round = round;
+      w.group_first_rank = group.first_rank;
+      w.layout = layout;
+      w.index = static_cast<int64_t>(m);
+      out.push_back(std::move(w));
     }
-    MicroBatchWork w;
-    w.sample_ids = mb.sample_ids;
-    w.shard = shard_range(mb_lengths, sp_group.rank(), group.layout());
-    w.context = MicroBatchContext{group.sp_size > 1 ? &sp_group : nullptr, group.sp_size, sp_group.rank(),
-                                  mb.recompute_layers, group.sp_mode};
-    out.push_back(std::move(w));
   }
   return out;
 }
 
+std::string describe_work(const StepPlan& plan, const MicroBatchWork& work) {
+  const std::string mode = work.layout.sp_size == 1 ? "none"
+                           : work.context.sp_mode == SpMode::kUlyssesRing
+                               ? fmt::format("ulysses-ring, ulysses_size {}", work.layout.ulysses_size)
+                               : sp_mode_name(work.context.sp_mode);
+  return fmt::format("step plan (epoch {}, index {}), {}the group at rank {} (sp_size {}, sp_mode {}), micro_batch {}",
+                     plan.epoch, plan.index,
+                     plan.num_rounds() > 1 ? fmt::format("round {} of {}, ", work.round, plan.num_rounds()) : "",
+                     work.group_first_rank, work.layout.sp_size, mode, work.index);
+}
+
 StepStats reduce_step(const StepPlan& plan, const std::vector<torch::Tensor>& parameters, double loss_sum,
-                      double busy_s, int64_t peak_bytes, const Communicator& world) {
-  // Gradients, then the loss, each rank's busy time in its own slot and its peak bytes in two slots. float32
-  // holds integers below 2^24 exactly, so the peak travels as (peak / 2^24, peak mod 2^24); the other ranks add
-  // zeros there, which keeps both parts exact up to 2^48 bytes.
+                      double busy_s, int64_t peak_bytes, const Communicator& world,
+                      const std::vector<double>& round_s) {
+  // Gradients, then the loss, each rank's busy time in its own slot, its peak bytes in two slots and its
+  // seconds per round in `rounds` slots. float32 holds integers below 2^24 exactly, so the peak travels as
+  // (peak / 2^24, peak mod 2^24); the other ranks add zeros there, which keeps both parts exact up to 2^48 bytes.
   const int64_t world_size = world.size();
+  const int64_t rounds = plan.num_rounds();
+  if (!round_s.empty() && static_cast<int64_t>(round_s.size()) != rounds) {
+    throw std::invalid_argument(fmt::format("reduce_step: {} round times for a plan of {} rounds", round_s.size(),
+                                            rounds));
+  }
   constexpr int64_t kSplit = int64_t{1} << 24;
   std::vector<torch::Tensor> parts;
   parts.reserve(parameters.size() + 1);
   for (const auto& p : parameters) {
     parts.push_back(p.grad().defined() ? p.grad().reshape(-1) : torch::zeros({p.numel()}, p.options()));
   }
-  auto extra = torch::zeros({1 + 3 * world_size}, parameters.empty() ? torch::kFloat32 : parameters[0].scalar_type());
+  const int64_t round_base = 1 + 3 * world_size;
+  auto extra = torch::zeros({round_base + rounds * world_size},
+                            parameters.empty() ? torch::kFloat32 : parameters[0].scalar_type());
   extra[0] = loss_sum;
   extra[1 + world.rank()] = busy_s;
   extra[1 + world_size + 2 * world.rank()] = static_cast<double>(peak_bytes / kSplit);
   extra[2 + world_size + 2 * world.rank()] = static_cast<double>(peak_bytes % kSplit);
+  for (size_t r = 0; r < round_s.size(); ++r) {
+    extra[round_base + static_cast<int64_t>(r) * world_size + world.rank()] = round_s[r];
+  }
   parts.push_back(extra);
   torch::Tensor flat = torch::cat(parts);
   world.allreduce_sum(flat);
@@ -177,6 +210,14 @@ StepStats reduce_step(const StepPlan& plan, const std::vector<torch::Tensor>& pa
     s.rank_busy_s.push_back(v[1 + i]);
     s.rank_peak_bytes.push_back(static_cast<int64_t>(v[1 + world_size + 2 * i]) * kSplit +
                                 static_cast<int64_t>(v[2 + world_size + 2 * i]));
+  }
+  if (!round_s.empty()) {
+    s.rank_round_s.assign(static_cast<size_t>(world_size), std::vector<double>(static_cast<size_t>(rounds)));
+    for (int64_t r = 0; r < rounds; ++r) {
+      for (int64_t i = 0; i < world_size; ++i) {
+        s.rank_round_s[static_cast<size_t>(i)][static_cast<size_t>(r)] = v[round_base + r * world_size + i];
+      }
+    }
   }
   return s;
 }

@@ -40,6 +40,7 @@ BenchStep parse_step(const json& j) {
     for (const auto& v : *it) sizes.insert(v.get<int64_t>());
     for (int64_t v : sizes) s.sp_sizes += (s.sp_sizes.empty() ? "" : "+") + std::to_string(v);
   }
+  if (auto it = j.find("rounds"); it != j.end() && it->is_number_integer()) s.rounds = it->get<int64_t>();
   if (auto it = j.find("rank_peak_bytes"); it != j.end() && it->is_array()) {
     for (const auto& b : *it) {
       if (b.is_number()) s.peak_bytes = max_of(s.peak_bytes, b.get<double>());
@@ -198,13 +199,15 @@ std::vector<BenchRepetition> summarize_repetitions(const std::vector<BenchRun>& 
       rep.tokens_per_s.emplace_back(run.planner, static_cast<double>(tokens) / seconds);
     }
     double best = 0, best_static = 0;
-    std::optional<double> dcp_opt;
+    std::optional<double> dcp_opt, one_round;
     for (const auto& [planner, v] : rep.tokens_per_s) {
       if (v > best) best = v, rep.fastest = planner;
       if (is_static_planner(planner)) best_static = std::max(best_static, v);
       if (planner == "dcp-opt") dcp_opt = v;
+      if (planner == "dcp-opt@1") one_round = v;
     }
     if (dcp_opt && best_static > 0) rep.dcp_opt_over_best_static = *dcp_opt / best_static;
+    if (dcp_opt && one_round && *one_round > 0) rep.dcp_opt_over_one_round = *dcp_opt / *one_round;
     reps.push_back(std::move(rep));
   }
   return reps;
@@ -217,11 +220,17 @@ std::string bench_repetition_table(const std::vector<BenchRepetition>& reps) {
     head += fmt::format(" {} tokens/s |", planner);
     rule += "---|";
   }
-  std::string out = head + " fastest | dcp-opt / best static |\n" + rule + "---|---|\n";
+  const bool one_round = std::any_of(reps.begin(), reps.end(), [](const BenchRepetition& r) {
+    return r.dcp_opt_over_one_round.has_value();
+  });
+  std::string out = head + " fastest | dcp-opt / best static |" + (one_round ? " dcp-opt / dcp-opt@1 |" : "") +
+                    "\n" + rule + "---|---|" + (one_round ? "---|" : "") + "\n";
   for (const auto& rep : reps) {
     out += fmt::format("| {} |", rep.index);
     for (const auto& entry : rep.tokens_per_s) out += fmt::format(" {:.0f} |", entry.second);
-    out += fmt::format(" {} | {} |\n", rep.fastest, fixed_or_na(rep.dcp_opt_over_best_static, 3));
+    out += fmt::format(" {} | {} |", rep.fastest, fixed_or_na(rep.dcp_opt_over_best_static, 3));
+    if (one_round) out += fmt::format(" {} |", fixed_or_na(rep.dcp_opt_over_one_round, 3));
+    out += "\n";
   }
   return out;
 }

@@ -19,6 +19,7 @@ struct BenchStep {
   std::optional<double> predicted_step_s;  ///< null on a run's first step (no calibration yet)
   std::optional<double> model_step_s;      ///< the cost model's uncalibrated prediction (metrics `model_step_s`)
   std::string sp_sizes;                    ///< the step's distinct group SP sizes, ascending, "+"-joined ("1+2")
+  int64_t rounds = 1;                      ///< the plan's rounds (metrics `rounds`; absent before rounds: 1)
   std::optional<double> peak_bytes;        ///< largest of the step's `rank_peak_bytes`, when the trainer writes them
 };
 
@@ -73,6 +74,7 @@ struct BenchRepetition {
   std::vector<std::pair<std::string, double>> tokens_per_s;
   std::string fastest;                          ///< the planner with the most tokens/s
   std::optional<double> dcp_opt_over_best_static;  ///< dcp-opt's tokens/s over the fastest static planner's
+  std::optional<double> dcp_opt_over_one_round;    ///< dcp-opt's tokens/s over dcp-opt@1's (train.max_rounds 1)
 };
 
 /// One BenchRepetition per slice. Throws std::invalid_argument when slice_steps < 1, std::runtime_error naming
@@ -80,8 +82,8 @@ struct BenchRepetition {
 std::vector<BenchRepetition> summarize_repetitions(const std::vector<BenchRun>& runs,
                                                    const std::set<int64_t>& warmup_steps, int64_t slice_steps);
 
-/// The repetitions as a markdown table: tokens/s per planner, the fastest planner, and dcp-opt's tokens/s over
-/// the fastest static planner's when both ran.
+/// The repetitions as a markdown table: tokens/s per planner, the fastest planner, dcp-opt's tokens/s over
+/// the fastest static planner's when both ran, and over dcp-opt@1's (one partition per step) when both ran.
 std::string bench_repetition_table(const std::vector<BenchRepetition>& reps);
 
 /// Per step composition of SP sizes (BenchStep::sp_sizes), over every run's measured steps with a model_step_s:

@@ -62,16 +62,23 @@ std::string bench_markdown(const PlannerBench& opt, const Config& cfg, const std
   const std::vector<BenchRepetition> reps = summarize_repetitions(runs, warmup, slice_steps);
   md += fmt::format("\nPer repetition (slice; its warm-up step excluded):\n\n{}", bench_repetition_table(reps));
   int64_t opt_fastest = 0;
-  std::vector<double> opt_vs_static;
+  std::vector<double> opt_vs_static, opt_vs_one_round;
   for (const auto& rep : reps) {
     opt_fastest += rep.fastest == "dcp-opt";
     if (rep.dcp_opt_over_best_static) opt_vs_static.push_back(*rep.dcp_opt_over_best_static);
+    if (rep.dcp_opt_over_one_round) opt_vs_one_round.push_back(*rep.dcp_opt_over_one_round);
   }
   if (!opt_vs_static.empty()) {
     const auto [lo, hi] = std::minmax_element(opt_vs_static.begin(), opt_vs_static.end());
     md += fmt::format("\ndcp-opt was the fastest planner in {} of {} repetitions; its tokens/s over the best static "
                       "planner's (static, bucket, packed) ranged {:.3f}..{:.3f} over the repetitions.\n",
                       opt_fastest, reps.size(), *lo, *hi);
+  }
+  if (!opt_vs_one_round.empty()) {
+    const auto [lo, hi] = std::minmax_element(opt_vs_one_round.begin(), opt_vs_one_round.end());
+    md += fmt::format("dcp-opt's tokens/s over dcp-opt@1's (one partition per step, train.max_rounds 1) ranged "
+                      "{:.3f}..{:.3f} over the repetitions.\n",
+                      *lo, *hi);
   }
   const auto sp_errors = model_error_by_sp_sizes(runs, warmup);
   if (!sp_errors.empty()) {
@@ -123,8 +130,11 @@ int run_planner_bench(const PlannerBench& opt, const Config& cfg, std::string* f
                                        "--grace", fmt::format("{}", opt.grace_s), "--", "train"};
       if (!opt.config_path.empty()) args.insert(args.end(), {"--config", opt.config_path});
       args.insert(args.end(), overrides.begin(), overrides.end());
-      args.insert(args.end(), {"--train.planner=" + planner, fmt::format("--train.stop_after_steps={}", slice_steps),
-                               "--run.dir=" + run_dir.string()});
+      // NAME@R: planner NAME with at most R rounds per step.
+      const size_t at = planner.find('@');
+      args.insert(args.end(), {"--train.planner=" + planner.substr(0, at),
+                               fmt::format("--train.stop_after_steps={}", slice_steps), "--run.dir=" + run_dir.string()});
+      if (at != std::string::npos) args.push_back("--train.max_rounds=" + planner.substr(at + 1));
       if (r > 0) args.push_back("--resume");
       const fs::path log = run_dir / fmt::format("bench_slice{}.log", r + 1);
       const auto start = std::chrono::steady_clock::now();

@@ -16,12 +16,13 @@
 namespace dcp {
 namespace {
 
-// A group's SP size and mode: (sp_size, mode name, ulysses_size of ulysses-ring else 0); mode "-" for sp 1.
-using SizeMode = std::tuple<int64_t, std::string, int64_t>;
+// A group's round, SP size and mode: (round, sp_size, mode name, ulysses_size of ulysses-ring else 0); mode "-"
+// for sp 1.
+using SizeMode = std::tuple<int64_t, int64_t, std::string, int64_t>;
 
 SizeMode size_mode_of(const GroupPlan& g) {
-  if (g.sp_size == 1) return {1, "-", 0};
-  return {g.sp_size, sp_mode_name(g.sp_mode), g.sp_mode == SpMode::kUlyssesRing ? g.ulysses_size : 0};
+  if (g.sp_size == 1) return {g.round, 1, "-", 0};
+  return {g.round, g.sp_size, sp_mode_name(g.sp_mode), g.sp_mode == SpMode::kUlyssesRing ? g.ulysses_size : 0};
 }
 
 // What a planner's groups of one SP size and mode ran over the epoch.
@@ -33,6 +34,7 @@ struct Row {
   std::string planner;
   double epoch_s = 0, lower_bound_s = 0, mean_imbalance = 0, plan_ms_per_step = 0, peak_gb = 0;
   int64_t steps = 0, trained = 0, skipped = 0;
+  int64_t rounds = 0, steps_with_rounds = 0;  // rounds over all steps; steps of more than one round
   std::set<int64_t> sp_sizes;  // of groups that ran micro-batches
   std::map<SizeMode, SizeUse> by_sp_size;
 };
@@ -66,6 +68,8 @@ Row simulate(const std::string& name, const std::vector<Sample>& samples, int64_
       }
     }
     for (int64_t id : ids) ++seen[static_cast<size_t>(id)];
+    row.rounds += step.num_rounds();
+    row.steps_with_rounds += step.num_rounds() > 1 ? 1 : 0;
     const StepCost c = evaluate_step(step, samples, world, cost, memory);
     if (c.peak_bytes > memory.budget_bytes()) {
       throw std::runtime_error(fmt::format("planner {} step {}: predicted peak {:.1f} GB exceeds the budget {:.1f} GB",
@@ -135,12 +139,14 @@ void run_simulation(const PlanningInputs& in, const std::vector<std::string>& na
                      {"samples_skipped", r.skipped},
                      {"steps", r.steps},
                      {"peak_memory_gb", r.peak_gb},
+                     {"rounds_per_step", r.steps > 0 ? static_cast<double>(r.rounds) / static_cast<double>(r.steps) : 0.0},
+                     {"steps_with_rounds", r.steps_with_rounds},
                      {"sp_sizes", r.sp_sizes}});
       if (by_sp_size) {
         nlohmann::json uses = nlohmann::json::array();
         for (const auto& [key, u] : r.by_sp_size) {
-          const auto& [sp, mode, ulysses] = key;
-          uses.push_back({{"sp_size", sp}, {"sp_mode", mode}, {"ulysses_size", ulysses}, {"groups", u.groups}, {"micro_batches", u.micro_batches},
+          const auto& [round, sp, mode, ulysses] = key;
+          uses.push_back({{"round", round}, {"sp_size", sp}, {"sp_mode", mode}, {"ulysses_size", ulysses}, {"groups", u.groups}, {"micro_batches", u.micro_batches},
                           {"samples", u.samples}, {"tokens", u.tokens},
                           {"mean_recompute_layers", static_cast<double>(u.recompute_layers) / u.micro_batches}});
         }
@@ -159,21 +165,24 @@ void run_simulation(const PlanningInputs& in, const std::vector<std::string>& na
                                       : fmt::format("<= {} tokens", opt.tokens_per_step),
              opt.native_iterations ? "; dcp-intra, dcp-inter, dcp-inter-pac: their own iterations" : "");
   fmt::print("| planner | predicted_epoch_s | mean_imbalance | speedup_vs_bucket | lower_bound_ratio | "
-             "plan_ms_per_step | samples_trained | samples_skipped | steps | peak_memory_gb | sp_sizes |\n");
-  fmt::print("|---|---|---|---|---|---|---|---|---|---|---|\n");
+             "plan_ms_per_step | samples_trained | samples_skipped | steps | rounds_per_step | steps_with_rounds | "
+             "peak_memory_gb | sp_sizes |\n");
+  fmt::print("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& r : rows) {
-    fmt::print("| {} | {:.1f} | {:.3f} | {:.2f} | {:.3f} | {:.2f} | {} | {} | {} | {:.1f} | {} |\n", r.planner,
-               r.epoch_s, r.mean_imbalance, bucket_s / r.epoch_s, r.lower_bound_s / r.epoch_s, r.plan_ms_per_step,
-               r.trained, r.skipped, r.steps, r.peak_gb, fmt::join(r.sp_sizes, ","));
+    fmt::print("| {} | {:.1f} | {:.3f} | {:.2f} | {:.3f} | {:.2f} | {} | {} | {} | {:.2f} | {} | {:.1f} | {} |\n",
+               r.planner, r.epoch_s, r.mean_imbalance, bucket_s / r.epoch_s, r.lower_bound_s / r.epoch_s,
+               r.plan_ms_per_step, r.trained, r.skipped, r.steps,
+               r.steps > 0 ? static_cast<double>(r.rounds) / static_cast<double>(r.steps) : 0.0, r.steps_with_rounds,
+               r.peak_gb, fmt::join(r.sp_sizes, ","));
   }
   if (!by_sp_size) return;
-  fmt::print("\n| planner | sp_size | sp_mode | ulysses_size | groups | micro_batches | samples | tokens | token_share | "
-             "mean_recompute_layers |\n");
-  fmt::print("|---|---|---|---|---|---|---|---|---|---|\n");
+  fmt::print("\n| planner | round | sp_size | sp_mode | ulysses_size | groups | micro_batches | samples | tokens | "
+             "token_share | mean_recompute_layers |\n");
+  fmt::print("|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& r : rows) {
     for (const auto& [key, u] : r.by_sp_size) {
-      const auto& [sp, mode, ulysses] = key;
-      fmt::print("| {} | {} | {} | {} | {} | {} | {} | {} | {:.3f} | {:.2f} |\n", r.planner, sp, mode,
+      const auto& [round, sp, mode, ulysses] = key;
+      fmt::print("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.3f} | {:.2f} |\n", r.planner, round, sp, mode,
                  ulysses > 0 ? std::to_string(ulysses) : "-", u.groups, u.micro_batches,
                  u.samples, u.tokens, static_cast<double>(u.tokens) / static_cast<double>(tokens),
                  static_cast<double>(u.recompute_layers) / static_cast<double>(u.micro_batches));

@@ -27,8 +27,9 @@ struct PlanningInputs {
 /// Plans the samples of `in` with every planner of `names` on `world_size` ranks, validates every step (a partition
 /// of the ranks, every sample exactly once, the predicted peak within the budget) and prints, per planner, the
 /// predicted epoch, the lower bound and their ratio, the speed-up over bucket (planned too when not named), the
-/// planning time, samples trained and skipped and the SP sizes used: a markdown table, with `by_sp_size` one more per
-/// SP size and mode, or with `json` one JSON array. `native_iterations`: dcp-intra, dcp-inter and dcp-inter-pac form
+/// planning time, samples trained and skipped, the rounds per step (and the steps of more than one) and the SP
+/// sizes used: a markdown table, with `by_sp_size` one more per round index, SP size and mode (groups counted in
+/// each round they run), or with `json` one JSON array. `native_iterations`: dcp-intra, dcp-inter and dcp-inter-pac form
 /// their own iterations (PlannerOptions). Throws std::runtime_error naming the planner and the step for an invalid
 /// plan or a predicted peak over the budget, and when a planner fits no sample.
 void run_simulation(const PlanningInputs& in, const std::vector<std::string>& names, int64_t world_size,

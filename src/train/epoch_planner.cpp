@@ -18,7 +18,8 @@ EpochPlanner::EpochPlanner(const TrainConfig& train, const ParallelConfig& paral
       name_(file_plans_.empty() ? train.planner : "plan-file"),
       seed_(seed),
       world_size_(world_size),
-      global_batch_tokens_(train.global_batch_tokens) {
+      global_batch_tokens_(train.global_batch_tokens),
+      max_rounds_(train.max_rounds) {
   const int64_t longest = length_histogram(train_lengths).max;
   // A ring shards the sequence without sharding heads, so every size of parallel.sp_sizes serves it.
   const SpMode sp_mode = sp_mode_from_name(parallel.sp_mode);
@@ -56,6 +57,7 @@ std::vector<StepPlan> EpochPlanner::plans(int64_t epoch) {
     PlannerOptions opt;
     opt.seed = seed_;
     opt.tokens_per_step = global_batch_tokens_;
+    opt.max_rounds = max_rounds_;
     set = plan_training_epoch(planner_, corpus_.samples(), corpus_.train_ids(), epoch, world_size_, models_.cost,
                               models_.memory, opt);
   }

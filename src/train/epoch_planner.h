@@ -18,7 +18,7 @@ namespace dcp {
 
 class EpochPlanner {
  public:
-  /// Built from train.* (planner, batch sizes), parallel.* (the static layout's sp_size, sp_sizes, sp_mode,
+  /// Built from train.* (planner, max_rounds, batch sizes), parallel.* (the static layout's sp_size, sp_sizes, sp_mode,
   /// ulysses_size), model.n_heads and model.recompute_layers, run.seed. Logs what one sample of each length needs
   /// under the memory budget and, for the static planner sized to the longest sample (parallel.sp_size 0), the
   /// layout it chose. `file_plans` non-empty: every epoch runs them, in order. The referenced corpus and models
@@ -43,7 +43,7 @@ class EpochPlanner {
   std::vector<StepPlan> file_plans_;
   std::string planner_, name_;
   uint64_t seed_;
-  int64_t world_size_, global_batch_tokens_;
+  int64_t world_size_, global_batch_tokens_, max_rounds_;
   DataParallelOptions dp_;
   int64_t static_max_sample_tokens_ = std::numeric_limits<int64_t>::max();  // static: longer samples skipped
   std::vector<LengthNeed> needs_;

@@ -50,7 +50,7 @@ std::vector<double> RunRecord::predicted_rank_peaks(const StepPlan& plan) const 
       peak = std::max(peak, memory_.bytes(lengths_of(mb, samples_), g.sp_size, mb.recompute_layers));
     }
     for (int64_t r = g.first_rank; r < g.first_rank + g.sp_size && r < world_size_; ++r) {
-      out[static_cast<size_t>(r)] = peak;
+      out[static_cast<size_t>(r)] = std::max(out[static_cast<size_t>(r)], peak);  // the max over its rounds
     }
   }
   return out;
@@ -87,7 +87,7 @@ std::vector<double> RunRecord::record_memory(const StepPlan& plan, const StepSta
 RunRecord::PlanRecord RunRecord::record_plan(const StepPlan& plan) {
   PlanRecord p;
   p.rank_recompute.assign(static_cast<size_t>(world_size_), 0);
-  auto& [sp_sizes, sp_modes, group_micro_batches, rank_recompute, step_flops] = p;
+  auto& [sp_sizes, sp_modes, group_micro_batches, rank_recompute, round_sp_sizes, step_flops] = p;
   for (const auto& g : plan.groups) {
     sp_sizes.push_back(g.sp_size);
     sp_modes.push_back(g.sp_size > 1 ? sp_mode_name(g.sp_mode) : "none");
@@ -104,10 +104,14 @@ RunRecord::PlanRecord RunRecord::record_plan(const StepPlan& plan) {
       step_flops += f.linear + f.attention;
     }
     for (int64_t rk = g.first_rank; rk < g.first_rank + g.sp_size && rk < world_size_; ++rk) {
-      rank_recompute[static_cast<size_t>(rk)] = most;
+      rank_recompute[static_cast<size_t>(rk)] = std::max(rank_recompute[static_cast<size_t>(rk)], most);
     }
+    if (static_cast<int64_t>(round_sp_sizes.size()) <= g.round) round_sp_sizes.resize(static_cast<size_t>(g.round + 1));
+    round_sp_sizes[static_cast<size_t>(g.round)].push_back(g.sp_size);
   }
   ++steps_;
+  rounds_ += plan.num_rounds();
+  steps_with_rounds_ += plan.num_rounds() > 1 ? 1 : 0;
   if (std::adjacent_find(sp_sizes.begin(), sp_sizes.end(), std::not_equal_to<>()) != sp_sizes.end()) {
     ++steps_mixed_sp_;
   }
@@ -122,7 +126,8 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
   seconds_ += step_time_s;
 
   // Online recalibration: the model's prediction times an EMA of measured / predicted over past steps.
-  const double raw_prediction = evaluate_step(plan, samples_, world_size_, cost_, memory_).step_s;
+  const StepCost model = evaluate_step(plan, samples_, world_size_, cost_, memory_);
+  const double raw_prediction = model.step_s;
   predicted_s_ += raw_prediction;
   step_sample_ids_.push_back(plan.sample_ids());
   const json predicted = state.cost_calibration > 0 ? json(state.cost_calibration * raw_prediction) : json();
@@ -150,6 +155,10 @@ json RunRecord::step(const StepPlan& plan, const StepStats& r, double step_time_
           {"imbalance", max_busy > 0 ? 1.0 - mean_busy / max_busy : 0.0},
           {"sp_sizes", p.sp_sizes},
           {"sp_modes", p.sp_modes},
+          {"rounds", plan.num_rounds()},
+          {"round_sp_sizes", p.round_sp_sizes},
+          {"model_round_s", model.round_makespan_s},
+          {"rank_round_s", r.rank_round_s},
           {"group_micro_batches", p.group_micro_batches},
           {"model_flops", p.flops},
           {"predicted_step_s", predicted},
@@ -160,6 +169,8 @@ json RunRecord::summary() const {
   json plans = {{"groups_by_sp_size", counts(groups_by_sp_)},
                 {"sp_groups_by_mode", sp_groups_by_mode_},
                 {"steps_mixed_sp", steps_mixed_sp_},
+                {"steps_with_rounds", steps_with_rounds_},
+                {"rounds_per_step_mean", steps_ > 0 ? json(static_cast<double>(rounds_) / static_cast<double>(steps_)) : json()},
                 {"micro_batches_by_recompute_layers", counts(micro_batches_by_recompute_)},
                 {"micro_batches_per_group_mean",
                  micro_batches_per_group_.empty()

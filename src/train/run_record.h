@@ -39,7 +39,8 @@ class RunRecord {
     std::vector<int64_t> sp_sizes;
     std::vector<std::string> sp_modes;      ///< "none" for sp 1
     std::vector<int64_t> group_micro_batches;
-    std::vector<int64_t> rank_recompute;    ///< per rank: the most layers a micro-batch of its group recomputes
+    std::vector<int64_t> rank_recompute;    ///< per rank: the most layers a micro-batch of its groups recomputes
+    std::vector<std::vector<int64_t>> round_sp_sizes;  ///< per round: its groups' SP sizes
     double flops = 0;                       ///< the model's FLOPs without recompute
   };
   std::vector<double> predicted_rank_peaks(const StepPlan& plan) const;
@@ -61,7 +62,7 @@ class RunRecord {
   std::vector<double> prediction_errors_;  // |calibrated prediction / measured - 1| per step
   std::vector<double> model_errors_;       // |uncalibrated cost-model prediction / measured - 1| per step
   double flops_ = 0, seconds_ = 0, predicted_s_ = 0;
-  int64_t steps_ = 0, steps_mixed_sp_ = 0;
+  int64_t steps_ = 0, steps_mixed_sp_ = 0, steps_with_rounds_ = 0, rounds_ = 0;
   std::map<int64_t, int64_t> groups_by_sp_, micro_batches_by_recompute_;
   std::map<std::string, int64_t> sp_groups_by_mode_;  // groups of sp_size > 1 by sp_mode
   std::vector<double> micro_batches_per_group_;

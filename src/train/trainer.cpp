@@ -220,6 +220,7 @@ json Trainer::summary(double final_bpb, double train_time_s) const {
                   {"samples_skipped", skipped},
                   {"precision", precision_name(setup_.precision.precision)},
                   {"planner", planner_->name()},
+                  {"max_rounds", train_cfg_.max_rounds},
                   {"cost_model", train_cfg_.cost_model},
                   {"cost_model_file", models_.source},
                   {"memory_budget_bytes", models_.memory.budget_bytes()},
@@ -237,6 +238,7 @@ json Trainer::summary(double final_bpb, double train_time_s) const {
                   {"world_size", groups_.env().world_size},
                   {"process_group_creation_s", groups_.creation_seconds()},
                   {"restarts", groups_.env().restart_count},
+                  {"process_group_warm_up_s", groups_.warm_up_seconds()},
                   {"threads_per_rank", setup_.threads},
                   {"parameters", parameters_}};
   summary.update(record_->summary());

@@ -83,8 +83,10 @@ void visit(C& c, F&& f) {
   f("train.nonfinite_max_skips", c.train.nonfinite_max_skips, IntRule{0, 1000000});
   f("train.precision", c.train.precision, Choices{"auto", "bf16", "fp32"});
   f("train.planner", c.train.planner, Choices{"static", "bucket", "packed", "dcp-intra", "dcp-inter", "dcp-inter-pac", "dcp-opt"});
+  f("train.max_rounds", c.train.max_rounds, IntRule{0, 1 << 20});
   f("train.cost_model", c.train.cost_model, Choices{});
   f("train.profile_dir", c.train.profile_dir, EmptyOrText{});
+  f("train.profile_max_length", c.train.profile_max_length, IntRule{0, 1 << 24});
   f("parallel.sp_size", c.parallel.sp_size, IntRule{0, 1 << 20});
   f("parallel.sp_sizes", c.parallel.sp_sizes, Choices{});
   f("parallel.sp_mode", c.parallel.sp_mode, Choices{"ulysses", "ring", "ulysses-ring"});

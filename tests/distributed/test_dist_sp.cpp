@@ -325,3 +325,56 @@ TEST(GroupedQueryAttention, UlyssesBeyondTheKvHeadsIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("sp_size 4 does not divide the K/V heads 2"), std::string::npos) << e.what();
   }
 }
+
+// ---------------------------------------------------------------------------------------------- rounds
+
+namespace {
+
+// `g` in round `round` of its step.
+GroupPlan in_round(GroupPlan g, int64_t round) {
+  g.round = round;
+  return g;
+}
+
+}  // namespace
+
+// A step of several rounds (the ranks repartitioned within the step) computes the single-process gradient: sp 1,
+// Ulysses, ring and ulysses-ring groups in different rounds, a rank idle in one round, recompute varying.
+TEST(Rounds, PlansOfTwoToFourRoundsGradientEqualsSingleProcess) {
+  Config cfg = tiny_config();
+  Corpus corpus = tiny_corpus(cfg);
+  const std::vector<StepPlan> plans{
+      // Long samples on all four ranks first, then the short ones on their own ranks.
+      make_plan({in_round(GroupPlan{0, 4, {micro_batch(corpus, {11, 10}, 2)}}, 0),
+                 in_round(GroupPlan{0, 1, {micro_batch(corpus, {0, 1}, 0)}}, 1),
+                 in_round(GroupPlan{1, 1, {micro_batch(corpus, {2}, 3)}}, 1),
+                 in_round(GroupPlan{2, 1, {micro_batch(corpus, {3}, 0), micro_batch(corpus, {4}, 1)}}, 1),
+                 in_round(GroupPlan{3, 1, {}}, 1)}),
+      // Three rounds: a ring of 4, then a Ulysses pair beside two single ranks, then ulysses-ring 2 x 2.
+      make_plan({in_round(ring_group(0, 4, {micro_batch(corpus, {9}, 1)}, SpMode::kRing), 0),
+                 in_round(GroupPlan{0, 2, {micro_batch(corpus, {8, 0}, 0)}}, 1),
+                 in_round(GroupPlan{2, 1, {micro_batch(corpus, {1}, 2)}}, 1),
+                 in_round(GroupPlan{3, 1, {micro_batch(corpus, {2, 3}, 0)}}, 1),
+                 in_round(ring_group(0, 4, {micro_batch(corpus, {7, 6}, 3)}, SpMode::kUlyssesRing, 2), 2)}),
+      // Four rounds, each rank in a differently sized group every round.
+      make_plan({in_round(GroupPlan{0, 1, {micro_batch(corpus, {0}, 0)}}, 0),
+                 in_round(GroupPlan{1, 1, {micro_batch(corpus, {1}, 0)}}, 0),
+                 in_round(ring_group(2, 2, {micro_batch(corpus, {5}, 1)}, SpMode::kRing), 0),
+                 in_round(GroupPlan{0, 4, {micro_batch(corpus, {10}, 1)}}, 1),
+                 in_round(GroupPlan{0, 2, {micro_batch(corpus, {4}, 2)}}, 2),
+                 in_round(GroupPlan{2, 1, {micro_batch(corpus, {2}, 0)}}, 2),
+                 in_round(GroupPlan{3, 1, {micro_batch(corpus, {3}, 3)}}, 2),
+                 in_round(ring_group(0, 4, {micro_batch(corpus, {11}, 0)}, SpMode::kRing), 3)}),
+  };
+  for (size_t i = 0; i < plans.size(); ++i) {
+    SCOPED_TRACE("plan " + std::to_string(i));
+    ASSERT_EQ(plans[i].num_rounds(), static_cast<int64_t>(i) + 2);
+    plans[i].validate(4, corpus.samples(), cfg.model.n_layers);
+    expect_step_matches_reference(cfg, corpus, plans[i]);
+    // Every rank timed each of its rounds.
+    Transformer model = fresh_model(cfg);
+    const StepStats r = compute_step_gradients(model, corpus, plans[i], groups());
+    ASSERT_EQ(r.rank_round_s.size(), 4u);
+    for (const auto& rounds : r.rank_round_s) EXPECT_EQ(rounds.size(), static_cast<size_t>(plans[i].num_rounds()));
+  }
+}

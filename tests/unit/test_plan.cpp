@@ -183,3 +183,126 @@ TEST(StepPlan, IntegerFieldsAreJsonIntegers) {
     EXPECT_NE(message.find("is not a 64-bit JSON integer"), std::string::npos) << to << ": " << message;
   }
 }
+
+// ---------------------------------------------------------------------------------------------- rounds
+
+namespace {
+
+GroupPlan group(int64_t first, int64_t sp, std::vector<MicroBatch> mbs, int64_t round) {
+  GroupPlan g{first, sp, std::move(mbs)};
+  g.round = round;
+  return g;
+}
+
+// Samples of 10, 20, 30, 40 tokens; round 0: one group of 2 ranks, round 1: two single ranks.
+StepPlan two_round_plan() {
+  StepPlan p;
+  p.groups = {group(0, 2, {MicroBatch{{3}, 40, 1}}, 0), group(0, 1, {MicroBatch{{0, 1}, 30, 0}}, 1),
+              group(1, 1, {MicroBatch{{2}, 30, 2}}, 1)};
+  p.global_num_tokens = 100;
+  return p;
+}
+
+const std::vector<Sample> kFour = {{0, 10, "a"}, {1, 20, "b"}, {2, 30, "c"}, {3, 40, "d"}};
+
+}  // namespace
+
+// A one-round plan is written as before rounds existed: top-level "groups", the same text and the same hash
+// (pinned here: FNV-1a of this exact text, >> 2).
+TEST(StepPlanRounds, OneRoundPlansKeepTheirJsonAndHash) {
+  StepPlan p;
+  p.groups = {GroupPlan{0, 4, {MicroBatch{{0, 1}, 30, 0}}}};
+  p.global_num_tokens = 30;
+  const std::string text =
+      R"({"epoch":0,"global_num_tokens":30,"groups":[{"first_rank":0,"micro_batches":[{"num_tokens":30,)"
+      R"("recompute_layers":0,"sample_ids":[0,1]}],"sp_size":4}],"index":0})";
+  EXPECT_EQ(p.to_json(), text);
+  EXPECT_EQ(p.hash(), int64_t{4565619523495906128});
+  EXPECT_EQ(p.num_rounds(), 1);
+  // The same plan written as one round of "rounds" reads back as the one-round plan.
+  const std::string as_rounds =
+      R"({"epoch":0,"global_num_tokens":30,"rounds":[{"groups":[{"first_rank":0,"micro_batches":[{"num_tokens":30,)"
+      R"("recompute_layers":0,"sample_ids":[0,1]}],"sp_size":4}]}],"index":0})";
+  EXPECT_EQ(StepPlan::from_json(as_rounds).to_json(), text);
+}
+
+TEST(StepPlanRounds, RoundsRoundTripAndEachRoundPartitionsTheRanks) {
+  const StepPlan p = two_round_plan();
+  EXPECT_EQ(p.num_rounds(), 2);
+  EXPECT_NO_THROW(p.validate(2, kFour, 2));
+  const std::string text = p.to_json();
+  EXPECT_NE(text.find("\"rounds\""), std::string::npos);
+  EXPECT_EQ(text.find("\"round\""), std::string::npos);  // a round is where its group is listed
+  const StepPlan back = StepPlan::from_json(text);
+  EXPECT_EQ(back.to_json(), text);
+  EXPECT_EQ(back.hash(), p.hash());
+  ASSERT_EQ(back.groups.size(), 3u);
+  EXPECT_EQ(back.groups[0].round, 0);
+  EXPECT_EQ(back.groups[2].round, 1);
+  EXPECT_EQ(back.group_of(1, 0).sp_size, 2);
+  EXPECT_EQ(back.group_of(1, 1).first_rank, 1);
+  EXPECT_NE(test::error_of([&] { back.group_of(1, 2); }).find("no group for rank 1 in round 2"), std::string::npos);
+  EXPECT_EQ(back.sample_ids(), (std::vector<int64_t>{3, 0, 1, 2}));
+  // Moving a group to another round changes the plan, its JSON and its hash.
+  StepPlan merged = p;
+  for (auto& g : merged.groups) g.round = 0;
+  merged.groups = {merged.groups[1], merged.groups[2]};
+  merged.groups[0].micro_batches.push_back(MicroBatch{{3}, 40, 1});
+  EXPECT_NO_THROW(merged.validate(2, kFour, 2));
+  EXPECT_NE(merged.hash(), p.hash());
+}
+
+// Validation names the round and the group; a sample used in two rounds names both places.
+TEST(StepPlanRounds, ValidationNamesTheRoundAndTheGroup) {
+  auto message = [](const StepPlan& p) { return test::error_of([&] { p.validate(2, kFour, 2); }); };
+  StepPlan hole = two_round_plan();
+  hole.groups.pop_back();
+  hole.global_num_tokens = 70;
+  EXPECT_EQ(message(hole), "step plan (epoch 0, index 0): round 1: rank 1 is in no group");
+  StepPlan twice = two_round_plan();
+  twice.groups[2].micro_batches[0] = MicroBatch{{3}, 40, 0};
+  twice.global_num_tokens = 110;
+  EXPECT_EQ(message(twice),
+            "step plan (epoch 0, index 0): sample id 3 is used twice: in micro_batch 0 of the group at rank 0 in "
+            "round 0 and in micro_batch 0 of the group at rank 1 in round 1");
+  StepPlan overlap = two_round_plan();
+  overlap.groups[2].first_rank = 0;
+  EXPECT_EQ(message(overlap), "step plan (epoch 0, index 0): round 1: rank 0 is in more than one group");
+  StepPlan unaligned = two_round_plan();
+  unaligned.groups[0] = group(1, 2, {MicroBatch{{3}, 40, 1}}, 0);
+  EXPECT_EQ(message(unaligned), "step plan (epoch 0, index 0): round 0: group [1, 3) is outside world_size 2");
+  StepPlan deep = two_round_plan();
+  deep.groups[1].micro_batches[0].recompute_layers = 5;
+  EXPECT_EQ(message(deep), "step plan (epoch 0, index 0): round 1: recompute_layers 5 outside [0, 2]");
+  StepPlan order = two_round_plan();
+  std::swap(order.groups[0], order.groups[2]);
+  EXPECT_NE(message(order).find("is listed after a group of round 1 (groups are listed by round)"), std::string::npos);
+  StepPlan gap = two_round_plan();
+  for (auto& g : gap.groups) g.round *= 2;  // rounds 0 and 2
+  EXPECT_EQ(message(gap), "step plan (epoch 0, index 0): round 1 has no group (the groups of a round partition the ranks)");
+  StepPlan negative = two_round_plan();
+  negative.groups[0].round = -1;
+  EXPECT_NE(message(negative).find("has round -1"), std::string::npos);
+}
+
+TEST(StepPlanRounds, MalformedRoundsAreRefusedNamingThem) {
+  const std::string head = R"({"epoch":0,"index":0,"global_num_tokens":30,)";
+  const std::string g = R"({"first_rank":0,"sp_size":1,"micro_batches":[{"sample_ids":[0,1],"num_tokens":30}]})";
+  auto message = [](const std::string& text) { return test::error_of([&] { StepPlan::from_json(text); }); };
+  EXPECT_NE(message(head + R"("groups":[)" + g + R"(],"rounds":[{"groups":[)" + g + "]}]}").find("has both"),
+            std::string::npos);
+  EXPECT_NE(message(head + R"("rounds":[]})").find("field 'rounds' in step (epoch 0, index 0) is empty"),
+            std::string::npos);
+  EXPECT_NE(message(head + R"("rounds":[{"groups":[)" + g + R"(]},{"groups":[]}]})")
+                .find("round 1 has no group"),
+            std::string::npos);
+  EXPECT_NE(message(head + R"("rounds":[{"groups":[)" + g + R"(]},{}]})")
+                .find("missing field 'groups' in step (epoch 0, index 0) round 1"),
+            std::string::npos);
+  EXPECT_NE(message(head + R"("rounds":{"groups":[]}})").find("is not a list"), std::string::npos);
+  EXPECT_NE(message(head + R"("rounds":[{"groups":[{"first_rank":0,"sp_size":1.5,"micro_batches":[]}]}]})")
+                .find("field 'sp_size' in step (epoch 0, index 0) round 0 group"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"epoch":0,"index":0,"global_num_tokens":30})").find("missing field 'groups'"),
+            std::string::npos);
+}

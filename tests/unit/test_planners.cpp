@@ -336,7 +336,8 @@ TEST(Planner, SplitStepsRespectsBudgetsAndRejectsBadIds) {
 }
 
 // dcp-opt is a heuristic (see planners.h); on tiny cases its makespan must stay within 10% of the optimum
-// over all power-of-two layouts and assignments (packing only helps it, since overhead is zero here).
+// over all power-of-two layouts and assignments (packing only helps it, since overhead is zero here). One
+// partition per step (max_rounds 1): that is the space the brute force enumerates; rounds may beat it.
 TEST(Planner, DcpOptNearBruteForceOnTinyCases) {
   DeviceSpec dev = kH200;
   dev.micro_batch_overhead_s = 0;
@@ -351,6 +352,7 @@ TEST(Planner, DcpOptNearBruteForceOnTinyCases) {
     const auto samples = random_samples(n, 400'000, seed + 100);
     PlannerOptions opt;
     opt.samples_per_step = n;
+    opt.max_rounds = 1;
     const PlanSet set = plan_dcp_opt(samples, world, cost, memory, opt);
     if (!set.skipped_ids.empty()) continue;
     ++checked;
@@ -574,4 +576,178 @@ TEST(Planner, HugeBudgetsNeitherOverflowNorHang) {
       for (const auto& step : set.steps) ASSERT_NO_THROW(step.validate(4, samples, kShape.layers)) << name;
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------- rounds
+
+// A step of rounds takes the sum of its rounds' makespans, one round switch per round after the first, and the
+// gradient all-reduce.
+TEST(Rounds, EvaluateStepSumsTheRoundsMakespans) {
+  DeviceSpec dev = kH200;
+  dev.round_switch_s = 0.25;
+  const CostModel cost(kShape, dev);
+  const MemoryModel memory(kShape, dev);
+  const auto samples = samples_from_lengths({4000, 1000, 3000}, "x");
+  StepPlan p;
+  p.groups = {GroupPlan{0, 2, {MicroBatch{{0}, 4000, 0}}}, GroupPlan{0, 1, {MicroBatch{{1}, 1000, 0}}},
+              GroupPlan{1, 1, {MicroBatch{{2}, 3000, 0}}}};
+  p.groups[1].round = p.groups[2].round = 1;
+  p.global_num_tokens = 8000;
+  ASSERT_NO_THROW(p.validate(2, samples, kShape.layers));
+  const StepCost c = evaluate_step(p, samples, 2, cost, memory);
+  const double r0 = cost.seconds({4000}, 2, 0), r1 = cost.seconds({3000}, 1, 0);
+  ASSERT_EQ(c.round_makespan_s.size(), 2u);
+  EXPECT_DOUBLE_EQ(c.round_makespan_s[0], r0);
+  EXPECT_DOUBLE_EQ(c.round_makespan_s[1], r1);
+  EXPECT_DOUBLE_EQ(c.makespan_s, r0 + r1);
+  EXPECT_DOUBLE_EQ(c.step_s, r0 + r1 + 0.25 + cost.step_seconds(2));
+  EXPECT_DOUBLE_EQ(c.mean_rank_s, (2 * r0 + cost.seconds({1000}, 1, 0) + r1) / 2);
+  EXPECT_DOUBLE_EQ(cost.round_seconds(3), 0.5);
+  EXPECT_THROW(cost.round_seconds(0), std::invalid_argument);
+}
+
+// Issue 26: a step with one sample that needs sp 2 (memory) and short ones. One partition must run all of them
+// on the sp-2 group; rounds give the long one both ranks, then each rank its short ones alone.
+TEST(Rounds, DcpOptGivesALongSampleAllRanksAndShortOnesTheirOwnRound) {
+  const CostModel cost(kShape, kH200);
+  std::vector<int64_t> lengths(12, 6000);
+  lengths.push_back(200'000);
+  const auto samples = samples_from_lengths(lengths, "x");
+  // A budget under which 200k tokens need 2 ranks with every layer recomputed and 6000 fit one rank whole.
+  double budget = 0;
+  for (double b = 30e9; b < 141e9; b *= 1.05) {
+    const MemoryModel m = MemoryModel::analytic(kShape, b);
+    if (!m.min_recompute_layers(200'000, 1) && m.min_recompute_layers(200'000, 2) &&
+        m.min_recompute_layers(6000, 1) == std::optional<int64_t>(0)) {
+      budget = b;
+      break;
+    }
+  }
+  ASSERT_GT(budget, 0) << "no budget separates the lengths";
+  const MemoryModel memory = MemoryModel::analytic(kShape, budget);
+  PlannerOptions opt;
+  opt.samples_per_step = static_cast<int64_t>(lengths.size());
+  opt.max_rounds = 1;
+  const PlanSet one = plan_dcp_opt(samples, 2, cost, memory, opt);
+  opt.max_rounds = 0;
+  const PlanSet rounds = plan_dcp_opt(samples, 2, cost, memory, opt);
+  ASSERT_EQ(one.steps.size(), 1u);
+  ASSERT_EQ(rounds.steps.size(), 1u);
+  const StepPlan& p = rounds.steps[0];
+  ASSERT_NO_THROW(p.validate(2, samples, kShape.layers));
+  EXPECT_EQ(one.steps[0].num_rounds(), 1);
+  ASSERT_EQ(p.num_rounds(), 2);
+  for (const auto& g : p.groups) {
+    for (const auto& mb : g.micro_batches) {
+      for (int64_t id : mb.sample_ids) {
+        if (samples[static_cast<size_t>(id)].length > 100'000) {
+          EXPECT_EQ(g.sp_size, 2);
+          EXPECT_EQ(g.round, 0);
+        }
+      }
+    }
+    if (g.round == 1) EXPECT_EQ(g.sp_size, 1);
+  }
+  const double t_one = evaluate_step(one.steps[0], samples, 2, cost, memory).step_s;
+  const double t_rounds = evaluate_step(p, samples, 2, cost, memory).step_s;
+  EXPECT_LT(t_rounds, t_one * 0.999);
+  EXPECT_LE(step_lower_bound(p.sample_ids(), samples, 2, cost, memory), t_rounds * (1 + 1e-12));
+  // max_rounds bounds the rounds.
+  opt.max_rounds = 2;
+  EXPECT_LE(plan_dcp_opt(samples, 2, cost, memory, opt).steps[0].num_rounds(), 2);
+}
+
+// Issue 26: dcp-opt with rounds is never slower than its one-partition plan in its own model (random steps of
+// up to 16 samples, 2-8 ranks, budgets 40 MB-1 GB, a CPU profile's latencies, as
+// DcpOptNotSlowerThanStaticLayoutsInItsOwnModel), and its plans hold the lower bound.
+TEST(Rounds, DcpOptRoundsNeverSlowerThanOnePartitionInItsOwnModel) {
+  ModelShape shape;
+  shape.hidden = 128, shape.layers = 4, shape.heads = 4, shape.ffn = 384, shape.mlp_matrices = 3, shape.vocab = 257;
+  double best_gain = 1;
+  int compared = 0, with_rounds = 0;
+  for (uint32_t seed = 0; seed < 160; ++seed) {
+    DeviceSpec dev = DeviceSpec::named("h200");
+    dev.peak_flops = 1e11, dev.mfu = 1;
+    dev.micro_batch_overhead_s = (seed % 3) * 4e-3;
+    dev.round_switch_s = (seed % 4) * 1e-3;
+    dev.all_to_all[2] = CommFit{seed % 2 == 0 ? 2.8e-3 : 1e-4, 2e9, 0};
+    dev.all_to_all[4] = CommFit{seed % 2 == 0 ? 4e-3 : 2e-4, 1.5e9, 0};
+    dev.memory_bytes = std::vector<double>{40e6, 80e6, 160e6, 1e9}[seed % 4];
+    const CostModel cost(shape, dev);
+    const MemoryModel memory(shape, dev, 1.0, 0);
+    const int64_t world = std::vector<int64_t>{2, 4, 8}[seed % 3];
+    const auto samples = random_samples(4 + static_cast<int>(seed % 13), 16384, seed + 7);
+    PlannerOptions opt;
+    opt.samples_per_step = static_cast<int64_t>(samples.size());
+    opt.max_rounds = 1;
+    const PlanSet one = plan_dcp_opt(samples, world, cost, memory, opt);
+    if (!one.skipped_ids.empty() || one.steps.size() != 1) continue;
+    for (int64_t max_rounds : {0, 2, 3}) {
+      opt.max_rounds = max_rounds;
+      const PlanSet set = plan_dcp_opt(samples, world, cost, memory, opt);
+      ASSERT_EQ(set.steps.size(), 1u);
+      const StepPlan& p = set.steps[0];
+      ASSERT_NO_THROW(p.validate(world, samples, shape.layers)) << "seed " << seed;
+      if (max_rounds > 0) EXPECT_LE(p.num_rounds(), max_rounds);
+      const double got = evaluate_step(p, samples, world, cost, memory).step_s;
+      const double base = evaluate_step(one.steps[0], samples, world, cost, memory).step_s;
+      EXPECT_LE(got, base * (1 + 1e-9)) << "seed " << seed << " world " << world << " max_rounds " << max_rounds;
+      EXPECT_LE(step_lower_bound(p.sample_ids(), samples, world, cost, memory), got * (1 + 1e-12)) << "seed " << seed;
+      EXPECT_LE(evaluate_step(p, samples, world, cost, memory).peak_bytes, memory.budget_bytes());
+      ++compared;
+      with_rounds += p.num_rounds() > 1 ? 1 : 0;
+      best_gain = std::min(best_gain, got / base);
+    }
+  }
+  EXPECT_GE(compared, 300);
+  EXPECT_GT(with_rounds, 0) << "no step used rounds: the comparison would hold by construction alone";
+  std::printf("dcp-opt with rounds / one partition: best %.3f, %d of %d plans with rounds\n", best_gain, with_rounds,
+              compared);
+}
+
+TEST(Workload, MegatronLognormalIsTheBenchmarksDistribution) {
+  WorkloadOptions w;
+  w.name = "megatron-lognormal";
+  w.num_samples = 200'000;
+  const auto lengths = workload_lengths(w);
+  double sum = 0;
+  for (int64_t l : lengths) {
+    ASSERT_GE(l, 128);
+    ASSERT_LE(l, 8192);
+    sum += static_cast<double>(l);
+  }
+  EXPECT_NEAR(sum / static_cast<double>(lengths.size()), 1024.0, 10.0);
+  EXPECT_EQ(workload_tokens_per_rank("megatron-lognormal"), 2048);
+  EXPECT_EQ(workload_tokens_per_rank("lognormal"), 131072);
+}
+
+// The lower bound (with its terms for the micro-batch overhead every working rank pays and for samples that
+// need more than half, a third, a quarter of the ranks) stays below the optimum of tiny cases: below the
+// brute force over every power-of-two layout and assignment, and below dcp-opt's plans with rounds.
+TEST(Rounds, LowerBoundStaysBelowTheOptimumOfTinyCases) {
+  int checked = 0;
+  double tightest = 0;
+  for (uint32_t seed = 0; seed < 150; ++seed) {
+    DeviceSpec dev = kH200;
+    dev.micro_batch_overhead_s = (seed % 3) * 2e-3;
+    dev.round_switch_s = 0;
+    const CostModel cost(kShape, dev);
+    const MemoryModel memory = MemoryModel::analytic(kShape, std::vector<double>{60e9, 100e9, 141e9}[seed % 3]);
+    const int64_t world = 2 + seed % 5;
+    const int n = 2 + static_cast<int>(seed % 7) % 5;
+    const auto samples = random_samples(n, 400'000, seed + 300);
+    PlannerOptions opt;
+    opt.samples_per_step = n;
+    const PlanSet set = plan_dcp_opt(samples, world, cost, memory, opt);
+    if (!set.skipped_ids.empty()) continue;
+    const double bound = step_lower_bound(set.steps[0].sample_ids(), samples, world, cost, memory);
+    const double brute = brute_force_makespan(samples, world, cost, memory) + cost.step_seconds(world);
+    const double planned = evaluate_step(set.steps[0], samples, world, cost, memory).step_s;
+    EXPECT_LE(bound, brute * (1 + 1e-12)) << "seed " << seed;
+    EXPECT_LE(bound, planned * (1 + 1e-12)) << "seed " << seed;
+    tightest = std::max(tightest, bound / std::min(brute, planned));
+    ++checked;
+  }
+  EXPECT_GE(checked, 100);
+  std::printf("lower bound / best plan found, tightest over tiny cases: %.4f\n", tightest);
 }
