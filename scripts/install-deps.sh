@@ -30,6 +30,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 if [ ! -d "$root/tests/browser/node_modules/playwright-core" ]; then
   if ! command -v npm >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq   # also when every package above was already there
     apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
   fi
   echo "dcp: installing playwright-core into tests/browser"
