@@ -423,14 +423,42 @@ TEST_F(ServeTest, EveryBadInputIsA400NamingTheField) {
     }
     EXPECT_EQ(e["code"], c.code) << shown << ": " << e.dump();
   }
+  // A nested value is named by its type, never echoed: dump() recursed through 100,000 levels of '[' and overflowed
+  // the worker's stack (found by review); the message stays short whatever the value.
+  for (const std::string key : {"n", "kv_options"}) {
+    const std::string deep = std::string(1500, '[') + std::string(1500, ']');
+    const std::string body = key == "n" ? R"({"prompt": "a", "n": )" + deep + "}"
+                                        : R"({"prompt": "a", "kv_policy": "window", "kv_budget": 0.5, "kv_options": {"n_sink": )" + deep + "}}";
+    const auto [status, j] = post(body);
+    EXPECT_EQ(status, 400) << key;
+    ASSERT_TRUE(j.is_object() && j.contains("error")) << key;
+    EXPECT_LT(j["error"]["message"].get<std::string>().size(), 200u) << j.dump().substr(0, 300);
+  }
   // Not a route; the wrong method.
   EXPECT_EQ(serve::get("127.0.0.1", s.port, "/v2/nothing").first, 404);
   const auto wrong = serve::get("127.0.0.1", s.port, "/v1/completions");
   EXPECT_EQ(wrong.first, 404);
   EXPECT_EQ(json::parse(wrong.second)["error"]["code"], "not_found");
   // Nothing was admitted, and the server still answers.
-  EXPECT_EQ(s.metric("dcp_requests_total", "status=\"400\""), static_cast<double>(cases.size() - 1));
+  EXPECT_EQ(s.metric("dcp_requests_total", "status=\"400\""), static_cast<double>(cases.size() - 1 + 2));
   EXPECT_EQ(s.complete({{"prompt", "still here"}, {"max_tokens", 3}}).status, 200);
+}
+
+TEST_F(ServeTest, ASecondServerOnAPortInUseIsRefused) {
+  // Found by review: with cpp-httplib's default SO_REUSEPORT a second server bound the same port and the kernel
+  // split the connections between the two models.
+  Running first(tiny_config());
+  Config cfg = tiny_config();
+  cfg.serve.port = first.port;
+  Server second(tiny_model(), cfg, "second");
+  try {
+    second.bind();
+    FAIL() << "a second server bound port " << first.port;
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot listen on 127.0.0.1:" + std::to_string(first.port)), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(first.complete({{"prompt", "still here"}, {"max_tokens", 3}}).status, 200);
 }
 
 TEST_F(ServeTest, ModelsHealthMetricsAndThePage) {

@@ -31,6 +31,15 @@ std::string type_name(const nlohmann::json& v) {
   return "an object";
 }
 
+// A value for an error message: scalars as JSON (strings cut to 64 bytes), arrays and objects by their type only:
+// dump() recurses through the nesting, and a 200 KB body of nested arrays would overflow the worker's stack.
+std::string brief(const nlohmann::json& v) {
+  if (v.is_structured()) return type_name(v);
+  std::string d = v.dump();
+  if (d.size() > 64) d = d.substr(0, 64) + "...";
+  return d;
+}
+
 ApiError wrong_type(const std::string& param, const std::string& wanted, const nlohmann::json& v) {
   return bad(param, fmt::format("'{}' must be {}, got {}", param, wanted, type_name(v)), "invalid_type");
 }
@@ -87,7 +96,7 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
     if (!v.is_number_integer() && !v.is_number_unsigned()) return wrong_type("max_tokens", "an integer", v);
     if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
       return bad("max_tokens", fmt::format("'max_tokens' must be in [1, {}] (serve.max_tokens), got {}", limits.max_tokens,
-                                           v.dump()));
+                                           brief(v)));
     }
     const int64_t m = v.get<int64_t>();
     if (m < 1 || m > limits.max_tokens) {
@@ -100,7 +109,7 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
     if (!j["temperature"].is_number()) return wrong_type("temperature", "a number", j["temperature"]);
     if (!x || *x < 0 || *x > 100) {
       return bad("temperature", fmt::format("'temperature' must be a finite number in [0, 100] (0 = greedy), got {}",
-                                            j["temperature"].dump()));
+                                            brief(j["temperature"])));
     }
     r.sampling.temperature = *x;
   }
@@ -108,7 +117,7 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
     const auto x = number(j["top_p"]);
     if (!j["top_p"].is_number()) return wrong_type("top_p", "a number", j["top_p"]);
     if (!x || !(*x > 0) || *x > 1) {
-      return bad("top_p", fmt::format("'top_p' must be a number in (0, 1], got {}", j["top_p"].dump()));
+      return bad("top_p", fmt::format("'top_p' must be a number in (0, 1], got {}", brief(j["top_p"])));
     }
     r.sampling.top_p = *x;
   }
@@ -116,7 +125,7 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
     const auto& v = j["top_k"];
     if (!v.is_number_integer() && !v.is_number_unsigned()) return wrong_type("top_k", "an integer", v);
     if (v.is_number_unsigned() ? v.get<uint64_t>() > 256 : (v.get<int64_t>() < 0 || v.get<int64_t>() > 256)) {
-      return bad("top_k", fmt::format("'top_k' must be in [0, 256] (0 = every byte), got {}", v.dump()));
+      return bad("top_k", fmt::format("'top_k' must be in [0, 256] (0 = every byte), got {}", brief(v)));
     }
     r.sampling.top_k = v.get<int64_t>();
   }
@@ -174,7 +183,7 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
   for (const char* key : {"n", "best_of"}) {
     if (!has(key)) continue;
     if (!j[key].is_number_integer() || j[key].get<int64_t>() != 1) {
-      return bad(key, fmt::format("'{}' must be 1 (one choice per request), got {}", key, j[key].dump()), "unsupported");
+      return bad(key, fmt::format("'{}' must be 1 (one choice per request), got {}", key, brief(j[key])), "unsupported");
     }
   }
   for (const char* key : {"logprobs", "suffix"}) {
@@ -203,7 +212,7 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
   if (has("kv_budget")) {
     const auto x = number(j["kv_budget"]);
     if (!j["kv_budget"].is_number()) return wrong_type("kv_budget", "a number", j["kv_budget"]);
-    if (!x) return bad("kv_budget", fmt::format("'kv_budget' must be finite, got {}", j["kv_budget"].dump()));
+    if (!x) return bad("kv_budget", fmt::format("'kv_budget' must be finite, got {}", brief(j["kv_budget"])));
     r.kv_budget = *x;
   }
   if (has("kv_options")) {
@@ -213,7 +222,7 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
       const auto x = number(item.value());
       if (!x) {
         return bad("kv_options", fmt::format("kv_options '{}' must be a finite number, got {}", item.key(),
-                                             item.value().dump()));
+                                             brief(item.value())));
       }
       r.kv_options[item.key()] = *x;
     }

@@ -127,6 +127,12 @@ Server::~Server() {
 int Server::bind() {
   Impl& m = *impl_;
   const ServeConfig& s = m.cfg.serve;
+  // SO_REUSEADDR only: cpp-httplib's default also sets SO_REUSEPORT, with which a second server binds a port in use
+  // and the kernel splits the connections between the two.
+  m.http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, reinterpret_cast<const char*>(&yes), sizeof(yes));
+  });
   if (s.port == 0) {
     m.port = m.http.bind_to_any_port(s.host);
   } else {
