@@ -41,6 +41,20 @@ AttentionResult kv_cache_attention(const torch::Tensor& q, const torch::Tensor& 
 AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                              const KvCache& cache, int64_t layer, double scale = 0);
 
+/// Which loops the decode kernel (kv_decode_attention) runs. Both compute the same three passes in fp32 (scores,
+/// exp and sum, weighted values); their sums are ordered differently, so they agree to fp32 rounding, not bit for
+/// bit (tests/unit/test_serve_batching.cpp forces each and compares both with the fp64 reference).
+enum class DecodeAttentionPath {
+  kAuto,      ///< kAvx512 for fp32 and bf16 caches where the CPU has AVX-512 (F, BW, VL), else kPortable
+  kPortable,  ///< plain C++ loops (any CPU; fp64 caches always)
+  kAvx512,    ///< 16-lane fp32 FMAs and a vectorised exp (fp32 and bf16 caches)
+};
+/// "auto", "portable", "avx512".
+const char* to_string(DecodeAttentionPath path);
+/// The path `requested` resolves to for a cache of `dtype` on this CPU. Throws std::invalid_argument naming the
+/// path, the dtype and what is missing when a forced path cannot run (kAvx512 on fp64, or on a CPU without AVX-512).
+DecodeAttentionPath resolve_decode_attention_path(torch::ScalarType dtype, DecodeAttentionPath requested);
+
 /// The decode step's attention for N sequences at once (continuous batching): for sequence i and head h, the one
 /// new token's softmax(scale q.K^T + bias) V over [every entry of caches[i]'s (layer, h), with its log-weight
 /// bias | the token's own k and v], i.e. kv_cache_attention for T = 1, computed per (sequence, head) in one
@@ -49,11 +63,13 @@ AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch
 /// q: [N, heads, head_dim], k: [N, kv_heads, head_dim], v: [N, kv_heads, value_dim], CPU, the caches' dtype;
 /// caches: N caches of one spec on the CPU; heads a multiple of kv_heads (grouped-query attention: query head h
 /// reads KV head h / (heads / kv_heads)). scale 0 = 1/sqrt(head_dim). Returns out [N, heads,
-/// value_dim] in q's dtype. Throws std::invalid_argument for shapes, dtypes, devices, null or mismatched caches
-/// and a layer that do not fit. Twin: kv_cache_attention (tests/unit/test_serve_batching.cpp compares both with
-/// reference_kv_cache_attention).
+/// value_dim] in q's dtype. `path` chooses the loops (DecodeAttentionPath; every path of one call gives a sequence the
+/// same bits alone or among others). Throws std::invalid_argument for shapes, dtypes, devices, null or mismatched
+/// caches, a layer that does not fit and a forced path that cannot run. Twin: kv_cache_attention
+/// (tests/unit/test_serve_batching.cpp compares both with reference_kv_cache_attention).
 torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                  const std::vector<const KvCache*>& caches, int64_t layer, double scale = 0);
+                                  const std::vector<const KvCache*>& caches, int64_t layer, double scale = 0,
+                                  DecodeAttentionPath path = DecodeAttentionPath::kAuto);
 
 /// The AttentionWrapper of one forward of a chunk through a KV cache (set as PackedBatch::attention): block
 /// `layer` attends with kv_cache_attention over the cache and the chunk, then appends the chunk's k and v at

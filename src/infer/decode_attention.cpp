@@ -13,9 +13,12 @@
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
+#include "dcp/cpu_features.h"
 #include "dcp/infer.h"
+#include "infer/decode_attention_simd.h"
 
 namespace dcp {
 namespace {
@@ -64,7 +67,7 @@ struct Rows {
 
 template <class T>
 void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t layer, int64_t heads, int64_t kv_heads,
-            int64_t d, int64_t dv, double scale, T* out) {
+            int64_t d, int64_t dv, double scale, T* out, bool simd) {
   using A = typename Acc<T>::type;
   const int64_t n_seq = static_cast<int64_t>(caches.size());
   const int64_t pairs = n_seq * heads;
@@ -79,11 +82,19 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
       const T* q = static_cast<const T*>(r.q) + s * r.q_stride[0] + h * r.q_stride[1];
       const T* k_new = static_cast<const T*>(r.k) + s * r.k_stride[0] + kh * r.k_stride[1];
       const T* v_new = static_cast<const T*>(r.v) + s * r.v_stride[0] + kh * r.v_stride[1];
-      for (int64_t j = 0; j < d; ++j) qs[static_cast<size_t>(j)] = widen<A>(q[j]) * static_cast<A>(scale);
       const int64_t n = hd.length;
       scores.resize(static_cast<size_t>(n + 1));
       const T* keys = static_cast<const T*>(hd.keys);
       const T* values = static_cast<const T*>(hd.values);
+      T* o = out + (s * heads + h) * dv;
+      if constexpr (!std::is_same_v<T, double>) {
+        if (simd) {
+          decode_simd::attend_pair<T>(q, keys, values, hd.bias, n, k_new, v_new, d, dv, static_cast<float>(scale),
+                                      scores.data(), o);
+          continue;
+        }
+      }
+      for (int64_t j = 0; j < d; ++j) qs[static_cast<size_t>(j)] = widen<A>(q[j]) * static_cast<A>(scale);
       A m = -std::numeric_limits<A>::infinity();
       for (int64_t i = 0; i < n; ++i) {
         const A x = dot<A>(qs.data(), keys + i * d, d) + static_cast<A>(hd.bias[i]);
@@ -108,7 +119,6 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
       const A p_self = scores[static_cast<size_t>(n)];
       for (int64_t j = 0; j < dv; ++j) acc[static_cast<size_t>(j)] += p_self * widen<A>(v_new[j]);
       const A inv = A{1} / sum;
-      T* o = out + (s * heads + h) * dv;
       for (int64_t j = 0; j < dv; ++j) o[j] = static_cast<T>(acc[static_cast<size_t>(j)] * inv);
     }
   });
@@ -116,8 +126,37 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
 
 }  // namespace
 
+const char* to_string(DecodeAttentionPath path) {
+  switch (path) {
+    case DecodeAttentionPath::kAuto: return "auto";
+    case DecodeAttentionPath::kPortable: return "portable";
+    case DecodeAttentionPath::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+DecodeAttentionPath resolve_decode_attention_path(torch::ScalarType dtype, DecodeAttentionPath requested) {
+  switch (requested) {
+    case DecodeAttentionPath::kAuto:
+      return dtype != torch::kDouble && avx512_usable() ? DecodeAttentionPath::kAvx512 : DecodeAttentionPath::kPortable;
+    case DecodeAttentionPath::kPortable: return requested;
+    case DecodeAttentionPath::kAvx512:
+      if (dtype == torch::kDouble) {
+        throw std::invalid_argument("kv_decode_attention: path avx512 cannot run for Double caches: fp64 runs the "
+                                    "portable loops only");
+      }
+      if (!avx512_usable()) {
+        throw std::invalid_argument(fmt::format("kv_decode_attention: path avx512 cannot run for {} caches: this CPU "
+                                                "lacks AVX-512 (F, BW, VL)", c10::toString(dtype)));
+      }
+      return requested;
+  }
+  throw std::invalid_argument("kv_decode_attention: unknown path");
+}
+
 torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                  const std::vector<const KvCache*>& caches, int64_t layer, double scale) {
+                                  const std::vector<const KvCache*>& caches, int64_t layer, double scale,
+                                  DecodeAttentionPath path) {
   const int64_t n = static_cast<int64_t>(caches.size());
   if (n == 0) throw std::invalid_argument("kv_decode_attention: no caches");
   for (int64_t i = 0; i < n; ++i) {
@@ -160,19 +199,20 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
   const torch::Tensor qd = dense(q), kd = dense(k), vd = dense(v);
   if (!s.device.is_cpu()) throw std::invalid_argument("kv_decode_attention: the caches must be on the CPU");
   if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  const bool simd = resolve_decode_attention_path(s.dtype, path) == DecodeAttentionPath::kAvx512;
   torch::Tensor out = torch::empty({n, heads, s.value_dim}, q.options());
   const Rows rows{qd.data_ptr(), kd.data_ptr(), vd.data_ptr(), {qd.stride(0), qd.stride(1)},
                   {kd.stride(0), kd.stride(1)}, {vd.stride(0), vd.stride(1)}};
   switch (s.dtype) {
     case torch::kFloat:
-      attend<float>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<float>());
+      attend<float>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<float>(), simd);
       break;
     case torch::kDouble:
-      attend<double>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<double>());
+      attend<double>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<double>(), false);
       break;
     case torch::kBFloat16:
       attend<c10::BFloat16>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale,
-                            out.data_ptr<c10::BFloat16>());
+                            out.data_ptr<c10::BFloat16>(), simd);
       break;
     default:
       throw std::invalid_argument("kv_decode_attention: unsupported dtype " + std::string(c10::toString(s.dtype)));

@@ -45,6 +45,11 @@ struct ServeBenchRow {
   double peak_kv_bytes = 0;      ///< most KV bytes held at once (KvCache::bytes, sampled likewise)
   double kv_memory_bytes = 0;
   int64_t abstained = 0;         ///< requests whose minimax policy kept some head exact
+  /// The server's scheduler iterations that ran no prefill chunk (dcp_decode_step_* of /metrics at the end of the
+  /// run): their number, the tokens they decoded, and those tokens per second of those iterations (decode
+  /// throughput without prefill; -1 when no such iteration ran).
+  int64_t decode_steps = 0, decode_step_tokens = 0;
+  double decode_tokens_per_s = -1;
 };
 
 /// Runs the benchmark on `model` (cfg: the checkpoint's config with serve.* resolved) and writes the report;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dcp/cpu_features.h"
 #include "dcp/infer.h"
 #include "dcp/kv_cache.h"
 #include "dcp/kv_policies.h"
@@ -46,42 +47,75 @@ double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
 
 }  // namespace
 
-TEST(KvDecodeAttention, MatchesTheTwinForEverySequenceAndHead) {
+// Every path the CPU can run, forced (the AVX-512 one skipped, and said so, where the CPU lacks it).
+std::vector<DecodeAttentionPath> decode_paths(torch::ScalarType dtype) {
+  std::vector<DecodeAttentionPath> paths{DecodeAttentionPath::kPortable};
+  if (dtype != torch::kDouble && avx512_usable()) paths.push_back(DecodeAttentionPath::kAvx512);
+  return paths;
+}
+
+TEST(KvDecodeAttention, MatchesTheTwinForEverySequenceHeadAndPath) {
+  if (!avx512_usable()) std::cout << "[ SKIPPED  ] the avx512 path: this CPU lacks AVX-512 (F, BW, VL)\n";
   torch::manual_seed(21);
-  const int64_t heads = 4, dim = 16;
+  const int64_t heads = 4;
   // Tolerances (outputs O(1)): fp64 is the same sum in another order (measured ~1e-15); fp32 sums up to 3001
-  // terms in fp32 (relative error ~ sqrt(n) 6e-8 ~ 3e-6); bf16 rounds the output once to bf16 (a step is 2^-7 in
-  // [1, 2)) after fp32 arithmetic on bf16 inputs, so 2 steps.
-  for (auto [dtype, tol] : {std::pair{torch::kDouble, 1e-12}, std::pair{torch::kFloat, 5e-6},
-                            std::pair{torch::kBFloat16, 1.6e-2}}) {
-    // Three caches of other lengths; in the second one head emptied, one cut with biases, one left long.
-    std::vector<std::unique_ptr<KvCache>> caches;
-    for (int64_t n : {3000, 700, 1}) {
-      caches.push_back(std::make_unique<KvCache>(spec_of(dtype, heads, dim)));
-      fill(*caches.back(), n);
+  // terms in fp32 (relative error ~ sqrt(n) 6e-8 ~ 3e-6; the avx512 path's exp is ~1 ulp, its lane sums another
+  // order); bf16 rounds the output once to bf16 (a step is 2^-7 in [1, 2)) after fp32 arithmetic on bf16 inputs,
+  // so 2 steps. Head dims 16, 24 (a masked tail) and 80 (two 64-column value sweeps, the second masked).
+  for (int64_t dim : {16, 24, 80}) {
+    for (auto [dtype, tol] : {std::pair{torch::kDouble, 1e-12}, std::pair{torch::kFloat, 5e-6},
+                              std::pair{torch::kBFloat16, 1.6e-2}}) {
+      // Three caches of other lengths; in the second one head emptied, one cut with biases, one left long.
+      std::vector<std::unique_ptr<KvCache>> caches;
+      for (int64_t n : {3000, 700, 1}) {
+        caches.push_back(std::make_unique<KvCache>(spec_of(dtype, heads, dim)));
+        fill(*caches.back(), n);
+      }
+      const auto keep = torch::arange(0, 700, 5, torch::kInt64);
+      caches[1]->commit(1, {KvHeadEdit{}, KvHeadEdit{keep, torch::randn({keep.numel()})},
+                            KvHeadEdit{torch::empty({0}, torch::kInt64)}, KvHeadEdit{}});
+      KvCache empty(spec_of(dtype, heads, dim));
+      std::vector<const KvCache*> all{caches[0].get(), caches[1].get(), &empty, caches[2].get()};
+      const int64_t n = static_cast<int64_t>(all.size());
+      const auto q = (torch::randn({n, heads, dim}) * 1.5).to(dtype), k = torch::randn({n, heads, dim}).to(dtype),
+                 v = torch::randn({n, heads, dim}).to(dtype);
+      for (DecodeAttentionPath path : decode_paths(dtype)) {
+        const std::string what = std::string(c10::toString(dtype)) + " dim " + std::to_string(dim) + " path " +
+                                 to_string(path);
+        const torch::Tensor out = kv_decode_attention(q, k, v, all, 1, 0, path);
+        EXPECT_EQ(out.scalar_type(), dtype);
+        for (int64_t i = 0; i < n; ++i) {
+          const auto qi = q.narrow(0, i, 1), ki = k.narrow(0, i, 1), vi = v.narrow(0, i, 1);
+          const AttentionResult ref = reference_kv_cache_attention(qi, ki, vi, *all[static_cast<size_t>(i)], 1);
+          EXPECT_LE(max_abs_diff(out.narrow(0, i, 1), ref.out), tol) << what << " sequence " << i;
+          // Alone or among others: the same bits.
+          const torch::Tensor alone = kv_decode_attention(qi, ki, vi, {all[static_cast<size_t>(i)]}, 1, 0, path);
+          EXPECT_TRUE(torch::equal(alone, out.narrow(0, i, 1))) << what << " sequence " << i;
+        }
+        // Strided rows (a view of a packed [T, 3, heads, dim] projection, as the model hands them) read the same.
+        auto packed = torch::stack({q, k, v}, 1);
+        auto parts = packed.unbind(1);
+        EXPECT_TRUE(torch::equal(kv_decode_attention(parts[0], parts[1], parts[2], all, 1, 0, path), out)) << what;
+      }
+      // kAuto is the fastest path this CPU has.
+      EXPECT_TRUE(torch::equal(kv_decode_attention(q, k, v, all, 1),
+                               kv_decode_attention(q, k, v, all, 1, 0, decode_paths(dtype).back())));
     }
-    const auto keep = torch::arange(0, 700, 5, torch::kInt64);
-    caches[1]->commit(1, {KvHeadEdit{}, KvHeadEdit{keep, torch::randn({keep.numel()})}, KvHeadEdit{torch::empty({0}, torch::kInt64)},
-                          KvHeadEdit{}});
-    KvCache empty(spec_of(dtype, heads, dim));
-    std::vector<const KvCache*> all{caches[0].get(), caches[1].get(), &empty, caches[2].get()};
-    const int64_t n = static_cast<int64_t>(all.size());
-    const auto q = (torch::randn({n, heads, dim}) * 1.5).to(dtype), k = torch::randn({n, heads, dim}).to(dtype),
-               v = torch::randn({n, heads, dim}).to(dtype);
-    const torch::Tensor out = kv_decode_attention(q, k, v, all, 1);
-    EXPECT_EQ(out.scalar_type(), dtype);
-    for (int64_t i = 0; i < n; ++i) {
-      const auto qi = q.narrow(0, i, 1), ki = k.narrow(0, i, 1), vi = v.narrow(0, i, 1);
-      const AttentionResult ref = reference_kv_cache_attention(qi, ki, vi, *all[static_cast<size_t>(i)], 1);
-      EXPECT_LE(max_abs_diff(out.narrow(0, i, 1), ref.out), tol) << c10::toString(dtype) << " sequence " << i;
-      // Alone or among others: the same bits.
-      const torch::Tensor alone = kv_decode_attention(qi, ki, vi, {all[static_cast<size_t>(i)]}, 1);
-      EXPECT_TRUE(torch::equal(alone, out.narrow(0, i, 1))) << c10::toString(dtype) << " sequence " << i;
-    }
-    // Strided rows (a view of a packed [T, 3, heads, dim] projection, as the model hands them) read the same.
-    auto packed = torch::stack({q, k, v}, 1);
-    auto parts = packed.unbind(1);
-    EXPECT_TRUE(torch::equal(kv_decode_attention(parts[0], parts[1], parts[2], all, 1), out));
+  }
+}
+
+TEST(KvDecodeAttention, AForcedPathTheCpuOrDtypeLacksIsRefused) {
+  EXPECT_EQ(resolve_decode_attention_path(torch::kDouble, DecodeAttentionPath::kAuto), DecodeAttentionPath::kPortable);
+  EXPECT_NE(error_of([] { resolve_decode_attention_path(torch::kDouble, DecodeAttentionPath::kAvx512); })
+                .find("path avx512 cannot run for Double caches"),
+            std::string::npos);
+  if (avx512_usable()) {
+    EXPECT_EQ(resolve_decode_attention_path(torch::kBFloat16, DecodeAttentionPath::kAuto), DecodeAttentionPath::kAvx512);
+  } else {
+    EXPECT_NE(error_of([] { resolve_decode_attention_path(torch::kFloat, DecodeAttentionPath::kAvx512); })
+                  .find("this CPU lacks AVX-512"),
+              std::string::npos);
+    EXPECT_EQ(resolve_decode_attention_path(torch::kFloat, DecodeAttentionPath::kAuto), DecodeAttentionPath::kPortable);
   }
 }
 

@@ -83,6 +83,9 @@ std::string Metrics::text(const SchedulerGauges& g) const {
   gauge(out, "dcp_kv_held_bytes", "gauge", "KV bytes admission counts: per session the larger of its reservation and its bytes.", static_cast<double>(g.kv_held_bytes));
   gauge(out, "dcp_kv_memory_bytes", "gauge", "The KV memory budget (serve.kv_memory_bytes).", static_cast<double>(g.kv_memory_bytes));
   gauge(out, "dcp_scheduler_steps_total", "counter", "Scheduler iterations that ran a forward.", static_cast<double>(g.steps));
+  gauge(out, "dcp_decode_steps_total", "counter", "Scheduler iterations that ran only one-token decode steps (no prefill chunk).", static_cast<double>(g.decode_steps));
+  gauge(out, "dcp_decode_step_tokens_total", "counter", "Tokens decoded by those iterations.", static_cast<double>(g.decode_step_tokens));
+  gauge(out, "dcp_decode_step_seconds_total", "counter", "Seconds those iterations took (forward, sampling, bookkeeping).", g.decode_step_seconds);
   gauge(out, "dcp_sessions_cancelled_total", "counter", "Sessions cancelled (client gone or shutdown).", static_cast<double>(g.cancelled));
   gauge(out, "dcp_sessions_over_reservation_total", "counter", "Sessions whose cache grew past their reservation.", static_cast<double>(g.over_reservation));
   histogram(out, "dcp_time_to_first_token_seconds", "From the request's arrival to its first generated token.", ttft_);

@@ -182,6 +182,8 @@ bool Scheduler::step(std::vector<Session*>& active) {
     sessions.push_back(s->decode.get());
   }
   if (run.empty()) return false;
+  const Clock::time_point started = Clock::now();
+  last_step_ = StepStats{prefills == 0, static_cast<int64_t>(run.size()), 0};
   std::vector<torch::Tensor> logits(run.size());
   try {
     if (opt_.batched) {
@@ -256,6 +258,7 @@ bool Scheduler::step(std::vector<Session*>& active) {
       s.next_token = byte;
     }
   }
+  last_step_.seconds = std::chrono::duration<double>(Clock::now() - started).count();
   return true;
 }
 
@@ -372,6 +375,11 @@ void Scheduler::loop() {
       gauges_.cancelled += cancelled;
       gauges_.over_reservation += over;
       if (ran) ++gauges_.steps;
+      if (ran && last_step_.decode_only) {
+        ++gauges_.decode_steps;
+        gauges_.decode_step_tokens += static_cast<uint64_t>(last_step_.sessions);
+        gauges_.decode_step_seconds += last_step_.seconds;
+      }
       if (admitted_count_ == 0 && queue_.empty()) cancel_all_ = false;
     }
   }
