@@ -5,20 +5,27 @@
 # markdown table: predicted epoch seconds, the ratios, lower_bound_ratio of both dcp-opt variants, the steps
 # that use rounds and the planning time.
 #
-# usage: bash bench/rounds_sweep.sh DCP COST_MODEL [--config CFG] -- WORKLOAD... [-- WORLD_SIZES...]
+# usage: bash bench/rounds_sweep.sh DCP COST_MODEL [--config CFG | --lengths-config CFG] [OPTION...] -- WORKLOAD...
+#          [-- WORLD_SIZES...]
 #   WORKLOAD: a built-in name (opensora-zipf, lognormal, megatron-lognormal) or main-job (the sample lengths of
 #   the main job's corpus: every non-empty *.txt under the config's data.path cut into data.max_seq_len chunks,
-#   held-out documents included; needs --config).
+#   held-out documents included; needs --config or --lengths-config).
+#   --config CFG is passed to `dcp simulate` (its model and memory sections: a CPU profile of that model);
+#   --lengths-config CFG only gives main-job's lengths, planned for the cost model's default shape (h200: the
+#   1.3B decoder; CFG's memory budget is not used). Other OPTIONs go to every `dcp simulate`.
 set -euo pipefail
 dcp=$1 cost=$2
 shift 2
 extra=()
 config=""
+lengths_config=""
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+  if [ "$1" = "--lengths-config" ]; then lengths_config=$2; shift 2; continue; fi
   [ "$1" = "--config" ] && config=$2
   extra+=("$1")
   shift
 done
+[ -n "$lengths_config" ] || lengths_config=$config
 [ $# -gt 0 ] && shift
 workloads=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do workloads+=("$1"); shift; done
@@ -38,9 +45,9 @@ echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for w in "${workloads[@]}"; do
   source=(--workload "$w")
   if [ "$w" = main-job ]; then
-    [ -n "$config" ] || { echo "rounds_sweep.sh: main-job needs --config" >&2; exit 2; }
-    path=$(awk '/^data:/{d=1} d && /path:/{print $2; exit}' "$config")
-    len=$(awk '/^data:/{d=1} d && /max_seq_len:/{print $2; exit}' "$config")
+    [ -n "$lengths_config" ] || { echo "rounds_sweep.sh: main-job needs --config or --lengths-config" >&2; exit 2; }
+    path=$(awk '/^data:/{d=1} d && /path:/{print $2; exit}' "$lengths_config")
+    len=$(awk '/^data:/{d=1} d && /max_seq_len:/{print $2; exit}' "$lengths_config")
     find "$path" -name '*.txt' -size +0 -printf '%s\n' | sort -n |
       awk -v m="$len" '{n = $1; while (n > 0) { print (n > m ? m : n); n -= m } }' > "$work/main-job.txt"
     source=(--lengths "$work/main-job.txt")

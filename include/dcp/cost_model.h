@@ -264,6 +264,12 @@ class CostModel {
   double seconds(const std::vector<int64_t>& lengths, const SpLayout& layout, int64_t recompute_layers) const;
   double work_seconds(int64_t length, const SpLayout& layout, int64_t recompute_layers) const;
   double fixed_seconds(const SpLayout& layout, int64_t recompute_layers) const;
+  /// The table of work_seconds(lengths[i], layouts[k], recompute_layers[i * K + k]) into out[i * K + k]
+  /// (K = layouts.size()) for every entry whose recompute_layers is >= 0 (the others are left alone): the same
+  /// values bit for bit, each layout's rates and each sample's FLOPs computed once (dcp-opt's tables of every
+  /// sample at every layout). Throws like work_seconds.
+  void work_seconds(const std::vector<int64_t>& lengths, const std::vector<SpLayout>& layouts,
+                    const int64_t* recompute_layers, double* out) const;
   /// Whether a group of `layout` runs on the shape: its Ulysses part (ulysses_size, when > 1) divides the KV
   /// heads (ModelShape::kv_head_count), and with a ring (ring_size() > 1) attention is softmax.
   bool supports(const SpLayout& layout) const;
@@ -308,6 +314,21 @@ class CostModel {
   // Unchecked cores of ring_exposed_seconds, work_seconds and fixed_seconds (sp and r checked by the caller).
   double ring_exposed(int64_t length, const SpLayout& layout, int64_t recompute_layers) const;
   double work(int64_t length, const SpLayout& layout, int64_t recompute_layers) const;
+  // The factors of work() and ring_exposed() that depend on the layout alone.
+  struct LayoutTerms {
+    double attention_rate = 0;   // attention FLOP/s per peak FLOP/s (the ring's block efficiency included)
+    double sp_peak = 0;          // sp_size * peak FLOP/s
+    double a2a_per_byte = 0;     // seconds per all-to-all byte: leaving fraction / bandwidth + overhead
+    double ring_rate = 0;        // sp_size * R * peak * attention MFU * ring block efficiency (R > 1)
+    double ring_bandwidth = 0;   // ring_bandwidth(sp_size)
+  };
+  LayoutTerms layout_terms(const SpLayout& layout) const;
+  // work() and ring_exposed() from the sample's FLOPs at that recompute count (sample_flops), its attention
+  // forward FLOPs (attention_forward_flops) and the layout's terms.
+  double work(int64_t length, const SpLayout& layout, int64_t recompute_layers, const FlopCount& flops,
+              double attention_forward, const LayoutTerms& terms) const;
+  double ring_exposed(int64_t length, const SpLayout& layout, int64_t recompute_layers, double attention_forward,
+                      const LayoutTerms& terms) const;
   double fixed(const SpLayout& layout, int64_t recompute_layers) const;
 
   ModelShape shape_;

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -348,32 +349,52 @@ double CostModel::ring_exposed_seconds(int64_t length, const SpLayout& layout, i
 }
 
 double CostModel::ring_exposed(int64_t length, const SpLayout& layout, int64_t recompute_layers) const {
+  if (layout.ring_size() == 1) return 0.0;
+  return ring_exposed(length, layout, recompute_layers, attention_forward_flops(shape_, static_cast<double>(length)),
+                      layout_terms(layout));
+}
+
+CostModel::LayoutTerms CostModel::layout_terms(const SpLayout& layout) const {
+  LayoutTerms terms;
+  const int64_t R = layout.ring_size();
+  terms.attention_rate = device_.effective_attention_mfu() * (R > 1 ? device_.ring_block_efficiency : 1.0);
+  terms.sp_peak = static_cast<double>(layout.sp_size) * device_.peak_flops;
+  // The all-to-alls run inside subgroups of u ranks (all of the group for Ulysses).
+  const int64_t u = layout.ulysses_size;
+  const auto fit = device_.all_to_all.find(u);
+  const double overhead = fit != device_.all_to_all.end() ? fit->second.overhead_s_per_byte : 0.0;
+  const double leaving = static_cast<double>(u - 1) / static_cast<double>(u);
+  terms.a2a_per_byte = leaving / all_to_all_bandwidth(u) + overhead;
+  if (R > 1) {
+    terms.ring_rate = static_cast<double>(layout.sp_size * R) * device_.peak_flops * device_.effective_attention_mfu() *
+                      device_.ring_block_efficiency;
+    terms.ring_bandwidth = ring_bandwidth(layout.sp_size);
+  }
+  return terms;
+}
+
+double CostModel::ring_exposed(int64_t length, const SpLayout& layout, int64_t recompute_layers,
+                               double attention_forward, const LayoutTerms& terms) const {
   const int64_t R = layout.ring_size();
   if (R == 1) return 0.0;
   // Per layer forward (class comment): a step's block attention t_c against its block's transfer t_x.
-  const double t_c = attention_forward_flops(shape_, static_cast<double>(length)) /
-                     (static_cast<double>(layout.sp_size * R) * device_.peak_flops *
-                      device_.effective_attention_mfu() * device_.ring_block_efficiency);
-  const double t_x = ring_block_bytes(length, layout) / ring_bandwidth(layout.sp_size);
+  const double t_c = attention_forward / terms.ring_rate;
+  const double t_x = ring_block_bytes(length, layout) / terms.ring_bandwidth;
   const double L = static_cast<double>(shape_.layers), r = static_cast<double>(recompute_layers);
   return (3.0 * L + r) * static_cast<double>(R - 1) * std::max(0.0, t_x - t_c) + L * t_x;
 }
 
 double CostModel::work(int64_t length, const SpLayout& layout, int64_t recompute_layers) const {
   if (length < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", length));
-  const double sp = static_cast<double>(layout.sp_size);
-  const FlopCount f = sample_flops(shape_, length, recompute_layers);
-  const double attention_rate =
-      device_.effective_attention_mfu() * (layout.ring_size() > 1 ? device_.ring_block_efficiency : 1.0);
-  const double compute = (f.linear / device_.mfu + f.attention / attention_rate) / (sp * device_.peak_flops);
-  // The all-to-alls run inside subgroups of u ranks (all of the group for Ulysses).
-  const int64_t u = layout.ulysses_size;
-  const auto fit = device_.all_to_all.find(u);
-  const double overhead = fit != device_.all_to_all.end() ? fit->second.overhead_s_per_byte : 0.0;
-  const double leaving = static_cast<double>(u - 1) / static_cast<double>(u);
-  const double comm = all_to_all_bytes(length, layout, recompute_layers) *
-                      (leaving / all_to_all_bandwidth(u) + overhead);
-  return compute + comm + ring_exposed(length, layout, recompute_layers);
+  return work(length, layout, recompute_layers, sample_flops(shape_, length, recompute_layers),
+              attention_forward_flops(shape_, static_cast<double>(length)), layout_terms(layout));
+}
+
+double CostModel::work(int64_t length, const SpLayout& layout, int64_t recompute_layers, const FlopCount& f,
+                       double attention_forward, const LayoutTerms& terms) const {
+  const double compute = (f.linear / device_.mfu + f.attention / terms.attention_rate) / terms.sp_peak;
+  const double comm = all_to_all_bytes(length, layout, recompute_layers) * terms.a2a_per_byte;
+  return compute + comm + ring_exposed(length, layout, recompute_layers, attention_forward, terms);
 }
 
 double CostModel::fixed(const SpLayout& layout, int64_t recompute_layers) const {
@@ -386,6 +407,32 @@ double CostModel::fixed(const SpLayout& layout, int64_t recompute_layers) const 
 double CostModel::work_seconds(int64_t length, const SpLayout& layout, int64_t recompute_layers) const {
   check(layout, recompute_layers);
   return work(length, layout, recompute_layers);
+}
+
+void CostModel::work_seconds(const std::vector<int64_t>& lengths, const std::vector<SpLayout>& layouts,
+                             const int64_t* recompute_layers, double* out) const {
+  const size_t n = lengths.size(), K = layouts.size();
+  std::vector<FlopCount> flops0(n);  // at recompute 0, the common case
+  std::vector<double> attention(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t len = lengths[i];
+    if (len < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", len));
+    flops0[i] = sample_flops(shape_, len, 0);
+    attention[i] = attention_forward_flops(shape_, static_cast<double>(len));
+  }
+  for (size_t k = 0; k < K; ++k) {
+    const SpLayout& layout = layouts[k];
+    std::optional<LayoutTerms> terms;
+    int64_t checked = -1;
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t r = recompute_layers[i * K + k];
+      if (r < 0) continue;
+      if (r != checked) check(layout, r), checked = r;
+      if (!terms) terms = layout_terms(layout);
+      out[i * K + k] = work(lengths[i], layout, r, r == 0 ? flops0[i] : sample_flops(shape_, lengths[i], r),
+                            attention[i], *terms);
+    }
+  }
 }
 
 double CostModel::fixed_seconds(const SpLayout& layout, int64_t recompute_layers) const {

@@ -90,37 +90,49 @@ class OptStep {
     layers_ = cost_.shape().layers;
     const size_t row = static_cast<size_t>(layers_ + 1);
     max_tokens_.resize(K * row);
+    fixed_.resize(K * row);
     for (size_t k = 0; k < K; ++k) {
       for (int64_t r = 0; r <= layers_; ++r) {
         max_tokens_[k * row + static_cast<size_t>(r)] = memory_.max_tokens(sizes_[k], r);
+        fixed_[k * row + static_cast<size_t>(r)] = cost_.fixed_seconds(layouts_[k], r);
       }
     }
+    // A row per sample; a sample as long as the one before copies its row (its recompute stays -1 until then,
+    // so the work table skips it).
+    std::vector<int64_t> lengths(n);
     for (size_t i = 0; i < n; ++i) {
-      const int64_t len = length_of(samples_, ids_[i]);
-      if (i > 0 && len == length_of(samples_, ids_[i - 1])) {  // same length, same row
+      lengths[i] = length_of(samples_, ids_[i]);
+      if (i > 0 && lengths[i] == lengths[i - 1]) continue;
+      for (size_t k = 0; k < K; ++k) {
+        if (auto r = recompute_for(lengths[i], k)) recompute_[i * K + k] = *r;
+      }
+    }
+    cost_.work_seconds(lengths, layouts_, recompute_.data(), work_.data());
+    for (size_t i = 0; i < n; ++i) {
+      if (i > 0 && lengths[i] == lengths[i - 1]) {  // same length, same row
         std::copy_n(&t_[(i - 1) * K], K, &t_[i * K]);
         std::copy_n(&recompute_[(i - 1) * K], K, &recompute_[i * K]);
         std::copy_n(&work_[(i - 1) * K], K, &work_[i * K]);
         continue;
       }
       for (size_t k = 0; k < K; ++k) {
-        auto r = recompute_for(len, k);
-        if (!r) continue;
+        const int64_t r = recompute_[i * K + k];
+        if (r < 0) continue;
         const double cap0 = static_cast<double>(max_tokens_[k * row]);
-        const double share = cap0 > 0 ? std::min(1.0, static_cast<double>(len) / cap0) : 1.0;
-        recompute_[i * K + k] = *r;
-        work_[i * K + k] = cost_.work_seconds(len, layouts_[k], *r);
-        t_[i * K + k] = work_[i * K + k] + cost_.fixed_seconds(layouts_[k], *r) * share;
+        const double share = cap0 > 0 ? std::min(1.0, static_cast<double>(lengths[i]) / cap0) : 1.0;
+        t_[i * K + k] = work_[i * K + k] + fixed(k, r) * share;
       }
     }
-    prune_and_order();
+    prune();
+    order_by_cost();
   }
 
   // The samples `subset` of `parent` (indices into parent.ids(), ascending, so still longest first) with the
   // parent's tables: a round of rounds search (RoundSearch) costs no cost-model evaluation.
   OptStep(const OptStep& parent, const std::vector<size_t>& subset)
       : samples_(parent.samples_), layouts_(parent.layouts_), sizes_(parent.sizes_), world_(parent.world_),
-        cost_(parent.cost_), memory_(parent.memory_), layers_(parent.layers_), max_tokens_(parent.max_tokens_) {
+        cost_(parent.cost_), memory_(parent.memory_), layers_(parent.layers_), max_tokens_(parent.max_tokens_),
+        fixed_(parent.fixed_) {
     const size_t n = subset.size(), K = sizes_.size();
     ids_.resize(n);
     t_.resize(n * K), recompute_.resize(n * K), work_.resize(n * K);
@@ -131,7 +143,20 @@ class OptStep {
       std::copy_n(&parent.recompute_[i * K], K, &recompute_[j * K]);
       std::copy_n(&parent.work_[i * K], K, &work_[j * K]);
     }
-    prune_and_order();
+    const std::vector<size_t> kept = prune();
+    // Each sample's order by GPU-seconds is the parent's restricted to the layouts kept (the same values, and
+    // the order is a total one: ties go to the lower index, which keeps its rank among the kept).
+    const size_t K2 = sizes_.size();
+    std::vector<size_t> index_of(K, SIZE_MAX);
+    for (size_t j = 0; j < K2; ++j) index_of[kept[j]] = j;
+    by_cost_.resize(n * K2);
+    for (size_t j = 0; j < n; ++j) {
+      const size_t* from = &parent.by_cost_[subset[j] * K];
+      size_t* to = &by_cost_[j * K2];
+      for (size_t a = 0; a < K; ++a) {
+        if (index_of[from[a]] != SIZE_MAX) *to++ = index_of[from[a]];
+      }
+    }
   }
 
   // The samples, longest first (ties keep the step's order): index i of the accessors below.
@@ -226,8 +251,9 @@ class OptStep {
 
   // Keeps, of the layouts of one SP size, those that are the fastest for one sample at least (the first on
   // ties): at one size, GPU-seconds order like times, so no sample prefers another one, and fewer layouts keep
-  // the search as fast as with Ulysses alone. The tables shrink to the layouts kept.
-  void prune() {
+  // the search as fast as with Ulysses alone. The tables shrink to the layouts kept, in place (a row's kept
+  // columns move to lower offsets only). Returns the indices kept, ascending.
+  std::vector<size_t> prune() {
     const size_t n = ids_.size(), K = sizes_.size();
     std::vector<char> keep(K, 0);
     for (size_t a = 0; a < K;) {  // the layouts [a, b) of one size
@@ -246,35 +272,33 @@ class OptStep {
       }
       a = b;
     }
-    if (std::all_of(keep.begin(), keep.end(), [](char c) { return c != 0; })) return;
     std::vector<size_t> kept;
     for (size_t k = 0; k < K; ++k) {
       if (keep[k]) kept.push_back(k);
     }
-    const size_t row = static_cast<size_t>(layers_ + 1), K2 = kept.size();
-    std::vector<double> t2(n * K2), work2(n * K2);
-    std::vector<int64_t> recompute2(n * K2), max_tokens2(K2 * row);
-    std::vector<SpLayout> layouts2;
-    std::vector<int64_t> sizes2;
-    for (size_t j = 0; j < K2; ++j) {
-      const size_t k = kept[j];
-      layouts2.push_back(layouts_[k]);
-      sizes2.push_back(sizes_[k]);
-      std::copy_n(&max_tokens_[k * row], row, &max_tokens2[j * row]);
-      for (size_t i = 0; i < n; ++i) {
-        t2[i * K2 + j] = t_[i * K + k], work2[i * K2 + j] = work_[i * K + k];
-        recompute2[i * K2 + j] = recompute_[i * K + k];
+    const size_t K2 = kept.size();
+    if (K2 == K) return kept;
+    const size_t row = static_cast<size_t>(layers_ + 1);
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t j = 0; j < K2; ++j) {
+        const size_t from = i * K + kept[j], to = i * K2 + j;  // to <= from, and every later read is above from
+        t_[to] = t_[from], work_[to] = work_[from], recompute_[to] = recompute_[from];
       }
     }
-    t_ = std::move(t2), work_ = std::move(work2), recompute_ = std::move(recompute2);
-    max_tokens_ = std::move(max_tokens2), layouts_ = std::move(layouts2), sizes_ = std::move(sizes2);
+    t_.resize(n * K2), work_.resize(n * K2), recompute_.resize(n * K2);
+    for (size_t j = 0; j < K2; ++j) {
+      const size_t k = kept[j];
+      layouts_[j] = layouts_[k], sizes_[j] = sizes_[k];
+      std::copy_n(&max_tokens_[k * row], row, &max_tokens_[j * row]);
+      std::copy_n(&fixed_[k * row], row, &fixed_[j * row]);
+    }
+    layouts_.resize(K2), sizes_.resize(K2), max_tokens_.resize(K2 * row), fixed_.resize(K2 * row);
+    return kept;
   }
 
-  // prune(), then each sample's sizes by GPU-seconds s * t(s), ascending (ties: smaller size). That order does
-  // not depend on the target, so fill finds a sample's preferred size and its cheapest open group without
-  // scanning every size.
-  void prune_and_order() {
-    prune();
+  // Each sample's sizes by GPU-seconds s * t(s), ascending (ties: smaller size). That order does not depend on
+  // the target, so fill finds a sample's preferred size and its cheapest open group without scanning every size.
+  void order_by_cost() {
     const size_t n = ids_.size(), K = sizes_.size();
     by_cost_.resize(n * K);
     for (size_t i = 0; i < n; ++i) {
@@ -286,6 +310,9 @@ class OptStep {
       });
     }
   }
+
+  // CostModel::fixed_seconds(layouts_[k], r), from the table.
+  double fixed(size_t k, int64_t r) const { return fixed_[k * static_cast<size_t>(layers_ + 1) + static_cast<size_t>(r)]; }
 
   // Predicted seconds of sample i at size index k (inf when it does not fit), and its GPU-seconds there.
   double t(size_t i, size_t k) const { return t_[i * sizes_.size() + k]; }
@@ -657,8 +684,8 @@ class OptStep {
       work += work_[i * K + k], r_min = std::min(r_min, recompute_[i * K + k]);
     }
     const double groups = static_cast<double>(world_ / sizes_[k]);
-    const double longest = work_[k] + cost_.fixed_seconds(layouts_[k], recompute_[k]);  // ids_ are longest first
-    return std::max(longest, work / groups + cost_.fixed_seconds(layouts_[k], r_min));
+    const double longest = work_[k] + fixed(k, recompute_[k]);  // ids_ are longest first
+    return std::max(longest, work / groups + fixed(k, r_min));
   }
 
   // Every sample at size index k on world / size groups, longest first onto the least loaded (LPT in t): the
@@ -709,7 +736,7 @@ class OptStep {
     for (size_t i : members) {
       const int64_t id = ids_[i], len = length_of(samples_, id);
       const int64_t r_alone = recompute_[i * K + k];
-      const double alone = cost_.fixed_seconds(sp, r_alone) + work_[i * K + k];
+      const double alone = fixed(k, r_alone) + work_[i * K + k];
       Bin* into = nullptr;
       double into_seconds = 0, into_gain = -1;
       int64_t into_r = 0;
@@ -760,6 +787,7 @@ class OptStep {
   std::vector<size_t> by_cost_;      // size indices by GPU-seconds, ascending
   int64_t layers_ = 0;
   std::vector<int64_t> max_tokens_;  // [size index * (layers_ + 1) + r] MemoryModel::max_tokens(size, r)
+  std::vector<double> fixed_;        // [size index * (layers_ + 1) + r] CostModel::fixed_seconds(layout, r)
 };
 
 // Rounds (StepPlan rounds): the step's longest samples in one round on the groups they need, the others in
