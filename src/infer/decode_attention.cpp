@@ -90,7 +90,7 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
       if constexpr (!std::is_same_v<T, double>) {
         if (simd) {
           decode_simd::attend_pair<T>(q, keys, values, hd.bias, n, k_new, v_new, d, dv, static_cast<float>(scale),
-                                      scores.data(), o);
+                                      qs.data(), scores.data(), o);
           continue;
         }
       }

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <memory>
 
 #include "kernels/simd.h"
 
@@ -32,16 +31,10 @@ DCP_AVX512 inline float dot(const float* q, const T* row, int64_t d) {
 }
 
 template <class T>
-DCP_AVX512 void attend_pair_avx512(const T* q, const T* keys, const T* values, const float* bias, int64_t n, const T* k_new,
-                            const T* v_new, int64_t d, int64_t dv, float scale, float* scores, T* out) {
-  // The scaled query in fp32, read back from L1 for every row (head_dim is not bounded, so no register array).
-  alignas(64) float qs_small[256];
-  float* qs = qs_small;
-  std::unique_ptr<float[]> qs_large;
-  if (d > 256) {
-    qs_large.reset(new float[static_cast<size_t>(d)]);
-    qs = qs_large.get();
-  }
+DCP_AVX512 void attend_pair_avx512(const T* q, const T* keys, const T* values, const float* bias, int64_t n,
+                                   const T* k_new, const T* v_new, int64_t d, int64_t dv, float scale, float* qs,
+                                   float* scores, T* out) {
+  // The scaled query in fp32 (qs: d floats), read back from L1 for every row.
   for (int64_t j = 0; j < d; j += kLanes) {
     const __mmask16 m = tail(d, j);
     simd::store(qs + j, _mm512_mul_ps(simd::load(q + j, m), _mm512_set1_ps(scale)), m);
@@ -95,14 +88,14 @@ DCP_AVX512 void attend_pair_avx512(const T* q, const T* keys, const T* values, c
 
 template <class T>
 void attend_pair(const T* q, const T* keys, const T* values, const float* bias, int64_t n, const T* k_new,
-                 const T* v_new, int64_t d, int64_t dv, float scale, float* scores, T* out) {
-  attend_pair_avx512<T>(q, keys, values, bias, n, k_new, v_new, d, dv, scale, scores, out);
+                 const T* v_new, int64_t d, int64_t dv, float scale, float* qs, float* scores, T* out) {
+  attend_pair_avx512<T>(q, keys, values, bias, n, k_new, v_new, d, dv, scale, qs, scores, out);
 }
 
 template void attend_pair<float>(const float*, const float*, const float*, const float*, int64_t, const float*,
-                                 const float*, int64_t, int64_t, float, float*, float*);
+                                 const float*, int64_t, int64_t, float, float*, float*, float*);
 template void attend_pair<c10::BFloat16>(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
                                          const float*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t,
-                                         int64_t, float, float*, c10::BFloat16*);
+                                         int64_t, float, float*, float*, c10::BFloat16*);
 
 }  // namespace dcp::decode_simd

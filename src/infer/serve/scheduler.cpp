@@ -160,7 +160,7 @@ void Scheduler::finish(Session& s, const std::string& reason, std::optional<ApiE
   metrics_.finish(reason);
 }
 
-bool Scheduler::step(std::vector<Session*>& active) {
+Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   std::vector<Session*> run;
   std::vector<DecodeSession*> sessions;
   std::vector<std::vector<int64_t>> tokens;
@@ -181,9 +181,9 @@ bool Scheduler::step(std::vector<Session*>& active) {
     run.push_back(s);
     sessions.push_back(s->decode.get());
   }
-  if (run.empty()) return false;
+  if (run.empty()) return {};
   const Clock::time_point started = Clock::now();
-  last_step_ = StepStats{prefills == 0, static_cast<int64_t>(run.size()), 0};
+  StepStats stats{true, prefills == 0, static_cast<int64_t>(run.size()), 0};
   std::vector<torch::Tensor> logits(run.size());
   try {
     if (opt_.batched) {
@@ -197,7 +197,8 @@ bool Scheduler::step(std::vector<Session*>& active) {
   } catch (const std::exception& e) {
     spdlog::error("serve: a scheduler step of {} sessions failed: {}", run.size(), e.what());
     for (Session* s : run) finish(*s, "error", ApiError{500, fmt::format("the model step failed: {}", e.what()), "server_error", "", "internal_error"});
-    return true;
+    stats.decode_only = false;  // a failed step decoded nothing
+    return stats;
   }
   const Clock::time_point now = Clock::now();
   for (size_t i = 0; i < run.size(); ++i) {
@@ -258,8 +259,8 @@ bool Scheduler::step(std::vector<Session*>& active) {
       s.next_token = byte;
     }
   }
-  last_step_.seconds = std::chrono::duration<double>(Clock::now() - started).count();
-  return true;
+  stats.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  return stats;
 }
 
 void Scheduler::loop() {
@@ -340,7 +341,7 @@ void Scheduler::loop() {
         active.push_back(s.get());
       }
     }
-    const bool ran = step(active);
+    const StepStats stats = step(active);
     // Release what finished at once (the caches go with the sessions), and account what the others hold.
     int64_t released = 0, released_count = 0, kv = 0, capacity = 0, grown = 0;
     uint64_t over = 0;
@@ -374,11 +375,11 @@ void Scheduler::loop() {
       gauges_.peak_active = std::max<int64_t>(gauges_.peak_active, static_cast<int64_t>(sessions_.size()));
       gauges_.cancelled += cancelled;
       gauges_.over_reservation += over;
-      if (ran) ++gauges_.steps;
-      if (ran && last_step_.decode_only) {
+      if (stats.ran) ++gauges_.steps;
+      if (stats.decode_only) {
         ++gauges_.decode_steps;
-        gauges_.decode_step_tokens += static_cast<uint64_t>(last_step_.sessions);
-        gauges_.decode_step_seconds += last_step_.seconds;
+        gauges_.decode_step_tokens += static_cast<uint64_t>(stats.sessions);
+        gauges_.decode_step_seconds += stats.seconds;
       }
       if (admitted_count_ == 0 && queue_.empty()) cancel_all_ = false;
     }

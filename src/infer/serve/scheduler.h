@@ -87,14 +87,15 @@ class Scheduler {
   struct Session;
   void loop();
   void finish(Session& s, const std::string& reason, std::optional<ApiError> error = std::nullopt);
-  bool step(std::vector<Session*>& active);
-  // What the last step() that ran a forward was: only one-token decode steps (no prefill chunk), how many sessions
-  // it advanced, and its seconds (the forward, sampling and streaming bookkeeping); scheduler thread only.
+  // What one step() did: whether it ran a forward, whether that ran only one-token decode steps (no prefill
+  // chunk), how many sessions it advanced, and its seconds (the forward, sampling and streaming bookkeeping).
   struct StepStats {
+    bool ran = false;
     bool decode_only = false;
     int64_t sessions = 0;
     double seconds = 0;
-  } last_step_;
+  };
+  StepStats step(std::vector<Session*>& active);
 
   Transformer model_;
   SchedulerOptions opt_;
