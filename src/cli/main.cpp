@@ -11,6 +11,7 @@
 
 #include "cli/blas_cores.h"
 #include "cli/commands.h"
+#include "cli/host_memory.h"
 #include "dcp/config.h"
 #include "util/error_message.h"
 #include "util/number_text.h"
@@ -67,6 +68,7 @@ void report_error(const std::string& message) {
 // config), 3 verify-plan found gradients that differ.
 int main(int argc, char** argv) {
   dcp::ensure_openblas_kernels(argv);
+  dcp::keep_freed_memory();
   CLI::App app{"dcp: Data-Centric Parallel training of transformers on variable-length sequences"};
   app.require_subcommand(1);
   dcp::add_train_command(app);

@@ -33,18 +33,25 @@ std::string report_markdown(const AttentionBenchRun& run, const AttentionBenchOp
                                o.dtype, o.heads, o.head_dim, o.variants.size(), o.lengths.front(), o.lengths.back());
   md += fmt::format("Command:\n\n```\n{}\n```\n\n", own_command_line());
   // OpenMP's environment changes how intra-op threads wait, which matters on a shared machine; OPENBLAS_CORETYPE
-  // overrides the fp32 kernels OpenBLAS chose (blas_description).
+  // overrides the fp32 kernels OpenBLAS chose (blas_description); the MALLOC_ variables replace the dcp binary's
+  // malloc settings (src/cli/host_memory.h), which decide whether fresh output tensors fault their pages in.
   std::string omp_env;
   for (const char* name : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_CORETYPE"}) {
     if (const char* value = std::getenv(name)) omp_env += fmt::format(" {}={}", name, value);
   }
+  std::string malloc_env;
+  for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"}) {
+    if (const char* value = std::getenv(name)) malloc_env += fmt::format(" {}={}", name, value);
+  }
   md += fmt::format(
       "Date: {} UTC. Machine: {} hardware threads, {} intra-op threads, {:.1f} GB physical RAM; CPU features: {}; "
-      "LibTorch {}.{}.{}; BLAS: {}; environment:{}; 1-minute load average {:.2f} at the start, {:.2f} at the end; "
-      "the run took {:.0f} s.{}\n\n",
+      "LibTorch {}.{}.{}; BLAS: {}; environment:{}; malloc:{}; 1-minute load average {:.2f} at the start, {:.2f} at "
+      "the end; the run took {:.0f} s.{}\n\n",
       date, std::thread::hardware_concurrency(), threads, physical_memory_bytes() / 1e9, cpu_features().summary(),
       TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, blas_description(),
       omp_env.empty() ? " (none set)" : omp_env,
+      malloc_env.empty() ? " freed blocks up to 1 GiB stay in the heap (the dcp binary's setting, src/cli/host_memory.h)"
+                         : malloc_env,
       load_start, load_end, wall_s, run.note.empty() ? "" : " " + run.note);
   md += fmt::format(
       "Matmul peak (measured by this run before the points, intra-op threads: {threads}): torch::matmul of two "

@@ -1,5 +1,6 @@
 // The fused linear-attention kernel's elementwise steps with transcendental functions (fused_tiles.h): AVX-512
 // versions (kernels/simd.h: sincos, exp) carrying their own target attributes, and portable loops.
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/attention/tile_io.h"
@@ -178,14 +179,71 @@ void load_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, float*
 void load_rows(const c10::BFloat16* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
   load_rows_any(src, lds, rows, cols, dst, ldd);
 }
+// A 16 x 16 block in registers, transposed in place: r[i] holds row i before and column i after (unpacks of
+// lanes, then of lane pairs, then two rounds of 128-bit lane shuffles; 64 shuffles where the gather-based copy
+// of tile_io.cpp issues 16 gathers of 16 loads each).
+DCP_AVX512 inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  // r[4 i + j] now holds, in 128-bit lane l, element j of rows 4 i .. 4 i + 3 at columns 4 l + j... regrouped below.
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    t[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    t[8 + j] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    t[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// dst[c][r] = src[r][c] for r < rows, c < cols, by 16 x 16 blocks (masked at the edges).
+template <class Out>
+DCP_AVX512 void transpose_blocks(const float* src, int64_t lds, int64_t rows, int64_t cols, Out* dst, int64_t ldd) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+    const int64_t nr = std::min<int64_t>(kLanes, rows - r0);
+    const __mmask16 row_mask = lanes_below(nr);
+    for (int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+      const int64_t nc = std::min<int64_t>(kLanes, cols - c0);
+      const __mmask16 col_mask = lanes_below(nc);
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        r[i] = i < nr ? _mm512_maskz_loadu_ps(col_mask, src + (r0 + i) * lds + c0) : _mm512_setzero_ps();
+      }
+      transpose16(r);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        if (i < nc) simd::store(dst + (c0 + i) * ldd + r0, r[i], row_mask);
+      }
+    }
+  }
+}
+
 void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
-  tiles::transpose_rows_avx512<float>(src, lds, rows, cols, dst, ldd);
+  transpose_blocks(src, lds, rows, cols, dst, ldd);
 }
 void store_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
-  tiles::store_transposed_avx512<float>(src, lds, rows, cols, dst, ldd);
+  transpose_blocks(src, lds, cols, rows, dst, ldd);
 }
 void store_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, c10::BFloat16* dst, int64_t ldd) {
-  tiles::store_transposed_avx512<c10::BFloat16>(src, lds, rows, cols, dst, ldd);
+  transpose_blocks(src, lds, cols, rows, dst, ldd);
 }
 void store_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, const float* scale, float* dst,
                 int64_t ldd) {
