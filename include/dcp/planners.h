@@ -248,8 +248,16 @@ struct WorkloadOptions {
 std::vector<int64_t> workload_lengths(const WorkloadOptions& options);
 
 /// Tokens per rank of a step of the named workload (`dcp simulate` / `dcp plan` without --tokens-per-step take
-/// world_size times this): 2048 for megatron-lognormal (its benchmark's tokens per GPU), else 131072.
+/// world_size times this): 16384 for megatron-lognormal (8 micro-batches of its 2048-token rank capacity), else
+/// 131072.
 int64_t workload_tokens_per_rank(const std::string& name);
+/// The named workload's per-rank token capacity of one micro-batch, or 0 when it has none: 2048 for
+/// megatron-lognormal (Megatron-Core's `max_seqlen_per_dp_cp_rank` in its dynamic-CP benchmark: a sample of at
+/// most that many tokens runs on one rank, a longer one on a CP group of ceil(len / 2048) rounded up to a power
+/// of two; anchors-parallel-training.md 1.2). `dcp simulate` / `dcp plan` without --memory-budget-bytes turn it
+/// into the per-rank memory budget: the memory model's peak for a micro-batch of that many tokens on one rank
+/// without recompute (dcp may still recompute to fit more, which Megatron's scheduler does not).
+int64_t workload_rank_capacity_tokens(const std::string& name);
 
 /// One positive integer per line (surrounding blanks allowed, empty lines skipped). Throws std::runtime_error
 /// naming the file (and the line number and text of a bad line) when it cannot be read, a line is not a

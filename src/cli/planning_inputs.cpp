@@ -19,20 +19,22 @@ void add_planning_options(CLI::App* sub, PlanningArgs& a) {
                       ->check(CLI::ExistingFile);
   auto* workload = sub->add_option("--workload", a.workload,
                                    "built-in workload: opensora-zipf, lognormal, megatron-lognormal (Megatron's "
-                                   "dynamic-CP benchmark lengths, steps of 2048 tokens per rank), uniform");
+                                   "dynamic-CP benchmark: its lengths, its rank capacity of 2048 tokens per "
+                                   "micro-batch as the memory budget, steps of 16384 tokens per rank), uniform");
   lengths->excludes(workload);
   sub->add_option("--world-size", a.world_size, "ranks (GPUs)")->required()->check(CLI::Range(1, 1 << 20));
   sub->add_option("--cost-model", a.cost_model, "device model: h200 (analytic) or a `dcp profile` JSON file "
                                                 "(its fitted time and memory models and its model shape)");
   sub->add_option("--memory-budget-bytes", a.memory_budget_bytes,
-                  "per-rank memory budget, bytes (0: --config's memory section, default 0.9 x device memory)")
+                  "per-rank memory budget, bytes (0: --config's memory section, else megatron-lognormal's rank "
+                  "capacity, else 0.9 x device memory)")
       ->check(finite_number_validator("bytes", 0, true));  // decimal: CLI11 alone reads 0x10 as 16
   sub->add_option("--config", a.config_path, "dcp config whose model section gives the model shape "
                                              "(default: a 1.3B decoder, hidden 2048, 24 layers, 16 heads, bf16)")
       ->check(CLI::ExistingFile);
   sub->add_option("--samples-per-step", a.samples_per_step, "samples per global step (0: use --tokens-per-step)")
       ->check(CLI::NonNegativeNumber);
-  sub->add_option("--tokens-per-step", a.tokens_per_step, "token budget of a global step (0: world_size x 131072; megatron-lognormal: x 2048)")
+  sub->add_option("--tokens-per-step", a.tokens_per_step, "token budget of a global step (0: world_size x 131072; megatron-lognormal: x 16384)")
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--num-samples", a.num_samples,
                   fmt::format("samples of the lognormal, megatron-lognormal and uniform workloads (at most {})", kMaxNumSamples))
@@ -159,6 +161,13 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
   }
   const int64_t longest = in.lengths.empty() ? 0 : *std::max_element(in.lengths.begin(), in.lengths.end());
   in.memory = std::make_unique<MemoryModel>(memory_model_for(a.cost_model, in.shape, device, memory, longest));
+  if (const int64_t capacity = workload_rank_capacity_tokens(a.workload); capacity > 0 && memory.budget_bytes <= 0) {
+    // The workload's per-rank token capacity (Megatron's max_seqlen_per_dp_cp_rank), unless --memory-budget-bytes
+    // or the config set a budget: what one rank holds for a micro-batch of that many tokens without recompute.
+    const MemoryModel& m = *in.memory;
+    in.memory = std::make_unique<MemoryModel>(m.shape(), m.coefficients(), m.bytes(capacity, 1, 0),
+                                              m.longest_sample_tokens());
+  }
   in.options.seed = a.seed;
   in.options.samples_per_step = a.samples_per_step;
   in.options.tokens_per_step =

@@ -5,6 +5,8 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <stdexcept>
 
 #include "plan/planner_common.h"
@@ -69,6 +71,19 @@ double big_sample_bound(std::vector<std::pair<double, double>> small_big, int64_
   return best;
 }
 
+// The most tokens any micro-batch on sp ranks with r recomputed layers can hold: MemoryModel::max_tokens where
+// the model is linear in tokens (then exact), else its linear part alone (the squared-length terms only add).
+int64_t token_capacity(const MemoryModel& memory, int64_t sp, int64_t r) {
+  const MemoryCoefficients& c = memory.coefficients();
+  if (c.square_layer_bytes == 0 && c.square_bytes == 0) return memory.max_tokens(sp, r);
+  const double L = static_cast<double>(memory.shape().layers), rr = static_cast<double>(r);
+  const double per_local = c.token_layer_bytes * (L - rr) + c.token_recompute_bytes * rr + c.token_bytes +
+                           (sp > 1 ? c.sp_token_bytes : 0.0);
+  if (!(per_local > 0)) return std::numeric_limits<int64_t>::max();
+  const double t = std::floor((memory.budget_bytes() - c.base_bytes) * static_cast<double>(sp) / per_local);
+  return t < 1 ? 0 : t > 1e18 ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(t);
+}
+
 }  // namespace
 
 double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, int64_t world_size,
@@ -88,9 +103,15 @@ double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sampl
       const int64_t s = l.sp_size;
       auto r = memory.min_recompute_layers(len, s);
       if (!r) continue;
-      const double per_mb = overhead * static_cast<double>(len) / static_cast<double>(memory.max_tokens(s, L));
       const double work = cost.work_seconds(len, l, *r), alone = cost.seconds({len}, l, *r);
-      g = std::min(g, static_cast<double>(s) * (work + per_mb));
+      // Its GPU-seconds in whatever micro-batch holds it: at some recompute count q >= *r, its work there plus
+      // its share (by tokens, at most the capacity at q) of that micro-batch's fixed seconds.
+      for (int64_t q = *r; q <= L; ++q) {
+        const int64_t capacity = token_capacity(memory, s, q);
+        if (capacity < len) continue;
+        const double share = cost.fixed_seconds(l, q) * static_cast<double>(len) / static_cast<double>(capacity);
+        g = std::min(g, static_cast<double>(s) * ((q == *r ? work : cost.work_seconds(len, l, q)) + share));
+      }
       w = std::min(w, static_cast<double>(s) * work);
       f = std::min(f, alone);
       for (int64_t k = 1; k <= kBigGroups; ++k) {

@@ -65,7 +65,18 @@ double unit(uint64_t seed, uint64_t i) {
 
 }  // namespace
 
-int64_t workload_tokens_per_rank(const std::string& name) { return name == "megatron-lognormal" ? 2048 : 131072; }
+// Megatron-Core's dynamic-CP benchmark: a rank holds at most max_seqlen_per_dp_cp_rank = 2048 tokens in a
+// micro-batch; a step packs 8 such micro-batches per rank (gradient accumulation over the global batch).
+constexpr int64_t kMegatronRankCapacity = 2048;
+constexpr int64_t kMegatronMicroBatchesPerStep = 8;
+
+int64_t workload_tokens_per_rank(const std::string& name) {
+  return name == "megatron-lognormal" ? kMegatronRankCapacity * kMegatronMicroBatchesPerStep : 131072;
+}
+
+int64_t workload_rank_capacity_tokens(const std::string& name) {
+  return name == "megatron-lognormal" ? kMegatronRankCapacity : 0;
+}
 
 std::vector<int64_t> workload_lengths(const WorkloadOptions& options) {
   WorkloadOptions o = options;

@@ -717,8 +717,10 @@ TEST(Workload, MegatronLognormalIsTheBenchmarksDistribution) {
     sum += static_cast<double>(l);
   }
   EXPECT_NEAR(sum / static_cast<double>(lengths.size()), 1024.0, 10.0);
-  EXPECT_EQ(workload_tokens_per_rank("megatron-lognormal"), 2048);
+  EXPECT_EQ(workload_tokens_per_rank("megatron-lognormal"), 16384);
+  EXPECT_EQ(workload_rank_capacity_tokens("megatron-lognormal"), 2048);
   EXPECT_EQ(workload_tokens_per_rank("lognormal"), 131072);
+  EXPECT_EQ(workload_rank_capacity_tokens("lognormal"), 0);
 }
 
 // The lower bound (with its terms for the micro-batch overhead every working rank pays and for samples that
