@@ -67,6 +67,9 @@ struct MemoryConfig {
   /// Bytes a rank may use; 0 = memory.fraction of the cost model's device memory.
   double budget_bytes = 0;
   double fraction = 0.9;  ///< share of device memory used as the budget when budget_bytes is 0
+  /// Share of the budget the planners leave free for the memory model's error, in [0, 0.5]: they plan against
+  /// (1 - margin) x the budget; measured peaks are still compared with the whole budget.
+  double margin = 0;
 };
 
 struct TrainConfig {

@@ -27,8 +27,9 @@ ModelShape with_attention(ModelShape shape, const AttentionConfig& attention);
 /// Per-rank memory budget, bytes: memory.budget_bytes, or memory.fraction x device.memory_bytes when it is 0.
 double memory_budget_bytes(const MemoryConfig& memory, const DeviceSpec& device);
 
-/// The MemoryModel of a cost model name (train.cost_model, --cost-model) with the budget of `memory`
-/// (memory_budget_bytes of `device`, the DeviceSpec::named of the same name): "h200" gives the analytic model of
+/// The MemoryModel of a cost model name (train.cost_model, --cost-model) with the planning budget of `memory`
+/// (memory_budget_bytes of `device`, the DeviceSpec::named of the same name, times 1 - memory.margin): "h200"
+/// gives the analytic model of
 /// `shape`; a `dcp profile` JSON file gives its fitted model (MemoryModel::from_profile) with
 /// `longest_sample_tokens` (the longest sample the planners will see, tokens; 0 = no bound). Throws
 /// std::invalid_argument naming the file and both precisions when the profile was measured in another precision

@@ -123,6 +123,7 @@ class Trainer {
   const ProcessGroups& groups_;
   TrainSetup setup_;
   const RunCostModels models_;
+  double budget_bytes_ = 0;  ///< memory.budget_bytes (or fraction x device memory): measured peaks are checked against it
   const TrainOptions options_;
   const TrainConfig train_cfg_;
   const EvalConfig eval_cfg_;

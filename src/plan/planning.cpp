@@ -31,7 +31,7 @@ double memory_budget_bytes(const MemoryConfig& memory, const DeviceSpec& device)
 
 MemoryModel memory_model_for(const std::string& cost_model, const ModelShape& shape, const DeviceSpec& device,
                              const MemoryConfig& memory, int64_t longest_sample_tokens) {
-  const double budget = memory_budget_bytes(memory, device);
+  const double budget = memory_budget_bytes(memory, device) * (1.0 - memory.margin);
   if (cost_model == "h200") return MemoryModel::analytic(shape, budget);
   MemoryModel fitted = MemoryModel::from_profile(cost_model, budget, longest_sample_tokens);
   const int64_t measured_bytes = fitted.shape().bytes_per_element;

@@ -32,11 +32,12 @@ json counts(const std::map<int64_t, int64_t>& m) {
 }  // namespace
 
 RunRecord::RunRecord(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
-                     const MemoryModel& memory, std::string plan_source)
+                     const MemoryModel& memory, double budget_bytes, std::string plan_source)
     : samples_(samples),
       world_size_(world_size),
       cost_(cost),
       memory_(memory),
+      budget_bytes_(budget_bytes),
       plan_source_(std::move(plan_source)) {}
 
 // Per rank: the memory model's peak for the largest of its micro-batches (exact sample lengths), or the model's
@@ -65,13 +66,13 @@ std::vector<double> RunRecord::record_memory(const StepPlan& plan, const StepSta
   // The budget stands for a device's memory: a measured peak above it would have been an out-of-memory
   // error there, whatever the model predicted. Warned once, counted in the summary.
   const auto measured_peak = std::max_element(r.rank_peak_bytes.begin(), r.rank_peak_bytes.end());
-  if (measured_peak != r.rank_peak_bytes.end() && static_cast<double>(*measured_peak) > memory_.budget_bytes()) {
+  if (measured_peak != r.rank_peak_bytes.end() && static_cast<double>(*measured_peak) > budget_bytes_) {
     const size_t rank = static_cast<size_t>(measured_peak - r.rank_peak_bytes.begin());
     if (steps_measured_over_budget_++ == 0) {
       spdlog::warn("step {}: rank {} measured a peak of {} bytes, over the memory budget of {:.0f} bytes (the "
                    "memory model predicted {:.0f}); such steps are counted as steps_measured_over_budget in "
                    "summary.json: lower memory.budget_bytes or re-profile",
-                   step, rank, *measured_peak, memory_.budget_bytes(), predicted_peaks[rank]);
+                   step, rank, *measured_peak, budget_bytes_, predicted_peaks[rank]);
     }
   }
   const double predicted_peak = *std::max_element(predicted_peaks.begin(), predicted_peaks.end());

@@ -20,9 +20,11 @@ namespace dcp {
 
 class RunRecord {
  public:
-  /// `plan_source` names where the plans come from (a planner name or "plan-file") in warnings.
+  /// `plan_source` names where the plans come from (a planner name or "plan-file") in warnings. `budget_bytes`
+  /// is the whole per-rank budget measured peaks are checked against (memory's own budget, the planners', may
+  /// be smaller by memory.margin).
   RunRecord(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost, const MemoryModel& memory,
-            std::string plan_source);
+            double budget_bytes, std::string plan_source);
 
   /// Records an executed step (state.step already counts it) and returns its metrics.jsonl line (README, "Where
   /// results go"). Updates state.cost_calibration, the EMA of measured / predicted step seconds.
@@ -53,6 +55,7 @@ class RunRecord {
   int64_t world_size_;
   const CostModel& cost_;
   const MemoryModel& memory_;
+  double budget_bytes_;
   std::string plan_source_;
   std::vector<std::vector<int64_t>> step_sample_ids_;  // the static layouts plan them once, in summary()
   bool warned_over_budget_ = false;

@@ -75,16 +75,20 @@ Trainer::Trainer(const Config& cfg, const ProcessGroups& groups, TrainSetup setu
   const int64_t world_size = groups_.env().world_size;
   for (const auto& p : options_.plans) p.validate(world_size, setup_.corpus.samples(), cfg.model.n_layers);
   const MemoryModel& memory = models_.memory;
-  spdlog::info("memory: per-rank budget {:.1f} MB ({}), {} memory model, peaks measured by the {}",
-               memory.budget_bytes() / 1e6,
+  budget_bytes_ = memory_budget_bytes(cfg.memory, models_.cost.device());
+  spdlog::info("memory: per-rank budget {:.1f} MB ({}){}, {} memory model, peaks measured by the {}",
+               budget_bytes_ / 1e6,
                cfg.memory.budget_bytes > 0 ? "memory.budget_bytes"
                                            : fmt::format("memory.fraction {} x {:.1f} GB", cfg.memory.fraction,
                                                          models_.cost.device().memory_bytes / 1e9),
+               cfg.memory.margin > 0 ? fmt::format(", planned within {:.1f} MB (memory.margin {})",
+                                                   memory.budget_bytes() / 1e6, cfg.memory.margin)
+                                     : "",
                memory.source(), MemoryMeter::install());
   planner_ = std::make_unique<EpochPlanner>(cfg.train, cfg.parallel, cfg.model, static_cast<uint64_t>(cfg.run.seed),
                                             world_size, setup_.corpus, setup_.train_lengths, models_, options_.plans);
   record_ = std::make_unique<RunRecord>(setup_.corpus.samples(), world_size, models_.cost, models_.memory,
-                                        planner_->name());
+                                        budget_bytes_, planner_->name());
 }
 
 Trainer::~Trainer() = default;
@@ -223,7 +227,8 @@ json Trainer::summary(double final_bpb, double train_time_s) const {
                   {"max_rounds", train_cfg_.max_rounds},
                   {"cost_model", train_cfg_.cost_model},
                   {"cost_model_file", models_.source},
-                  {"memory_budget_bytes", models_.memory.budget_bytes()},
+                  {"memory_budget_bytes", budget_bytes_},
+                  {"memory_planning_budget_bytes", models_.memory.budget_bytes()},
                   {"memory_model", models_.memory.source()},
                   {"memory_needs", memory_needs_json(planner_->needs())},
                   {"memory_meter", MemoryMeter::method()},

@@ -66,6 +66,7 @@ void visit(C& c, F&& f) {
   f("attention.chunk_size", c.attention.chunk_size, IntRule{1, 1 << 20});
   f("memory.budget_bytes", c.memory.budget_bytes, RealRule{0.0});
   f("memory.fraction", c.memory.fraction, RealRule{0.01, 1.0});
+  f("memory.margin", c.memory.margin, RealRule{0.0, 0.5});
   f("train.global_batch_tokens", c.train.global_batch_tokens, IntRule{1});
   f("train.micro_batch_tokens", c.train.micro_batch_tokens, IntRule{1});
   f("train.max_steps", c.train.max_steps, IntRule{0});

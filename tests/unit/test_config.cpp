@@ -73,6 +73,10 @@ TEST(Config, NumbersAreDecimalAndFinite) {
             std::string::npos);
   EXPECT_DOUBLE_EQ(Config::load("", {"--memory.budget_bytes=128e6"}).memory.budget_bytes, 128e6);
   EXPECT_DOUBLE_EQ(Config::load("", {"--memory.budget_bytes=+1.5E3"}).memory.budget_bytes, 1500.0);
+  EXPECT_DOUBLE_EQ(Config::load("", {"--memory.margin=0.05"}).memory.margin, 0.05);
+  EXPECT_NE(error_of([] { Config::load("", {"--memory.margin=0.6"}); }).find("(allowed: a decimal number in [0, 0.5])"),
+            std::string::npos);
+  EXPECT_THROW(Config::load("", {"--memory.margin=-0.01"}), ConfigError);
   EXPECT_DOUBLE_EQ(Config::load("", {"--train.lr=.5"}).train.lr, 0.5);
   EXPECT_DOUBLE_EQ(Config::load("", {"--train.lr=1."}).train.lr, 1.0);
 }

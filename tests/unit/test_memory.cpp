@@ -276,6 +276,13 @@ TEST(MemoryModelFile, RoundTripsThroughWriteProfileAndMemoryModelFor) {
   const MemoryModel h200 = memory_model_for("h200", small_shape(), DeviceSpec{}, cfg, 512);
   EXPECT_EQ(h200.source(), "analytic");
   EXPECT_DOUBLE_EQ(h200.budget_bytes(), 0.25 * DeviceSpec{}.memory_bytes);
+  // memory.margin: the planners' budget is (1 - margin) x the budget, the budget itself unchanged.
+  cfg.margin = 0.05;
+  EXPECT_DOUBLE_EQ(memory_model_for(path, small_shape(), DeviceSpec::named(path), cfg, 512).budget_bytes(), 0.95 * 6e9);
+  EXPECT_DOUBLE_EQ(memory_budget_bytes(cfg, DeviceSpec::named(path)), 6e9);
+  EXPECT_LT(memory_model_for(path, small_shape(), DeviceSpec::named(path), cfg, 512).max_tokens(1, 0),
+            memory_model_for(path, small_shape(), DeviceSpec::named(path), MemoryConfig{0, 0.25, 0}, 512).max_tokens(1, 0));
+  cfg.margin = 0;
 
   ModelShape other = small_shape();
   other.layers = 6;
