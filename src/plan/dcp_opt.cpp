@@ -51,24 +51,19 @@ void update(LoadSet& s, LoadSet::iterator& pos, double v) {
 
 // Storage of OptStep's tables kept per thread between steps. The tables are megabytes at world 1024 (4096
 // samples x 30 layouts, three of them); freed, malloc hands the pages back to the kernel (glibc trims the top of
-// its heap beyond 128 KB and maps large blocks), and the next step faults every page in again: 240-480 faults
-// per step at ~8 us each in this VM, a third of the step (bench_planners, bench/results/
+// its heap beyond 128 KB and maps large blocks), and the next step faults every page in again: up to 480 faults
+// per step at world 1024 (getrusage), ~10 us of system time each in this VM (bench/results/
 // cpu1_202612_plan_time.md). A table takes the spare vector of the least capacity that holds it (else the
 // largest) and gives it back when its step ends; at most kSpares vectors of each type are kept, so a thread
 // keeps at most the storage of its largest steps' tables.
 template <class T>
 class Spares {
  public:
-  // A vector of n copies of `value`, on a spare's storage when there is one.
-  static std::vector<T> take(size_t n, T value) {
-    std::vector<T> v = take_storage(n);
-    v.assign(n, value);
-    return v;
-  }
-  // A vector of at least n entries, their values left from an earlier use (scratch the caller writes first).
+  // A vector of n entries, on a spare's storage when there is one, their values left from its earlier use
+  // (the caller writes every entry before reading it).
   static std::vector<T> take_scratch(size_t n) {
     std::vector<T> v = take_storage(n);
-    if (v.size() < n) v.resize(n);
+    v.resize(n);
     return v;
   }
   // Keeps v's storage for a later take (dropped when kSpares are kept already).
@@ -126,9 +121,10 @@ class OptStep {
     const size_t n = ids_.size();
     const size_t K = sizes_.size();
     ids_ = longest_first(samples_, ids_);
-    t_ = Spares<double>::take(n * K, kInf);
-    recompute_ = Spares<int64_t>::take(n * K, -1);
-    work_ = Spares<double>::take(n * K, kInf);
+    // Every entry of the three tables is written below (no fill beforehand: they are megabytes).
+    t_ = Spares<double>::take_scratch(n * K);
+    recompute_ = Spares<int64_t>::take_scratch(n * K);
+    work_ = Spares<double>::take_scratch(n * K);
     // The cost model's layer count is the memory model's (both come from one ModelShape, as in every caller).
     layers_ = cost_.shape().layers;
     const size_t row = static_cast<size_t>(layers_ + 1);
@@ -140,14 +136,15 @@ class OptStep {
         fixed_[k * row + static_cast<size_t>(r)] = cost_.fixed_seconds(layouts_[k], r);
       }
     }
-    // A row per sample; a sample as long as the one before copies its row (its recompute stays -1 until then,
-    // so the work table skips it).
+    // A row per sample; a sample as long as the one before copies its row (its recompute is -1 until then, so
+    // the work table skips it).
     std::vector<int64_t> lengths(n);
     for (size_t i = 0; i < n; ++i) {
       lengths[i] = length_of(samples_, ids_[i]);
-      if (i > 0 && lengths[i] == lengths[i - 1]) continue;
+      const bool same = i > 0 && lengths[i] == lengths[i - 1];
       for (size_t k = 0; k < K; ++k) {
-        if (auto r = recompute_for(lengths[i], k)) recompute_[i * K + k] = *r;
+        const auto r = same ? std::nullopt : recompute_for(lengths[i], k);
+        recompute_[i * K + k] = r ? *r : -1;
       }
     }
     cost_.work_seconds(lengths, layouts_, recompute_.data(), work_.data());
@@ -160,7 +157,10 @@ class OptStep {
       }
       for (size_t k = 0; k < K; ++k) {
         const int64_t r = recompute_[i * K + k];
-        if (r < 0) continue;
+        if (r < 0) {
+          t_[i * K + k] = kInf, work_[i * K + k] = kInf;
+          continue;
+        }
         const double cap0 = static_cast<double>(max_tokens_[k * row]);
         const double share = cap0 > 0 ? std::min(1.0, static_cast<double>(lengths[i]) / cap0) : 1.0;
         t_[i * K + k] = work_[i * K + k] + fixed(k, r) * share;
@@ -178,9 +178,9 @@ class OptStep {
         fixed_(parent.fixed_) {
     const size_t n = subset.size(), K = sizes_.size();
     ids_.resize(n);
-    t_ = Spares<double>::take(n * K, 0.0);
-    recompute_ = Spares<int64_t>::take(n * K, 0);
-    work_ = Spares<double>::take(n * K, 0.0);
+    t_ = Spares<double>::take_scratch(n * K);  // every row copied below
+    recompute_ = Spares<int64_t>::take_scratch(n * K);
+    work_ = Spares<double>::take_scratch(n * K);
     for (size_t j = 0; j < n; ++j) {
       const size_t i = subset[j];
       ids_[j] = parent.ids_[i];
@@ -194,7 +194,7 @@ class OptStep {
     const size_t K2 = sizes_.size();
     std::vector<size_t> index_of(K, SIZE_MAX);
     for (size_t j = 0; j < K2; ++j) index_of[kept[j]] = j;
-    by_cost_ = Spares<size_t>::take(n * K2, 0);
+    by_cost_ = Spares<size_t>::take_scratch(n * K2);  // K2 entries of each row written below
     for (size_t j = 0; j < n; ++j) {
       const size_t* from = &parent.by_cost_[subset[j] * K];
       size_t* to = &by_cost_[j * K2];
@@ -357,7 +357,7 @@ class OptStep {
   // K steps per row where a sort from scratch takes K log K comparisons.
   void order_by_cost() {
     const size_t n = ids_.size(), K = sizes_.size();
-    by_cost_ = Spares<size_t>::take(n * K, 0);
+    by_cost_ = Spares<size_t>::take_scratch(n * K);
     std::vector<double> cost(K);
     for (size_t i = 0; i < n; ++i) {
       size_t* o = &by_cost_[i * K];
@@ -779,9 +779,19 @@ class OptStep {
     for (size_t g = 0; g < l.groups.size(); ++g) {
       const size_t k = l.groups[g];
       members = l.members[g];
-      std::stable_sort(members.begin(), members.end(), [&](size_t a, size_t b) {
-        return length_of(samples_, ids_[a]) > length_of(samples_, ids_[b]);
-      });
+      // Longest first, ties in placement order (a stable sort; by insertion for the few members of most groups,
+      // which std::stable_sort would give a buffer from the heap).
+      auto longer = [&](size_t a, size_t b) { return length_of(samples_, ids_[a]) > length_of(samples_, ids_[b]); };
+      if (members.size() <= 32) {
+        for (size_t j = 1; j < members.size(); ++j) {
+          const size_t x = members[j];
+          size_t at = j;
+          for (; at > 0 && longer(x, members[at - 1]); --at) members[at] = members[at - 1];
+          members[at] = x;
+        }
+      } else {
+        std::stable_sort(members.begin(), members.end(), longer);
+      }
       // Merging saves a micro-batch's fixed cost but may raise the recompute of every sample in it: greedy
       // merging can pile the group onto one heavily recomputed micro-batch where two lighter ones are faster
       // (a CPU profile's ~10 ms per micro-batch makes that common). So the group is also packed without
