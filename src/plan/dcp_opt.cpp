@@ -167,6 +167,7 @@ class OptStep {
       }
     }
     prune();
+    least_times();
     order_by_cost();
   }
 
@@ -189,6 +190,7 @@ class OptStep {
       std::copy_n(&parent.work_[i * K], K, &work_[j * K]);
     }
     const std::vector<size_t> kept = prune();
+    least_times();
     // Each sample's order by GPU-seconds is the parent's restricted to the layouts kept (the same values, and
     // the order is a total one: ties go to the lower index, which keeps its rank among the kept).
     const size_t K2 = sizes_.size();
@@ -348,6 +350,15 @@ class OptStep {
     }
     layouts_.resize(K2), sizes_.resize(K2), max_tokens_.resize(K2 * row), fixed_.resize(K2 * row);
     return kept;
+  }
+
+  // least_t_: the least time of a sample at each size (open_to_any).
+  void least_times() {
+    const size_t n = ids_.size(), K = sizes_.size();
+    least_t_.assign(K, kInf);
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t k = 0; k < K; ++k) least_t_[k] = std::min(least_t_[k], t(i, k));
+    }
   }
 
   // Each sample's sizes by GPU-seconds s * t(s), ascending (ties: smaller size). That order does not depend on
@@ -564,6 +575,10 @@ class OptStep {
     return fastest;
   }
 
+  // Whether a group of size index k and `load` can still take a sample by T: the shortest (the fastest at every
+  // size) fits it. Else no sample does (fill's fit, T - load - t >= 0, is monotone in t, rounding included).
+  bool open_to_any(double T, double load, size_t k) const { return T - load - least_t_[k] >= 0; }
+
   // Samples by preferred size (from `floor` up), then time, both descending, each into an open group where it
   // finishes by T (least GPU-seconds, then least slack left, then lowest group), else into a new group of its
   // preferred size while ranks remain (with `dense`, of dense_size for long samples). nullopt when a sample
@@ -571,7 +586,8 @@ class OptStep {
   // Open groups of each size are kept in order of (load, SIZE_MAX - group) (LoadBlocks), so the best fit of a
   // size (the largest load that still finishes by T, lowest group among equal loads) is one lookup; sizes are
   // tried in the sample's GPU-seconds order and the search stops at the first size dearer than a fit:
-  // O(n K log G).
+  // O(n K log G). A group that not even the step's shortest sample fits any more (open_to_any) leaves its list:
+  // no lookup could return it, and at world 1024 nearly every group fills up so (the lists stay short).
   std::optional<Layout> fill(double T, size_t floor, bool dense) const {
     const size_t n = ids_.size(), K = sizes_.size();
     std::vector<size_t> pref(n), start(K + 1, 0);
@@ -627,10 +643,15 @@ class OptStep {
         ranks += sizes_[k];
         l.groups.push_back(k);
         l.loads.push_back(t(i, k));
-        open[k].insert(Entry{t(i, k), SIZE_MAX - best});
+        if (open_to_any(T, t(i, k), k)) open[k].insert(Entry{t(i, k), SIZE_MAX - best});
       } else {
-        l.loads[best] += t(i, l.groups[best]);
-        open[l.groups[best]].update(best_at, l.loads[best]);
+        const size_t k = l.groups[best];
+        l.loads[best] += t(i, k);
+        if (open_to_any(T, l.loads[best], k)) {
+          open[k].update(best_at, l.loads[best]);
+        } else {
+          open[k].erase(best_at);
+        }
       }
       group_of[i] = best;
     }
@@ -929,6 +950,7 @@ class OptStep {
   std::vector<int64_t> recompute_;   // fewest recompute layers alone, -1 when infeasible
   std::vector<double> work_;         // CostModel::work_seconds at that recompute count
   std::vector<size_t> by_cost_;      // size indices by GPU-seconds, ascending
+  std::vector<double> least_t_;      // by size index: the least time of a sample there (inf: none fits)
   int64_t layers_ = 0;
   // floor_bound's per-call tables (kept for their storage) and floor_sums.
   mutable std::vector<double> scratch_t_, scratch_gpu_;

@@ -74,9 +74,14 @@ class LoadBlocks {
       *(to - 1) = e;
       return;
     }
+    erase(p);
+    insert(e);
+  }
+  /// Removes the entry at p.
+  void erase(Pos p) {
+    std::vector<Entry>& block = blocks_[p.b];
     block.erase(block.begin() + static_cast<std::ptrdiff_t>(p.j));
     if (block.empty()) blocks_.erase(blocks_.begin() + static_cast<std::ptrdiff_t>(p.b));
-    insert(e);
   }
   /// Every entry in order (for the tests).
   std::vector<Entry> entries() const {

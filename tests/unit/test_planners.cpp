@@ -755,9 +755,10 @@ TEST(Rounds, LowerBoundStaysBelowTheOptimumOfTinyCases) {
   std::printf("lower bound / best plan found, tightest over tiny cases: %.4f\n", tightest);
 }
 
-// dcp-opt's LoadBlocks against its reference, a std::set of the same entries: after every insert and raise the
-// entries are the set's in order, and the last entry meeting a load bound (fill's best fit) is the set's. Loads
-// repeat (ties broken by the key) and the lists grow to hundreds of entries (blocks split and empty out).
+// dcp-opt's LoadBlocks against its reference, a std::set of the same entries: after every insert, raise and
+// erase the entries are the set's in order, and the last entry meeting a load bound (fill's best fit) is the
+// set's. Loads repeat (ties broken by the key) and the lists grow to hundreds of entries (blocks split and empty
+// out).
 TEST(Planner, LoadBlocksAnswersAsAnOrderedSet) {
   using dcp_opt_detail::Entry;
   for (uint32_t seed : {1u, 2u, 3u, 4u}) {
@@ -786,10 +787,14 @@ TEST(Planner, LoadBlocksAnswersAsAnOrderedSet) {
         ASSERT_TRUE(at.has_value()) << "seed " << seed << " op " << op;
         ASSERT_EQ(blocks.at(*at), expected) << "seed " << seed << " op " << op;
         ++queried;
-        const double raised = expected.first + (u(rng) < 0.3 ? 0.0 : load());
         ref.erase(std::prev(it));
-        ref.insert(Entry{raised, expected.second});
-        blocks.update(*at, raised);
+        if (u(rng) < 0.15) {  // fill drops a group that no sample fits any more
+          blocks.erase(*at);
+        } else {
+          const double raised = expected.first + (u(rng) < 0.3 ? 0.0 : load());
+          ref.insert(Entry{raised, expected.second});
+          blocks.update(*at, raised);
+        }
       }
       ASSERT_EQ(blocks.entries(), std::vector<Entry>(ref.begin(), ref.end())) << "seed " << seed << " op " << op;
       EXPECT_EQ(blocks.empty(), ref.empty());
