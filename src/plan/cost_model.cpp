@@ -412,25 +412,61 @@ double CostModel::work_seconds(int64_t length, const SpLayout& layout, int64_t r
 void CostModel::work_seconds(const std::vector<int64_t>& lengths, const std::vector<SpLayout>& layouts,
                              const int64_t* recompute_layers, double* out) const {
   const size_t n = lengths.size(), K = layouts.size();
-  std::vector<FlopCount> flops0(n);  // at recompute 0, the common case
-  std::vector<double> attention(n);
+  for (int64_t len : lengths) {
+    if (len < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", len));
+  }
+  // work() written out over the table, sample by sample: every factor that does not change along a sample's row
+  // is computed once for the row (its FLOPs, their quotient by the MFU, per recompute count) or once for a run of
+  // layouts of one SP size (the all-to-all and ring-block bytes), and each value is the same expression as in
+  // work(), all_to_all_bytes(), ring_block_bytes() and ring_exposed(), operation by operation, so the same bits
+  // (test_ring_cost: WorkSecondsTableMatchesSingleCalls).
+  std::vector<LayoutTerms> terms(K);
+  for (size_t k = 0; k < K; ++k) terms[k] = layout_terms(layouts[k]);
+  std::vector<int64_t> checked(K, -1);  // the recompute count last checked at each layout
+  const double L = static_cast<double>(shape_.layers), kv_dim = shape_.kv_dim();
+  const double width = static_cast<double>(shape_.hidden) + kv_dim;  // all_to_all_bytes' (hidden + d_kv)
+  const double element = static_cast<double>(shape_.bytes_per_element);
   for (size_t i = 0; i < n; ++i) {
     const int64_t len = lengths[i];
-    if (len < 1) throw std::invalid_argument(fmt::format("cost model: length {} must be positive", len));
-    flops0[i] = sample_flops(shape_, len, 0);
-    attention[i] = attention_forward_flops(shape_, static_cast<double>(len));
-  }
-  for (size_t k = 0; k < K; ++k) {
-    const SpLayout& layout = layouts[k];
-    std::optional<LayoutTerms> terms;
-    int64_t checked = -1;
-    for (size_t i = 0; i < n; ++i) {
+    const double tokens = static_cast<double>(len);
+    const double attention = attention_forward_flops(shape_, tokens);
+    int64_t flops_r = -1;  // the recompute count of the FLOPs below
+    double linear_per_mfu = 0, attention_flops = 0;
+    int64_t bytes_r = -1, bytes_sp = -1, block_sp = -1;  // the (r, sp) of the all-to-all bytes, the sp of the block
+    double a2a_bytes = 0, block_bytes = 0;
+    for (size_t k = 0; k < K; ++k) {
       const int64_t r = recompute_layers[i * K + k];
       if (r < 0) continue;
-      if (r != checked) check(layout, r), checked = r;
-      if (!terms) terms = layout_terms(layout);
-      out[i * K + k] = work(lengths[i], layout, r, r == 0 ? flops0[i] : sample_flops(shape_, lengths[i], r),
-                            attention[i], *terms);
+      const SpLayout& layout = layouts[k];
+      if (checked[k] != r) check(layout, r), checked[k] = r;
+      const LayoutTerms& t = terms[k];
+      const double rd = static_cast<double>(r);
+      if (r != flops_r) {
+        const FlopCount f = sample_flops(shape_, len, r);
+        linear_per_mfu = f.linear / device_.mfu, attention_flops = f.attention, flops_r = r;
+      }
+      const double compute = (linear_per_mfu + attention_flops / t.attention_rate) / t.sp_peak;
+      double bytes = 0.0;  // all_to_all_bytes
+      if (layout.ulysses_size != 1) {
+        if (r != bytes_r || layout.sp_size != bytes_sp) {
+          a2a_bytes = (2.0 * L + rd) * 2.0 * width * tokens / static_cast<double>(layout.sp_size) * element;
+          bytes_r = r, bytes_sp = layout.sp_size;
+        }
+        bytes = a2a_bytes;
+      }
+      const double comm = bytes * t.a2a_per_byte;
+      double ring = 0.0;  // ring_exposed
+      const int64_t R = layout.ring_size();
+      if (R != 1) {
+        if (layout.sp_size != block_sp) {  // ring_block_bytes
+          block_bytes = 2.0 * tokens / static_cast<double>(layout.sp_size) * kv_dim * element;
+          block_sp = layout.sp_size;
+        }
+        const double t_c = attention / t.ring_rate;
+        const double t_x = block_bytes / t.ring_bandwidth;
+        ring = (3.0 * L + rd) * static_cast<double>(R - 1) * std::max(0.0, t_x - t_c) + L * t_x;
+      }
+      out[i * K + k] = compute + comm + ring;
     }
   }
 }

@@ -9,11 +9,13 @@
 #include <utility>
 
 #include "dcp/planners.h"
+#include "plan/dcp_opt_detail.h"
 #include "plan/planner_common.h"
 
 namespace dcp {
 
 using namespace planner_detail;
+using namespace dcp_opt_detail;
 
 namespace {
 
@@ -36,9 +38,8 @@ constexpr double kRetryGap = 0.05;
 // above the lower bound: below it the gain is small and the extra search costs about ten fills.
 constexpr double kDenseGap = 0.01;
 
-// Ordered (load, key) entries of a set of groups (the key names the group); node handles keep updates free
-// of allocation.
-using Entry = std::pair<double, size_t>;
+// Ordered (load, key) entries of a set of groups (the key names the group, Entry of dcp_opt_detail.h); node
+// handles keep updates free of allocation.
 using LoadSet = std::set<Entry>;
 
 // Sets g's entry in `s` (found at `pos`) to load v, reusing its node.
@@ -47,6 +48,50 @@ void update(LoadSet& s, LoadSet::iterator& pos, double v) {
   node.value().first = v;
   pos = s.insert(std::move(node)).position;
 }
+
+// Storage of OptStep's tables kept per thread between steps. The tables are megabytes at world 1024 (4096
+// samples x 30 layouts, three of them); freed, malloc hands the pages back to the kernel (glibc trims the top of
+// its heap beyond 128 KB and maps large blocks), and the next step faults every page in again: up to 480 faults
+// per step at world 1024 (getrusage), ~10 us of system time each in this VM (bench/results/
+// cpu1_202612_plan_time.md). A table takes the spare vector of the least capacity that holds it (else the
+// largest) and gives it back when its step ends; at most kSpares vectors of each type are kept, so a thread
+// keeps at most the storage of its largest steps' tables.
+template <class T>
+class Spares {
+ public:
+  // A vector of n entries, on a spare's storage when there is one, their values left from its earlier use
+  // (the caller writes every entry before reading it).
+  static std::vector<T> take_scratch(size_t n) {
+    std::vector<T> v = take_storage(n);
+    v.resize(n);
+    return v;
+  }
+  // Keeps v's storage for a later take (dropped when kSpares are kept already).
+  static void give(std::vector<T>& v) {
+    std::vector<std::vector<T>>& list = spares();
+    if (v.capacity() == 0 || list.size() >= kSpares) return;
+    list.push_back(std::move(v));
+  }
+
+ private:
+  static constexpr size_t kSpares = 16;
+  static std::vector<std::vector<T>>& spares() {
+    thread_local std::vector<std::vector<T>> list;
+    return list;
+  }
+  static std::vector<T> take_storage(size_t n) {
+    std::vector<std::vector<T>>& list = spares();
+    if (list.empty()) return {};
+    size_t best = 0;
+    for (size_t s = 1; s < list.size(); ++s) {
+      const size_t c = list[s].capacity(), b = list[best].capacity();
+      if (b >= n ? (c >= n && c < b) : c > b) best = s;
+    }
+    std::vector<T> v = std::move(list[best]);
+    list.erase(list.begin() + static_cast<std::ptrdiff_t>(best));
+    return v;
+  }
+};
 
 // dcp-opt packs the static layout of a size as a fallback only when its bound is this much below the plan
 // found (Planner.DcpOptNotSlowerThanStaticLayoutsInItsOwnModel): on steps of thousands of samples the plan is
@@ -75,17 +120,11 @@ class OptStep {
     // index order (no per-size sort) and reads the tables below sequentially.
     const size_t n = ids_.size();
     const size_t K = sizes_.size();
-    {
-      std::vector<std::pair<int64_t, size_t>> keyed(n);  // (-length, position): a plain sort is stable here
-      for (size_t i = 0; i < n; ++i) keyed[i] = {-length_of(samples_, ids_[i]), i};
-      std::sort(keyed.begin(), keyed.end());
-      std::vector<int64_t> sorted(n);
-      for (size_t i = 0; i < n; ++i) sorted[i] = ids_[keyed[i].second];
-      ids_ = std::move(sorted);
-    }
-    t_.assign(n * K, kInf);
-    recompute_.assign(n * K, -1);
-    work_.assign(n * K, kInf);
+    ids_ = longest_first(samples_, ids_);
+    // Every entry of the three tables is written below (no fill beforehand: they are megabytes).
+    t_ = Spares<double>::take_scratch(n * K);
+    recompute_ = Spares<int64_t>::take_scratch(n * K);
+    work_ = Spares<double>::take_scratch(n * K);
     // The cost model's layer count is the memory model's (both come from one ModelShape, as in every caller).
     layers_ = cost_.shape().layers;
     const size_t row = static_cast<size_t>(layers_ + 1);
@@ -97,14 +136,15 @@ class OptStep {
         fixed_[k * row + static_cast<size_t>(r)] = cost_.fixed_seconds(layouts_[k], r);
       }
     }
-    // A row per sample; a sample as long as the one before copies its row (its recompute stays -1 until then,
-    // so the work table skips it).
+    // A row per sample; a sample as long as the one before copies its row (its recompute is -1 until then, so
+    // the work table skips it).
     std::vector<int64_t> lengths(n);
     for (size_t i = 0; i < n; ++i) {
       lengths[i] = length_of(samples_, ids_[i]);
-      if (i > 0 && lengths[i] == lengths[i - 1]) continue;
+      const bool same = i > 0 && lengths[i] == lengths[i - 1];
       for (size_t k = 0; k < K; ++k) {
-        if (auto r = recompute_for(lengths[i], k)) recompute_[i * K + k] = *r;
+        const auto r = same ? std::nullopt : recompute_for(lengths[i], k);
+        recompute_[i * K + k] = r ? *r : -1;
       }
     }
     cost_.work_seconds(lengths, layouts_, recompute_.data(), work_.data());
@@ -117,13 +157,17 @@ class OptStep {
       }
       for (size_t k = 0; k < K; ++k) {
         const int64_t r = recompute_[i * K + k];
-        if (r < 0) continue;
+        if (r < 0) {
+          t_[i * K + k] = kInf, work_[i * K + k] = kInf;
+          continue;
+        }
         const double cap0 = static_cast<double>(max_tokens_[k * row]);
         const double share = cap0 > 0 ? std::min(1.0, static_cast<double>(lengths[i]) / cap0) : 1.0;
         t_[i * K + k] = work_[i * K + k] + fixed(k, r) * share;
       }
     }
     prune();
+    least_times();
     order_by_cost();
   }
 
@@ -135,7 +179,9 @@ class OptStep {
         fixed_(parent.fixed_) {
     const size_t n = subset.size(), K = sizes_.size();
     ids_.resize(n);
-    t_.resize(n * K), recompute_.resize(n * K), work_.resize(n * K);
+    t_ = Spares<double>::take_scratch(n * K);  // every row copied below
+    recompute_ = Spares<int64_t>::take_scratch(n * K);
+    work_ = Spares<double>::take_scratch(n * K);
     for (size_t j = 0; j < n; ++j) {
       const size_t i = subset[j];
       ids_[j] = parent.ids_[i];
@@ -144,12 +190,13 @@ class OptStep {
       std::copy_n(&parent.work_[i * K], K, &work_[j * K]);
     }
     const std::vector<size_t> kept = prune();
+    least_times();
     // Each sample's order by GPU-seconds is the parent's restricted to the layouts kept (the same values, and
     // the order is a total one: ties go to the lower index, which keeps its rank among the kept).
     const size_t K2 = sizes_.size();
     std::vector<size_t> index_of(K, SIZE_MAX);
     for (size_t j = 0; j < K2; ++j) index_of[kept[j]] = j;
-    by_cost_.resize(n * K2);
+    by_cost_ = Spares<size_t>::take_scratch(n * K2);  // K2 entries of each row written below
     for (size_t j = 0; j < n; ++j) {
       const size_t* from = &parent.by_cost_[subset[j] * K];
       size_t* to = &by_cost_[j * K2];
@@ -157,6 +204,15 @@ class OptStep {
         if (index_of[from[a]] != SIZE_MAX) *to++ = index_of[from[a]];
       }
     }
+  }
+
+  OptStep(OptStep&&) = default;
+  OptStep(const OptStep&) = delete;
+  ~OptStep() {
+    for (auto* v : {&t_, &work_, &scratch_t_, &scratch_gpu_}) Spares<double>::give(*v);
+    Spares<int64_t>::give(recompute_);
+    Spares<size_t>::give(by_cost_);
+    Spares<size_t>::give(scratch_end_);
   }
 
   // The samples, longest first (ties keep the step's order): index i of the accessors below.
@@ -296,18 +352,37 @@ class OptStep {
     return kept;
   }
 
+  // least_t_: the least time of a sample at each size (open_to_any).
+  void least_times() {
+    const size_t n = ids_.size(), K = sizes_.size();
+    least_t_.assign(K, kInf);
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t k = 0; k < K; ++k) least_t_[k] = std::min(least_t_[k], t(i, k));
+    }
+  }
+
   // Each sample's sizes by GPU-seconds s * t(s), ascending (ties: smaller size). That order does not depend on
   // the target, so fill finds a sample's preferred size and its cheapest open group without scanning every size.
+  // The order is a total one (ties by index), so any sort gives it: each row starts from the row before (the
+  // samples are longest first, and neighbours mostly order the sizes alike) and is finished by insertion, about
+  // K steps per row where a sort from scratch takes K log K comparisons.
   void order_by_cost() {
     const size_t n = ids_.size(), K = sizes_.size();
-    by_cost_.resize(n * K);
+    by_cost_ = Spares<size_t>::take_scratch(n * K);
+    std::vector<double> cost(K);
     for (size_t i = 0; i < n; ++i) {
-      auto* o = &by_cost_[i * K];
-      for (size_t k = 0; k < K; ++k) o[k] = k;
-      std::sort(o, o + K, [&](size_t a, size_t b) {
-        const double ca = gpu_seconds(i, a), cb = gpu_seconds(i, b);
-        return ca < cb || (ca == cb && a < b);
-      });
+      size_t* o = &by_cost_[i * K];
+      for (size_t k = 0; k < K; ++k) {
+        cost[k] = gpu_seconds(i, k);
+        o[k] = i > 0 ? o[k - K] : k;
+      }
+      auto before = [&](size_t a, size_t b) { return cost[a] < cost[b] || (cost[a] == cost[b] && a < b); };
+      for (size_t j = 1; j < K; ++j) {
+        const size_t k = o[j];
+        size_t at = j;
+        for (; at > 0 && before(k, o[at - 1]); --at) o[at] = o[at - 1];
+        o[at] = k;
+      }
     }
   }
 
@@ -329,6 +404,29 @@ class OptStep {
     return memory_.min_recompute_layers(tokens, sizes_[k]);
   }
 
+  // floor_bound's sums over all the samples for every floor at once (one pass, where each floor's own pass
+  // would read every sample again): floor_lo_[f], floor_hi_[f] and floor_cheapest_[f] take, sample by sample
+  // in index order as floor_bound does, the max of the least time from size index f up, the max of the time
+  // at the cheapest size from f up (the first of by_cost_ at f or above) and the sum of its GPU-seconds.
+  void floor_sums() const {
+    if (!floor_lo_.empty()) return;
+    const size_t n = ids_.size(), K = sizes_.size();
+    floor_lo_.assign(K, 0.0), floor_hi_.assign(K, 0.0), floor_cheapest_.assign(K, 0.0);
+    for (size_t i = 0; i < n; ++i) {
+      double least = kInf;  // least time from size index f up, f descending
+      for (size_t f = K; f-- > 0;) {
+        least = std::min(least, t(i, f));
+        floor_lo_[f] = std::max(floor_lo_[f], least);
+      }
+      const size_t* o = &by_cost_[i * K];
+      for (size_t f = 0, j = 0; f < K; ++f) {
+        while (o[j] < f) ++j;  // the first of by_cost_ at f or above (its position only grows with f)
+        floor_hi_[f] = std::max(floor_hi_[f], t(i, o[j]));
+        floor_cheapest_[f] += gpu_seconds(i, o[j]);
+      }
+    }
+  }
+
   // A lower bound on the makespan (in the times t) of any layout whose groups have sizes from index `floor` up:
   // the smallest T at which every sample has such a size with t(s) <= T and the samples' least GPU-seconds
   // s * t(s) among those sizes fit in world_size * T. A layout with makespan M runs every sample at a size
@@ -338,25 +436,73 @@ class OptStep {
   // Returns a bound >= `stop` at once when the bound reaches `stop` (the floor cannot win then).
   // `from` and `to` restrict it to the samples [from, to) (by default all).
   double floor_bound(size_t floor, double stop, size_t from = 0, size_t to = SIZE_MAX) const {
-    const size_t n = std::min(to, ids_.size()), K = sizes_.size();
+    const size_t n = std::min(to, ids_.size()), K = sizes_.size(), m = n > from ? n - from : 0;
     const double world = static_cast<double>(world_);
     double lo = 0, hi = 0, cheapest = 0;
-    for (size_t i = from; i < n; ++i) {
-      size_t fastest = floor, first = K;
-      for (size_t k = floor; k < K; ++k) {
-        if (t(i, k) < t(i, fastest)) fastest = k;
+    // lo: the largest of the samples' least times; hi: of their times at their cheapest size; cheapest: the sum
+    // of their least GPU-seconds (all from the floor up).
+    if (from == 0 && n == ids_.size()) {
+      floor_sums();
+      lo = floor_lo_[floor], hi = floor_hi_[floor], cheapest = floor_cheapest_[floor];
+    } else {
+      for (size_t i = from; i < n; ++i) {
+        size_t fastest = floor, first = K;
+        for (size_t k = floor; k < K; ++k) {
+          if (t(i, k) < t(i, fastest)) fastest = k;
+        }
+        for (size_t j = 0; j < K && first == K; ++j) {
+          if (by_cost_[i * K + j] >= floor) first = by_cost_[i * K + j];
+        }
+        lo = std::max(lo, t(i, fastest));
+        hi = std::max(hi, t(i, first));
+        cheapest += gpu_seconds(i, first);
       }
-      for (size_t j = 0; j < K && first == K; ++j) {
-        if (by_cost_[i * K + j] >= floor) first = by_cost_[i * K + j];
-      }
-      lo = std::max(lo, t(i, fastest));
-      hi = std::max(hi, t(i, first));
-      cheapest += gpu_seconds(i, first);
     }
     hi = std::max({lo, hi, cheapest / world});  // every sample at its cheapest size: the sum is `cheapest`
+    // Every term meets sums is at least the term `cheapest` sums for the same sample, in the same order, and
+    // rounding is monotone, so meets(T) fails whenever cheapest > world * T: here for lo and stop (lo < stop),
+    // so the search below would return stop without reading a sample.
+    if (lo < stop && stop < hi && cheapest > world * stop) return stop;
+    // A sample's preferred size under T (preferred_size) is the first size in its GPU-seconds order, from the
+    // floor up, that meets T: one of the sizes faster than every size before it in that order (its steps,
+    // usually one to three). So the scan below notes each sample's steps (times and GPU-seconds), and meets
+    // reads them where preferred_size would scan the sizes: the same GPU-seconds summed in the same order, so
+    // the same bits. At most K steps per sample; the tables keep their storage (Spares).
+    if (scratch_t_.size() < m * K) {
+      for (auto* v : {&scratch_t_, &scratch_gpu_}) Spares<double>::give(*v), *v = Spares<double>::take_scratch(m * K);
+    }
+    if (scratch_end_.size() < m) Spares<size_t>::give(scratch_end_), scratch_end_ = Spares<size_t>::take_scratch(m);
+    double* step_t = scratch_t_.data();
+    double* step_gpu = scratch_gpu_.data();
+    size_t* step_end = scratch_end_.data();  // sample from + i's steps end at step_end[i]
+    size_t steps = 0;
+    for (size_t i = from; i < n; ++i) {
+      const size_t* o = &by_cost_[i * K];
+      double step = kInf;
+      for (size_t j = 0; j < K; ++j) {
+        const size_t k = o[j];
+        if (k >= floor && t(i, k) < step) {
+          step = t(i, k);
+          step_t[steps] = step, step_gpu[steps] = gpu_seconds(i, k), ++steps;
+        }
+      }
+      step_end[i - from] = steps;
+    }
     auto meets = [&](double T) {
       double sum = 0;
-      for (size_t i = from; i < n; ++i) sum += gpu_seconds(i, preferred_size(i, T, floor));
+      size_t r = 0;
+      for (size_t i = 0; i < m; ++i) {
+        const size_t end = step_end[i];
+        double g = 0;
+        bool found = false;
+        for (; r < end && !found; ++r) {
+          if (step_t[r] <= T) g = step_gpu[r], found = true;
+        }
+        // No size meets T (only below lo, which the search never asks): the fastest, as preferred_size.
+        if (!found) g = gpu_seconds(from + i, preferred_size(from + i, T, floor));
+        r = end;
+        sum += g;
+      }
       return sum <= world * T;
     };
     if (lo >= stop || meets(lo)) return lo;
@@ -429,13 +575,19 @@ class OptStep {
     return fastest;
   }
 
+  // Whether a group of size index k and `load` can still take a sample by T: the shortest (the fastest at every
+  // size) fits it. Else no sample does (fill's fit, T - load - t >= 0, is monotone in t, rounding included).
+  bool open_to_any(double T, double load, size_t k) const { return T - load - least_t_[k] >= 0; }
+
   // Samples by preferred size (from `floor` up), then time, both descending, each into an open group where it
   // finishes by T (least GPU-seconds, then least slack left, then lowest group), else into a new group of its
   // preferred size while ranks remain (with `dense`, of dense_size for long samples). nullopt when a sample
   // finds no place.
-  // Open groups of each size are kept in a set ordered by (load, SIZE_MAX - group), so the best fit of a size
-  // (the largest load that still finishes by T, lowest group among equal loads) is one lookup; sizes are tried
-  // in the sample's GPU-seconds order and the search stops at the first size dearer than a fit: O(n K log G).
+  // Open groups of each size are kept in order of (load, SIZE_MAX - group) (LoadBlocks), so the best fit of a
+  // size (the largest load that still finishes by T, lowest group among equal loads) is one lookup; sizes are
+  // tried in the sample's GPU-seconds order and the search stops at the first size dearer than a fit:
+  // O(n K log G). A group that not even the step's shortest sample fits any more (open_to_any) leaves its list:
+  // no lookup could return it, and at world 1024 nearly every group fills up so (the lists stay short).
   std::optional<Layout> fill(double T, size_t floor, bool dense) const {
     const size_t n = ids_.size(), K = sizes_.size();
     std::vector<size_t> pref(n), start(K + 1, 0);
@@ -457,14 +609,14 @@ class OptStep {
         long_left[p] = 1 + (p + 1 < n && pref[order[p + 1]] == pref[i] ? long_left[p + 1] : 0);
       }
     }
-    std::vector<LoadSet> open(K);
-    std::vector<LoadSet::iterator> pos;  // of each group in open[its size]
+    std::vector<LoadBlocks> open(K);
     std::vector<size_t> group_of(n);
     Layout l;
     int64_t ranks = 0;
     for (size_t p = 0; p < n; ++p) {
       const size_t i = order[p];
       size_t best = l.groups.size();
+      LoadBlocks::Pos best_at;  // its place in open[its size]
       double best_cost = kInf, best_slack = kInf;
       const size_t* o = &by_cost_[i * K];
       for (size_t j = 0; j < K; ++j) {
@@ -473,18 +625,16 @@ class OptStep {
         if (k < floor || tk > T || open[k].empty()) continue;  // no group of size k can take it by T
         const double c = gpu_seconds(i, k);
         if (c > best_cost) break;  // every later size is at least as dear
-        const auto& os = open[k];
+        // The largest load that still fits (fits holds for a prefix of the order: loads ascending).
         auto fits = [&](const Entry& e) { return T - e.first - tk >= 0; };
-        if (!fits(*os.begin())) continue;  // not even the least-loaded group of this size
-        auto it = os.upper_bound(Entry{T - tk, SIZE_MAX});
-        while (it != os.end() && fits(*it)) ++it;
-        while (it != os.begin() && !fits(*std::prev(it))) --it;
-        if (it == os.begin()) continue;
-        const double load = std::prev(it)->first;
-        const size_t g = SIZE_MAX - std::prev(it)->second;  // the last entry of that load: its lowest group
+        const auto at = open[k].last_where(fits);
+        if (!at) continue;  // not even the least-loaded group of this size
+        const Entry& e = open[k].at(*at);
+        const double load = e.first;
+        const size_t g = SIZE_MAX - e.second;  // the last entry of that load: its lowest group
         const double slack = T - load - tk;
         if (c < best_cost || slack < best_slack || (slack == best_slack && g < best)) {
-          best = g, best_cost = c, best_slack = slack;
+          best = g, best_cost = c, best_slack = slack, best_at = *at;
         }
       }
       if (best == l.groups.size()) {
@@ -493,10 +643,15 @@ class OptStep {
         ranks += sizes_[k];
         l.groups.push_back(k);
         l.loads.push_back(t(i, k));
-        pos.push_back(open[k].insert(Entry{t(i, k), SIZE_MAX - best}).first);
+        if (open_to_any(T, t(i, k), k)) open[k].insert(Entry{t(i, k), SIZE_MAX - best});
       } else {
-        l.loads[best] += t(i, l.groups[best]);
-        update(open[l.groups[best]], pos[best], l.loads[best]);
+        const size_t k = l.groups[best];
+        l.loads[best] += t(i, k);
+        if (open_to_any(T, l.loads[best], k)) {
+          open[k].update(best_at, l.loads[best]);
+        } else {
+          open[k].erase(best_at);
+        }
       }
       group_of[i] = best;
     }
@@ -645,9 +800,19 @@ class OptStep {
     for (size_t g = 0; g < l.groups.size(); ++g) {
       const size_t k = l.groups[g];
       members = l.members[g];
-      std::stable_sort(members.begin(), members.end(), [&](size_t a, size_t b) {
-        return length_of(samples_, ids_[a]) > length_of(samples_, ids_[b]);
-      });
+      // Longest first, ties in placement order (a stable sort; by insertion for the few members of most groups,
+      // which std::stable_sort would give a buffer from the heap).
+      auto longer = [&](size_t a, size_t b) { return length_of(samples_, ids_[a]) > length_of(samples_, ids_[b]); };
+      if (members.size() <= 32) {
+        for (size_t j = 1; j < members.size(); ++j) {
+          const size_t x = members[j];
+          size_t at = j;
+          for (; at > 0 && longer(x, members[at - 1]); --at) members[at] = members[at - 1];
+          members[at] = x;
+        }
+      } else {
+        std::stable_sort(members.begin(), members.end(), longer);
+      }
       // Merging saves a micro-batch's fixed cost but may raise the recompute of every sample in it: greedy
       // merging can pile the group onto one heavily recomputed micro-batch where two lighter ones are faster
       // (a CPU profile's ~10 ms per micro-batch makes that common). So the group is also packed without
@@ -785,7 +950,12 @@ class OptStep {
   std::vector<int64_t> recompute_;   // fewest recompute layers alone, -1 when infeasible
   std::vector<double> work_;         // CostModel::work_seconds at that recompute count
   std::vector<size_t> by_cost_;      // size indices by GPU-seconds, ascending
+  std::vector<double> least_t_;      // by size index: the least time of a sample there (inf: none fits)
   int64_t layers_ = 0;
+  // floor_bound's per-call tables (kept for their storage) and floor_sums.
+  mutable std::vector<double> scratch_t_, scratch_gpu_;
+  mutable std::vector<double> floor_lo_, floor_hi_, floor_cheapest_;
+  mutable std::vector<size_t> scratch_end_;
   std::vector<int64_t> max_tokens_;  // [size index * (layers_ + 1) + r] MemoryModel::max_tokens(size, r)
   std::vector<double> fixed_;        // [size index * (layers_ + 1) + r] CostModel::fixed_seconds(layout, r)
 };
@@ -952,8 +1122,12 @@ PlanSet plan_dcp_opt(const std::vector<Sample>& samples, int64_t world_size, con
     if ((l.sp_size & (l.sp_size - 1)) == 0) layouts.push_back(l);
   }
   std::vector<char> skipped(samples.size(), 0);
+  // A sample fits the largest size when min_recompute_layers finds a count: when it is at most max_tokens there
+  // with every layer recomputed (that many fit, and bytes grow with tokens), else as the model decides.
+  const int64_t largest = layouts.back().sp_size, fits_all = memory.max_tokens(largest, memory.shape().layers);
   for (const auto& s : samples) {
-    if (!memory.min_recompute_layers(s.length, layouts.back().sp_size)) skipped[static_cast<size_t>(s.id)] = 1;
+    if (s.length <= fits_all && s.length >= 1) continue;
+    if (!memory.min_recompute_layers(s.length, largest)) skipped[static_cast<size_t>(s.id)] = 1;
   }
   PlanSet out;
   out.skipped_ids = skipped_ids(skipped);

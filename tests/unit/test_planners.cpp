@@ -8,7 +8,10 @@
 #include <cmath>
 #include <random>
 
+#include <set>
+
 #include "dcp/planners.h"
+#include "plan/dcp_opt_detail.h"
 
 using namespace dcp;
 
@@ -752,4 +755,75 @@ TEST(Rounds, LowerBoundStaysBelowTheOptimumOfTinyCases) {
   }
   EXPECT_GE(checked, 100);
   std::printf("lower bound / best plan found, tightest over tiny cases: %.4f\n", tightest);
+}
+
+// dcp-opt's LoadBlocks against its reference, a std::set of the same entries: after every insert, raise and
+// erase the entries are the set's in order, and the last entry meeting a load bound (fill's best fit) is the
+// set's. Loads repeat (ties broken by the key) and the lists grow to hundreds of entries (blocks split and empty
+// out).
+TEST(Planner, LoadBlocksAnswersAsAnOrderedSet) {
+  using dcp_opt_detail::Entry;
+  for (uint32_t seed : {1u, 2u, 3u, 4u}) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    auto load = [&] { return u(rng) < 0.5 ? std::floor(u(rng) * 8) / 4 : u(rng) * 2; };
+    std::set<Entry> ref;
+    dcp_opt_detail::LoadBlocks blocks;
+    size_t next_key = 0, queried = 0;
+    for (int op = 0; op < 3000; ++op) {
+      if (ref.size() < 20 || u(rng) < 0.25) {
+        const Entry e{load(), SIZE_MAX - next_key++};
+        ref.insert(e);
+        blocks.insert(e);
+      } else {
+        const double bound = u(rng) * 2.5;
+        auto fits = [&](const Entry& e) { return bound - e.first >= 0; };
+        const auto at = blocks.last_where(fits);
+        auto it = ref.upper_bound(Entry{bound, SIZE_MAX});
+        while (it != ref.begin() && !fits(*std::prev(it))) --it;
+        if (it == ref.begin()) {
+          EXPECT_FALSE(at.has_value()) << "seed " << seed << " op " << op;
+          continue;
+        }
+        const Entry expected = *std::prev(it);
+        ASSERT_TRUE(at.has_value()) << "seed " << seed << " op " << op;
+        ASSERT_EQ(blocks.at(*at), expected) << "seed " << seed << " op " << op;
+        ++queried;
+        ref.erase(std::prev(it));
+        if (u(rng) < 0.15) {  // fill drops a group that no sample fits any more
+          blocks.erase(*at);
+        } else {
+          const double raised = expected.first + (u(rng) < 0.3 ? 0.0 : load());
+          ref.insert(Entry{raised, expected.second});
+          blocks.update(*at, raised);
+        }
+      }
+      ASSERT_EQ(blocks.entries(), std::vector<Entry>(ref.begin(), ref.end())) << "seed " << seed << " op " << op;
+      EXPECT_EQ(blocks.empty(), ref.empty());
+      if (!ref.empty()) EXPECT_EQ(blocks.front(), *ref.begin());
+    }
+    EXPECT_GT(ref.size(), 300u);
+    EXPECT_GT(queried, 1000u);
+  }
+}
+
+// dcp-opt's order of a step's samples (longest first, ties in step order) against its reference, a stable sort
+// by length: short and long lengths (one to six radix passes), many ties, ids in a shuffled order.
+TEST(Planner, LongestFirstIsTheStableSortByLength) {
+  for (int64_t top : {int64_t{1}, int64_t{200}, int64_t{70000}, int64_t{1} << 40}) {
+    std::mt19937_64 rng(static_cast<uint64_t>(top));
+    std::vector<int64_t> lengths;
+    for (int i = 0; i < 3000; ++i) lengths.push_back(1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(top)));
+    for (int i = 0; i < 500; ++i) lengths.push_back(lengths[rng() % lengths.size()]);  // ties
+    const auto samples = samples_from_lengths(lengths, "l");
+    std::vector<int64_t> ids;
+    for (size_t i = 0; i < samples.size(); i += 1 + rng() % 2) ids.push_back(static_cast<int64_t>(i));
+    std::shuffle(ids.begin(), ids.end(), rng);
+    std::vector<int64_t> expected = ids;
+    std::stable_sort(expected.begin(), expected.end(), [&](int64_t a, int64_t b) {
+      return samples[static_cast<size_t>(a)].length > samples[static_cast<size_t>(b)].length;
+    });
+    EXPECT_EQ(dcp_opt_detail::longest_first(samples, ids), expected) << "lengths up to " << top;
+  }
+  EXPECT_TRUE(dcp_opt_detail::longest_first({}, {}).empty());
 }

@@ -144,6 +144,58 @@ TEST(RingCost, WorkIsComputeAtBlockEfficiencyPlusExposedTransfer) {
   EXPECT_DOUBLE_EQ(cost.seconds({s}, 8, r), cost.seconds({s}, SpLayout{8, 8}, r));
 }
 
+// The table form of work_seconds (dcp-opt's tables of every sample at every layout, computed row by row with
+// the factors of a row and of an SP size shared) against its reference, one work_seconds call per entry: the
+// same bits (EXPECT_EQ on doubles, no tolerance: dcp-opt's plans compare these values and must not change),
+// entries with a negative recompute count left alone, and the same errors. Shapes: the 1.3B decoder, GQA with
+// 4 KV heads, the reference softmax and chunked linear attention; devices: h200, and h200 with fitted
+// all-to-all and ring curves (overheads, latencies), an attention MFU of its own and a ring block efficiency.
+TEST(RingCost, WorkSecondsTableMatchesSingleCalls) {
+  ModelShape reference;
+  reference.attention = AttentionKind::kSoftmaxReference;
+  ModelShape linear;
+  linear.attention = AttentionKind::kLinear;
+  linear.feature_dim = 33, linear.feature_projections = 16, linear.chunk_size = 64;
+  DeviceSpec fitted = DeviceSpec::named("h200");
+  fitted.attention_mfu = 0.31, fitted.ring_block_efficiency = 0.85;
+  for (int64_t sp : {2, 4, 8, 16, 64}) {
+    fitted.all_to_all[sp] = CommFit{1e-5 * static_cast<double>(sp), 1e11 / static_cast<double>(sp), 3e-13};
+    fitted.ring[sp] = CommFit{2e-5, 2e11 / static_cast<double>(sp), 0};
+  }
+  const std::vector<int64_t> lengths = {1, 2, 3, 100, 1024, 1024, 4095, 8192, 12345, 65536, 131071, 262144, 1000003};
+  size_t checked = 0;
+  for (const ModelShape& shape : {ModelShape{}, gqa_shape(4), reference, linear}) {
+    for (const DeviceSpec& device : {DeviceSpec::named("h200"), fitted}) {
+      const CostModel cost(shape, device);
+      const std::vector<SpLayout> layouts = sp_layouts_allowed(1024, cost, {});
+      const size_t n = lengths.size(), K = layouts.size();
+      std::vector<int64_t> r(n * K);
+      for (size_t e = 0; e < n * K; ++e) r[e] = static_cast<int64_t>((e * 7 + e / K) % 27) - 2;  // -2 .. 24
+      for (size_t e = 0; e < n * K; e += 5) r[e] = 0;  // the common case
+      std::vector<double> out(n * K, -7.0);
+      cost.work_seconds(lengths, layouts, r.data(), out.data());
+      for (size_t i = 0; i < n; ++i) {
+        for (size_t k = 0; k < K; ++k) {
+          const size_t e = i * K + k;
+          if (r[e] < 0) {
+            EXPECT_EQ(out[e], -7.0) << "entry left alone, length " << lengths[i] << " layout " << k;
+            continue;
+          }
+          EXPECT_EQ(out[e], cost.work_seconds(lengths[i], layouts[k], r[e]))
+              << "length " << lengths[i] << " sp " << layouts[k].sp_size << " ulysses " << layouts[k].ulysses_size
+              << " r " << r[e];
+          ++checked;
+        }
+      }
+      std::vector<int64_t> too_many(n * K, shape.layers + 1);
+      EXPECT_THROW(cost.work_seconds(lengths, layouts, too_many.data(), out.data()), std::invalid_argument);
+      std::vector<int64_t> zero(2 * K, 0);
+      EXPECT_THROW(cost.work_seconds({5, 0}, layouts, zero.data(), out.data()), std::invalid_argument);
+    }
+  }
+  EXPECT_GT(checked, 1000u);
+}
+
 TEST(RingCost, LayoutsThatCannotRunAreRefused) {
   const CostModel gqa(gqa_shape(4), bare_h200());
   EXPECT_TRUE(gqa.supports(SpLayout{4, 4}));
