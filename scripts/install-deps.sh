@@ -10,6 +10,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   gnuplot-nox jq                                  # plots; jq summarises metrics.jsonl in bench scripts
   python3.11-doc                                  # the default corpus: CPython 3.11 docs sources
+  libpython3.11-stdlib                            # configs/kv_python_model.yaml's corpus: CPython 3.11 stdlib .py files
   libcpp-httplib-dev                              # dcp serve's HTTP server (cpp-httplib, as llama.cpp's server)
   chromium                                        # the serve page's browser test (headless, driven by playwright-core)
   "$@"

@@ -206,6 +206,90 @@ TEST(KvSummary, Fp32GramMatchesItsFp64Twin) {
   EXPECT_NEAR(fast.relative_error(10), std::sqrt(exact.error()[10] / exact.output_energy()), 1e-3);
 }
 
+TEST(KvSummary, ProbabilitiesGivenOnceAreTheSameSummary) {
+  // minimax computes the reference queries' attention once (its estimate) and hands it to the summary: the same
+  // Gram, path, errors and weights bit for bit as the summary that computes it itself.
+  torch::manual_seed(42);
+  KvHeadView view{torch::randn({120, 16}) * 1.5, torch::randn({120, 16}), torch::zeros({120}),
+                  torch::arange(120, torch::kInt64)};
+  const torch::Tensor q = torch::randn({70, 16});
+  const torch::Tensor pos = torch::cat({torch::arange(100, 120, torch::kInt64), torch::full({50}, kKvFutureQuery)});
+  const torch::Tensor block = torch::arange(10, 90, torch::kInt64);
+  KvBlockSummary own(view, q, 0.25, block, pos);
+  KvBlockSummary given(view, kv_head_probs(view, q, 0.25, pos, torch::kFloat), block);
+  own.extend(20);
+  given.extend(20);
+  EXPECT_EQ(own.order(), given.order());
+  EXPECT_EQ(own.error(), given.error());
+  EXPECT_TRUE(torch::equal(own.fit(20, false).log_weight, given.fit(20, false).log_weight));
+  EXPECT_NE(error_of([&] { KvBlockSummary(view, torch::rand({70, 119}), block); }).find("probs must be [Q >= 1, 120]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { KvBlockSummary(view, torch::rand({70, 120}, torch::kDouble), block); })
+                .find("in the summary dtype"),
+            std::string::npos);
+}
+
+namespace {
+
+// w^T G w - 2 c^T w, the NNLS objective.
+double nnls_objective(const std::vector<double>& g, const std::vector<double>& c, const std::vector<double>& w) {
+  const size_t m = c.size();
+  double f = 0;
+  for (size_t a = 0; a < m; ++a) {
+    double gw = 0;
+    for (size_t b = 0; b < m; ++b) gw += g[a * m + b] * w[b];
+    f += w[a] * gw - 2 * c[a] * w[a];
+  }
+  return f;
+}
+
+}  // namespace
+
+TEST(KvSummary, ActiveSetNnlsIsExactAndMatchesItsCoordinateDescentTwin) {
+  // By hand: G = [[1, .9], [.9, 1]], c = [1, -1]; least squares gives (10, -10), the non-negative optimum (1, 0)
+  // (the second weight's descent direction c_2 - G_21 w_1 = -1.9 < 0 keeps it at 0).
+  const std::vector<double> w2 = kv_nnls({1, 0.9, 0.9, 1}, {1, -1});
+  ASSERT_EQ(w2.size(), 2u);
+  EXPECT_NEAR(w2[0], 1.0, 1e-11);  // the ridge 1e-12 x max diag(G) shifts it by 1e-12
+  EXPECT_EQ(w2[1], 0.0);
+  EXPECT_TRUE(kv_nnls({}, {}).empty());
+  EXPECT_NE(error_of([] { kv_nnls({1, 2, 3}, {1, 2}); }).find("m x m = 4 elements"), std::string::npos);
+  // Summary-shaped problems (c = G 1: a block summarised by a subset of its entries) of full and deficient rank:
+  // the active-set weights satisfy the KKT conditions and reach the objective of coordinate descent run to
+  // convergence (20000 sweeps, moves < 1e-15) within 1e-9 of its size: the problems are strictly convex on the
+  // support, so both find the one optimum, and the difference is the ridge and rounding of the solves.
+  int64_t zeros = 0;
+  for (int trial = 0; trial < 12; ++trial) {
+    torch::manual_seed(100 + trial);
+    const int64_t m = 8 + 4 * trial, rows = trial % 3 == 0 ? m / 2 : 3 * m;  // rank m/2 or full
+    const torch::Tensor a = torch::randn({rows, m}, torch::kDouble) * torch::rand({1, m}, torch::kDouble);
+    const torch::Tensor extra = torch::randn({rows, 2 * m}, torch::kDouble);  // the block's evicted entries
+    const torch::Tensor gt = torch::matmul(a.t(), a).contiguous();
+    const torch::Tensor ct = torch::matmul(a.t(), a.sum(1) + extra.sum(1)).contiguous();
+    const std::vector<double> g(gt.data_ptr<double>(), gt.data_ptr<double>() + m * m);
+    const std::vector<double> c(ct.data_ptr<double>(), ct.data_ptr<double>() + m);
+    const std::vector<double> w = kv_nnls(g, c);
+    const std::vector<double> ref = kv_nnls_reference(g, c, 20000, 1e-15);
+    const double f = nnls_objective(g, c, w), f_ref = nnls_objective(g, c, ref);
+    EXPECT_LE(f, f_ref + 1e-9 * std::abs(f_ref)) << trial;
+    EXPECT_GE(f, f_ref - 1e-9 * std::abs(f_ref)) << trial;
+    double max_c = 0;
+    for (double x : c) max_c = std::max(max_c, std::abs(x));
+    for (int64_t i = 0; i < m; ++i) {
+      double d = c[static_cast<size_t>(i)];  // (c - G w)_i: 0 on the support, <= 0 off it
+      for (int64_t j = 0; j < m; ++j) d -= g[static_cast<size_t>(i * m + j)] * w[static_cast<size_t>(j)];
+      ASSERT_GE(w[static_cast<size_t>(i)], 0.0);
+      if (w[static_cast<size_t>(i)] > 0) {
+        EXPECT_LT(std::abs(d), 1e-8 * max_c) << trial << " " << i;
+      } else {
+        EXPECT_LE(d, 1e-8 * max_c) << trial << " " << i;
+        ++zeros;
+      }
+    }
+  }
+  EXPECT_GT(zeros, 0);  // the constraint binds: the test can tell NNLS from least squares
+}
+
 TEST(KvSummary, SpectralTailIsFlatForLookupAndSmallForClusters) {
   torch::manual_seed(4);
   // Near-orthogonal keys probed one by one: each probe's attention sits on its own entry.

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <stdexcept>
 
 namespace dcp {
@@ -32,7 +33,6 @@ torch::Tensor kv_head_probs(const KvHeadView& view, const torch::Tensor& queries
 KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& queries, double scale,
                                const torch::Tensor& block, const torch::Tensor& query_positions,
                                torch::ScalarType dtype) {
-  const int64_t n_head = view.length();
   if (queries.dim() != 2 || queries.size(0) < 1 || queries.size(1) != view.keys.size(1) || !(scale > 0) ||
       block.dim() != 1 || block.numel() < 1 || block.scalar_type() != torch::kInt64 ||
       (query_positions.defined() && (query_positions.dim() != 1 || query_positions.numel() != queries.size(0))) ||
@@ -44,14 +44,38 @@ KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& quer
         query_positions.defined() ? c10::str(query_positions.sizes()) : std::string("undefined"),
         c10::toString(dtype)));
   }
-  if (block.min().item<int64_t>() < 0 || block.max().item<int64_t>() >= n_head) {
-    throw std::invalid_argument(fmt::format("KvBlockSummary: block index outside [0, {})", n_head));
+  if (block.min().item<int64_t>() < 0 || block.max().item<int64_t>() >= view.length()) {
+    throw std::invalid_argument(fmt::format("KvBlockSummary: block index outside [0, {})", view.length()));
   }
   torch::NoGradGuard no_grad;
+  init(view, kv_head_probs(view, queries, scale, query_positions, dtype), block, dtype);
+}
+
+KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block,
+                               torch::ScalarType dtype) {
+  if (probs.dim() != 2 || probs.size(0) < 1 || probs.size(1) != view.length() || probs.scalar_type() != dtype ||
+      block.dim() != 1 || block.numel() < 1 || block.scalar_type() != torch::kInt64 ||
+      (dtype != torch::kFloat && dtype != torch::kDouble)) {
+    throw std::invalid_argument(fmt::format(
+        "KvBlockSummary: probs must be [Q >= 1, {}] in the summary dtype, block a non-empty 1-D int64 tensor and "
+        "dtype fp32 or fp64; got probs {} {}, block {}, dtype {}",
+        view.length(), c10::str(probs.sizes()), c10::toString(probs.scalar_type()), c10::str(block.sizes()),
+        c10::toString(dtype)));
+  }
+  if (block.min().item<int64_t>() < 0 || block.max().item<int64_t>() >= view.length()) {
+    throw std::invalid_argument(fmt::format("KvBlockSummary: block index outside [0, {})", view.length()));
+  }
+  torch::NoGradGuard no_grad;
+  init(view, probs, block, dtype);
+}
+
+void KvBlockSummary::init(const KvHeadView& view, const torch::Tensor& p, const torch::Tensor& block,
+                          torch::ScalarType dtype) {
   n_ = block.numel();
+  const auto n = static_cast<size_t>(n_);
+  const double queries = static_cast<double>(p.size(0));
   const torch::Tensor v = view.values.to(dtype);
-  const torch::Tensor p = kv_head_probs(view, queries, scale, query_positions, dtype);  // [Q, n_head]
-  const torch::Tensor o = torch::matmul(p, v);                                            // [Q, dv]
+  const torch::Tensor o = torch::matmul(p, v);  // [Q, dv]
   probs_ = p.index_select(1, block).contiguous();  // [Q, n]
   block_values_ = v.index_select(0, block).contiguous();
   const torch::Tensor u = torch::matmul(o, block_values_.t());  // u_qi = o_q . v_i
@@ -61,26 +85,52 @@ KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& quer
       ((block_values_ * block_values_).sum(1).unsqueeze(0) - 2 * u + o2.unsqueeze(1)).clamp_min(0);
   const double mass = probs_.sum().item<double>();
   const double gamma2 = mass > 0 ? (probs_ * dist2).sum().item<double>() / mass : 1.0;
-  // G_ij = mean_q p_qi p_qj [(v_i - o_q).(v_j - o_q) + gamma^2], expanded so that only [Q, n] products appear.
-  const torch::Tensor m = torch::matmul((probs_ * u).t(), probs_);
-  torch::Tensor gram = (torch::matmul(probs_.t(), probs_) * torch::matmul(block_values_, block_values_.t()) - m -
-                        m.t() + torch::matmul(probs_.t(), probs_ * (o2 + gamma2).unsqueeze(1))) /
-                       static_cast<double>(queries.size(0));
-  gram = (0.5 * (gram + gram.t())).to(torch::kDouble).contiguous();
-  gram_.assign(gram.data_ptr<double>(), gram.data_ptr<double>() + n_ * n_);
-  c_.assign(static_cast<size_t>(n_), 0.0);
+  gram_.resize(n * n);
+  c_.assign(n, 0.0);
+  if (dtype == torch::kDouble) {
+    // The reference twin: G_ij = mean_q p_qi p_qj [(v_i - o_q).(v_j - o_q) + gamma^2], expanded so that only
+    // [Q, n] products appear.
+    const torch::Tensor m = torch::matmul((probs_ * u).t(), probs_);
+    torch::Tensor gram = (torch::matmul(probs_.t(), probs_) * torch::matmul(block_values_, block_values_.t()) - m -
+                          m.t() + torch::matmul(probs_.t(), probs_ * (o2 + gamma2).unsqueeze(1))) /
+                         queries;
+    gram = (0.5 * (gram + gram.t())).contiguous();
+    gram_.assign(gram.data_ptr<double>(), gram.data_ptr<double>() + n * n);
+  } else {
+    // The fast path: p_qi p_qj (s_q - u_qi - u_qj) = b_qi p_qj + p_qi b_qj with b_qi = p_qi (s_q / 2 - u_qi),
+    // so G = (P^T P o V V^T + B^T P + (B^T P)^T) / Q: one [2n, Q] x [Q, n] matmul and V V^T, then one pass over
+    // the upper triangle (each entry formed once, mirrored: G is symmetric by construction).
+    const torch::Tensor b = probs_ * (0.5 * (o2 + gamma2).unsqueeze(1) - u);
+    const torch::Tensor pp_bp = torch::matmul(torch::cat({probs_, b}, 1).t(), probs_).contiguous();  // [2n, n]
+    const torch::Tensor vv = torch::matmul(block_values_, block_values_.t()).contiguous();         // [n, n]
+    const float* pp = pp_bp.data_ptr<float>();
+    const float* bp = pp + n * n;
+    const float* w = vv.data_ptr<float>();
+    const double inv = 1.0 / queries;
+    double* g = gram_.data();
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t j = i; j < n; ++j) {
+        const double x = (static_cast<double>(pp[i * n + j]) * static_cast<double>(w[i * n + j]) +
+                          static_cast<double>(bp[i * n + j]) + static_cast<double>(bp[j * n + i])) *
+                         inv;
+        g[i * n + j] = x;
+        g[j * n + i] = x;
+      }
+    }
+  }
   total_ = 0;
-  for (int64_t i = 0; i < n_; ++i) {
-    double s = 0;
-    for (int64_t j = 0; j < n_; ++j) s += gram_[static_cast<size_t>(i * n_ + j)];
-    c_[static_cast<size_t>(i)] = s;
-    total_ += s;
+  for (size_t i = 0; i < n; ++i) {
+    double sum = 0;
+    const double* row = gram_.data() + i * n;
+    for (size_t j = 0; j < n; ++j) sum += row[j];
+    c_[i] = sum;
+    total_ += sum;
   }
   error_ = {std::max(total_, 0.0)};
   residual_ = c_;
-  remaining_.resize(static_cast<size_t>(n_));
-  for (int64_t i = 0; i < n_; ++i) remaining_[static_cast<size_t>(i)] = gram_[static_cast<size_t>(i * n_ + i)];
-  available_.assign(static_cast<size_t>(n_), 1);
+  remaining_.resize(n);
+  for (size_t i = 0; i < n; ++i) remaining_[i] = gram_[i * n + i];
+  available_.assign(n, 1);
 }
 
 double KvBlockSummary::relative_error(int64_t k) const {
@@ -99,9 +149,17 @@ void KvBlockSummary::extend(int64_t atoms) {
   // An entry whose column is (numerically) in the span of the chosen ones adds nothing: its remaining norm is
   // below this share of the largest column's.
   const double exhausted = 1e-12 * std::max(max_diag, std::numeric_limits<double>::min());
-  chol_.reserve(static_cast<size_t>(atoms) * n);
+  if (!chol_.defined() || chol_.size(0) < atoms) {
+    // Room for the request (at least double the old), the rows so far copied over.
+    const int64_t rows = std::min(n_, std::max<int64_t>(atoms, chol_.defined() ? 2 * chol_.size(0) : 16));
+    torch::Tensor grown = torch::empty({rows, n_}, torch::kDouble);
+    const auto steps = static_cast<int64_t>(order_.size());
+    if (steps > 0) grown.narrow(0, 0, steps).copy_(chol_.narrow(0, 0, steps));
+    chol_ = grown;
+  }
   double* residual = residual_.data();
   double* remaining = remaining_.data();
+  torch::Tensor f = torch::empty({chol_.size(0)}, torch::kDouble);  // the chosen columns' values at the pivot
   while (static_cast<int64_t>(order_.size()) < atoms) {
     // The entry that lowers the residual most: gain r_i^2 / remaining_i among usable entries (first on ties).
     size_t best = n;
@@ -118,18 +176,19 @@ void KvBlockSummary::extend(int64_t atoms) {
       exhausted_ = true;
       break;
     }
-    const size_t step = order_.size();
+    const auto step = static_cast<int64_t>(order_.size());
     const double pivot = std::sqrt(remaining[best]);
     const double alpha = residual[best] / pivot;
-    chol_.resize((step + 1) * n);
-    double* column = chol_.data() + step * n;
+    double* base = chol_.data_ptr<double>();
+    double* column = base + static_cast<size_t>(step) * n;
     const double* row = gram_.data() + best * n;  // G is symmetric: row best = column best
-    for (size_t i = 0; i < n; ++i) column[i] = row[i];
-    for (size_t s = 0; s < step; ++s) {
-      const double* done = chol_.data() + s * n;
-      const double f = done[best];
-      if (f == 0) continue;
-      for (size_t i = 0; i < n; ++i) column[i] -= done[i] * f;
+    // column = G[:, best] - sum_s L_s L_s[best]: one matrix-vector product over the columns taken so far.
+    std::copy(row, row + n, column);
+    if (step > 0) {
+      double* fs = f.data_ptr<double>();
+      for (int64_t s = 0; s < step; ++s) fs[s] = base[static_cast<size_t>(s) * n + best];
+      torch::Tensor out = chol_[step];
+      out.addmv_(chol_.narrow(0, 0, step).t(), f.narrow(0, 0, step), 1.0, -1.0);
     }
     const double inv = 1.0 / pivot;
     for (size_t i = 0; i < n; ++i) {
@@ -157,37 +216,18 @@ KvBlockSummary::Fit KvBlockSummary::fit(int64_t atoms, bool refit_values) const 
     c[a] = c_[static_cast<size_t>(sel[a])];
     for (size_t b = 0; b < m; ++b) g[a * m + b] = gram_[static_cast<size_t>(sel[a] * n_ + sel[b])];
   }
-  // Start from the least-squares weights of the path (clipped at 0), then coordinate descent on
-  // w^T G w - 2 c^T w over w >= 0: each coordinate's exact minimiser, the gradient kept up to date.
-  const torch::Tensor gt = torch::from_blob(g.data(), {atoms, atoms}, torch::kDouble);
-  const torch::Tensor ridge = torch::eye(atoms, torch::kDouble) * (1e-12 * gt.diagonal().max().item<double>() + 1e-300);
-  std::vector<double> w = to_vector(
-      torch::linalg_solve(gt + ridge, torch::from_blob(c.data(), {atoms}, torch::kDouble)).clamp_min(0));
-  std::vector<double> grad(m, 0);
+  const std::vector<double> w = kv_nnls(g, c);
+  std::vector<double> gw(m, 0);
   for (size_t a = 0; a < m; ++a) {
-    double s = -c[a];
-    for (size_t b = 0; b < m; ++b) s += g[a * m + b] * w[b];
-    grad[a] = s;
-  }
-  for (int sweep = 0; sweep < 500; ++sweep) {
-    double moved = 0;
-    for (size_t a = 0; a < m; ++a) {
-      const double gaa = g[a * m + a];
-      if (gaa <= 0) continue;
-      const double next = std::max(0.0, w[a] - grad[a] / gaa);
-      const double delta = next - w[a];
-      if (delta == 0) continue;
-      w[a] = next;
-      for (size_t b = 0; b < m; ++b) grad[b] += delta * g[b * m + a];
-      moved = std::max(moved, std::abs(delta));
-    }
-    if (moved < 1e-10) break;
+    double sum = 0;
+    for (size_t b = 0; b < m; ++b) sum += g[a * m + b] * w[b];
+    gw[a] = sum;
   }
   // error = (w - 1)^T G (w - 1) over the block, with w = 0 outside the selection: total - 2 c.w + w^T G w.
   double quad = 0, lin = 0;
   for (size_t a = 0; a < m; ++a) {
     lin += c[a] * w[a];
-    quad += w[a] * (grad[a] + c[a]);
+    quad += w[a] * gw[a];
   }
   Fit out;
   out.error = std::max(total_ - 2 * lin + quad, 0.0);
@@ -221,6 +261,158 @@ KvBlockSummary::Fit KvBlockSummary::fit(int64_t atoms, bool refit_values) const 
                      .to(torch::kFloat);
   }
   return out;
+}
+
+namespace {
+
+void check_nnls(const char* who, const std::vector<double>& g, const std::vector<double>& c) {
+  if (g.size() != c.size() * c.size()) {
+    throw std::invalid_argument(
+        fmt::format("{}: G must have m x m = {} elements for c of m = {}; got {}", who, c.size() * c.size(), c.size(), g.size()));
+  }
+}
+
+// Solves (G_SS + ridge I) z_S = c_S for the indices `set` (LAPACK's Cholesky through ATen); z is 0 elsewhere. The
+// ridge (1e-12 x max diag G) keeps G_SS positive definite when columns are (numerically) dependent.
+void solve_on(const std::vector<double>& g, const std::vector<double>& c, const std::vector<size_t>& set,
+              double ridge, std::vector<double>& z) {
+  const size_t m = c.size(), k = set.size();
+  std::fill(z.begin(), z.end(), 0.0);
+  if (k == 0) return;
+  const auto kk = static_cast<int64_t>(k);
+  torch::Tensor a = torch::empty({kk, kk}, torch::kDouble), b = torch::empty({kk, 1}, torch::kDouble);
+  double* pa = a.data_ptr<double>();
+  double* pb = b.data_ptr<double>();
+  for (size_t i = 0; i < k; ++i) {
+    const double* row = g.data() + set[i] * m;
+    for (size_t j = 0; j < k; ++j) pa[i * k + j] = row[set[j]];
+    pa[i * k + i] += ridge;
+    pb[i] = c[set[i]];
+  }
+  // Rounding can leave a rank-deficient G_SS a hair indefinite; then the ridge grows a thousandfold until the
+  // factorisation holds (at most 1e-3 x max diag: far below any weight's effect).
+  auto [l, info] = torch::linalg_cholesky_ex(a);
+  for (double extra = ridge * 1e3; info.item<int64_t>() != 0 && extra < 1e9 * ridge; extra *= 1e3) {
+    std::tie(l, info) = torch::linalg_cholesky_ex(a + extra * torch::eye(kk, torch::kDouble));
+  }
+  const torch::Tensor x = torch::cholesky_solve(b, l).contiguous();
+  const double* px = x.data_ptr<double>();
+  for (size_t i = 0; i < k; ++i) z[set[i]] = px[i];
+}
+
+double ridge_of(const std::vector<double>& g, size_t m) {
+  double max_diag = 0;
+  for (size_t a = 0; a < m; ++a) max_diag = std::max(max_diag, g[a * m + a]);
+  return 1e-12 * max_diag + 1e-300;
+}
+
+}  // namespace
+
+std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<double>& c) {
+  check_nnls("kv_nnls", g, c);
+  const size_t m = c.size();
+  if (m == 0) return {};
+  const double ridge = ridge_of(g, m);
+  std::vector<double> w(m), z(m);
+  std::vector<size_t> set(m);
+  for (size_t a = 0; a < m; ++a) set[a] = a;
+  // Warm start: the least-squares weights clipped at 0; the positive ones are the passive set.
+  solve_on(g, c, set, ridge, w);
+  std::vector<char> passive(m, 0);
+  for (size_t a = 0; a < m; ++a) {
+    w[a] = std::max(w[a], 0.0);
+    passive[a] = w[a] > 0;
+  }
+  double max_c = 0;
+  for (double x : c) max_c = std::max(max_c, std::abs(x));
+  const double tol = 1e-12 * max_c;
+  const size_t limit = 4 * m + 16;
+  size_t changes = 0;
+  while (changes <= limit) {
+    // Inner loop: the unconstrained optimum on the passive set; where it leaves the feasible set, move from w
+    // towards it as far as feasibility allows and drop the weights that reach 0.
+    for (;;) {
+      set.clear();
+      for (size_t a = 0; a < m; ++a) {
+        if (passive[a]) set.push_back(a);
+      }
+      solve_on(g, c, set, ridge, z);
+      double alpha = 1;
+      size_t stop = m;
+      for (size_t a : set) {
+        if (z[a] > 0) continue;
+        const double step = w[a] / (w[a] - z[a]);  // w_a >= 0 > z_a - w_a: in [0, 1)
+        if (stop == m || step < alpha) {
+          alpha = step;
+          stop = a;
+        }
+      }
+      if (stop == m) {
+        w = z;
+        break;
+      }
+      for (size_t a : set) {
+        w[a] += alpha * (z[a] - w[a]);
+        if (a == stop || w[a] <= 0) {
+          w[a] = 0;
+          passive[a] = 0;
+        }
+      }
+      if (++changes > limit) break;
+    }
+    // Outer loop: the zero weight with the steepest descent direction (c - G w)_a joins the passive set.
+    size_t best = m;
+    double best_d = tol;
+    for (size_t a = 0; a < m; ++a) {
+      if (passive[a]) continue;
+      double d = c[a];
+      for (size_t b = 0; b < m; ++b) d -= g[a * m + b] * w[b];
+      if (d > best_d) {
+        best = a;
+        best_d = d;
+      }
+    }
+    if (best == m) break;
+    passive[best] = 1;
+    ++changes;
+  }
+  for (double& x : w) x = std::max(x, 0.0);
+  return w;
+}
+
+std::vector<double> kv_nnls_reference(const std::vector<double>& g, const std::vector<double>& c, int sweeps,
+                                      double tol) {
+  check_nnls("kv_nnls_reference", g, c);
+  const size_t m = c.size();
+  if (m == 0) return {};
+  torch::NoGradGuard no_grad;
+  const auto atoms = static_cast<int64_t>(m);
+  std::vector<double> gc = g, cc = c;  // from_blob needs mutable storage
+  const torch::Tensor gt = torch::from_blob(gc.data(), {atoms, atoms}, torch::kDouble);
+  const torch::Tensor ridge = torch::eye(atoms, torch::kDouble) * ridge_of(g, m);
+  std::vector<double> w = to_vector(
+      torch::linalg_solve(gt + ridge, torch::from_blob(cc.data(), {atoms}, torch::kDouble)).clamp_min(0));
+  std::vector<double> grad(m, 0);
+  for (size_t a = 0; a < m; ++a) {
+    double s = -c[a];
+    for (size_t b = 0; b < m; ++b) s += g[a * m + b] * w[b];
+    grad[a] = s;
+  }
+  for (int sweep = 0; sweep < sweeps; ++sweep) {
+    double moved = 0;
+    for (size_t a = 0; a < m; ++a) {
+      const double gaa = g[a * m + a];
+      if (gaa <= 0) continue;
+      const double next = std::max(0.0, w[a] - grad[a] / gaa);
+      const double delta = next - w[a];
+      if (delta == 0) continue;
+      w[a] = next;
+      for (size_t b = 0; b < m; ++b) grad[b] += delta * g[b * m + a];
+      moved = std::max(moved, std::abs(delta));
+    }
+    if (moved < tol) break;
+  }
+  return w;
 }
 
 double kv_spectral_tail(const torch::Tensor& probs, const torch::Tensor& values, int64_t keep) {

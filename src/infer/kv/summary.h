@@ -38,9 +38,12 @@ torch::Tensor kv_head_probs(const KvHeadView& view, const torch::Tensor& queries
 /// and its mass error sum_i (w_i - 1) p_qi. Both are linear in w: a column a_i per entry stacks
 /// p_qi (v_i - o_q) over q and gamma p_qi over q (gamma^2 = the mass-weighted mean of ||v_i - o_q||^2, so mass
 /// rows weigh like output rows), and the summary solves min ||A (w - 1)||^2 over sparse w >= 0, through the Gram
-/// G = A^T A / Q formed from [Q, n] products (never A itself): three [n, Q] x [Q, n] matmuls in `dtype`
-/// (kFloat by default; kDouble is the reference twin the tests compare it with). The greedy path and the weight
-/// fit then run in fp64 on G.
+/// G = A^T A / Q formed from [Q, n] products (never A itself). In fp32 (`dtype` kFloat, the default: the fast
+/// path) with b_qi = p_qi (s_q / 2 - o_q.v_i), s_q = ||o_q||^2 + gamma^2, G = (P^T P o V V^T + B^T P + P^T B) / Q:
+/// one [2n, Q] x [Q, n] matmul ([P | B]^T P) and V V^T, then one pass that symmetrises, scales and widens to
+/// fp64 and sums the rows. In fp64 (kDouble) the reference twin the tests compare it with: the plain expansion,
+/// three [n, Q] x [Q, n] matmuls and elementwise tensor ops. The greedy path and the weight fit then run in fp64
+/// on G.
 class KvBlockSummary {
  public:
   /// view: the head; queries [Q, head_dim] (after rotary, unscaled, any floating dtype, Q >= 1); scale > 0 the
@@ -49,6 +52,12 @@ class KvBlockSummary {
   /// that do not fit, an index out of range or another dtype.
   KvBlockSummary(const KvHeadView& view, const torch::Tensor& queries, double scale, const torch::Tensor& block,
                  const torch::Tensor& query_positions = {}, torch::ScalarType dtype = torch::kFloat);
+  /// The same summary from the head's attention probabilities already computed by the caller: probs
+  /// [Q >= 1, view.length()] = kv_head_probs(view, queries, scale, query_positions, dtype) (minimax computes them
+  /// once for its compressibility estimate and the summary). Throws std::invalid_argument as above, and for
+  /// probs of another shape or dtype.
+  KvBlockSummary(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block,
+                 torch::ScalarType dtype = torch::kFloat);
 
   int64_t block_size() const { return n_; }
 
@@ -56,7 +65,8 @@ class KvBlockSummary {
   /// Cholesky of G: each step takes the entry whose addition lowers the residual most, among entries positively
   /// correlated with it, as spec 4.3 step 3 "greedy pivoted Cholesky / OMP on columns of [Phi V; Phi]").
   /// Extends the path to min(atoms, block_size()) entries (a longer request continues where the last stopped);
-  /// stops early when no entry lowers the residual. Plain loops over G: O(n x steps) per step.
+  /// stops early when no entry lowers the residual. A step is O(n x steps): the new Cholesky column is one
+  /// matrix-vector product (BLAS dgemv through ATen) with the columns taken so far, then O(n) loops.
   void extend(int64_t atoms);
   /// Block positions (indices into `block`) in the order the greedy path took them.
   const std::vector<int64_t>& order() const { return order_; }
@@ -78,14 +88,16 @@ class KvBlockSummary {
     double error = 0;          ///< mean squared first-order error of these weights (as error())
   };
   /// Non-negative least squares for the weights of the first `atoms` entries of the path (spec 4.3 step 4,
-  /// Attention Matching's NNLS mass fit, here on outputs and mass together), by coordinate descent from the
-  /// clipped least-squares solution; entries whose weight is 0 are left out. refit_values: then least squares
+  /// Attention Matching's NNLS mass fit, here on outputs and mass together), by kv_nnls (an exact active-set
+  /// solver); entries whose weight is 0 are left out. refit_values: then least squares
   /// for their values so that the weighted numerator matches the block's on the reference queries (spec 4.3
   /// step 4, optional; ridge towards the original values). Throws std::invalid_argument for atoms outside
   /// [1, order().size()].
   Fit fit(int64_t atoms, bool refit_values) const;
 
  private:
+  void init(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block, torch::ScalarType dtype);
+
   int64_t n_ = 0;
   std::vector<double> gram_;  // [n, n] row-major, fp64
   std::vector<double> c_;     // G 1
@@ -95,11 +107,28 @@ class KvBlockSummary {
   // Greedy state (plain arrays: a step is O(n x steps) flops, far below a library call's overhead).
   std::vector<int64_t> order_;
   std::vector<double> error_;
-  std::vector<double> chol_;        // [steps][n]: the Cholesky columns of the chosen entries
+  torch::Tensor chol_;              // [capacity, n] fp64: row s = the Cholesky column of the s-th chosen entry
   std::vector<double> residual_, remaining_;  // [n]: correlation with the residual, column norm left
   std::vector<char> available_;     // [n]: not chosen yet
   bool exhausted_ = false;
 };
+
+/// Non-negative least squares in normal-equation form: argmin over w >= 0 of w^T G w - 2 c^T w, for G [m, m]
+/// (row-major, symmetric positive semi-definite, fp64) and c [m]: the active-set method of Lawson and Hanson
+/// (Solving Least Squares Problems, 1974, ch. 23) on the normal equations as in Bro and De Jong's "fast NNLS"
+/// (J. Chemometrics 1997), warm-started from the clipped least-squares solution (most weights of a summary are
+/// positive, so few active-set changes follow). Each passive-set solve is a Cholesky factorisation with the ridge
+/// 1e-12 x max diag(G) (the same as kv_nnls_reference's start). Stops when no zero weight has a descent direction
+/// (c - G w)_a > 1e-12 x max |c|, or after 4m + 16 set changes (the weights are then feasible, not certified).
+/// m = 0 gives {}. Throws std::invalid_argument when g has not m x m elements.
+std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<double>& c);
+
+/// The reference twin of kv_nnls: cyclic coordinate descent (each coordinate's exact minimiser in turn, the
+/// gradient kept up to date) from the clipped least-squares solution, until no weight moves by more than `tol`
+/// in a sweep or after `sweeps` sweeps. Before issue 27's speed work this was the fit (500 sweeps, tol 1e-10),
+/// which stopped at the sweep limit on most summaries of a trained model. Same inputs and errors as kv_nnls.
+std::vector<double> kv_nnls_reference(const std::vector<double>& g, const std::vector<double>& c, int sweeps,
+                                      double tol);
 
 /// The compressibility estimate of spec section 2: the eigenvalue tail of the mass-normalised response Gram
 /// G_ij = sum_q p_qi p_qj (v_i.v_j + 1) of a sample of entries, normalised by its trace: the share of the

@@ -95,6 +95,7 @@ struct MinimaxKvPolicy::Work {
   int64_t budget;       // its fair share: what the head may keep of the block at a uniform split
   double scale = 0;
   References refs;
+  torch::Tensor probs;  // [Q, view length] fp32 attention of the reference queries, when the estimate computed it
   std::unique_ptr<KvBlockSummary> summary;
   int64_t atoms = 0;    // allocated
   bool flagged = false; // judged incompressible (an abstention)
@@ -104,15 +105,21 @@ struct MinimaxKvPolicy::Work {
 
   int64_t size() const { return block.numel(); }
   KvBlockSummary& ensure_summary() {
-    if (!summary) summary = std::make_unique<KvBlockSummary>(view, refs.queries, scale, block, refs.positions);
+    if (!summary) {
+      // The estimate's probabilities are the summary's (same queries, positions, scale and dtype): computed once.
+      summary = probs.defined() ? std::make_unique<KvBlockSummary>(view, probs, block)
+                                : std::make_unique<KvBlockSummary>(view, refs.queries, scale, block, refs.positions);
+      probs = torch::Tensor();
+    }
     return *summary;
   }
-  // Whether the path reaches beyond `atoms`, extending it (by half again, at least 8) when it does not yet.
+  // Whether the path reaches beyond `atoms`, extending it by one entry when it does not yet: the path is exactly
+  // as long as the allocation reads (its error curve one entry past the atoms given).
   bool can_grow() {
     KvBlockSummary& s = ensure_summary();
     if (atoms < static_cast<int64_t>(s.order().size())) return true;
     if (s.exhausted()) return false;
-    s.extend(atoms + std::max<int64_t>(8, atoms / 2));
+    s.extend(atoms + 1);
     return atoms < static_cast<int64_t>(s.order().size());
   }
   double gain() const {
@@ -265,6 +272,7 @@ void MinimaxKvPolicy::assess_head(Work& w, const KvObservations& obs, int64_t la
     // Compressibility (spec section 2): the spectral tail of the sampled entries' response Gram at the
     // budget's share of the sample.
     const torch::Tensor p = kv_head_probs(w.view, w.refs.queries, w.scale, w.refs.positions, torch::kFloat);
+    w.probs = p;
     const auto keep = static_cast<int64_t>(
         std::ceil(static_cast<double>(w.budget) * static_cast<double>(probes) / static_cast<double>(nb)));
     // Weighted by the attention share the observed queries give the block: a block the head hardly reads
