@@ -78,12 +78,15 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
 /// positions. Only for softmax blocks: throws std::invalid_argument naming the layer when the block's backend is
 /// not SoftmaxAttention, and when the batch is not one sequence of positions.numel() tokens. Inference only: the
 /// cache keeps no autograd history. With `observations` (a policy asked for them) each layer's queries are
-/// recorded there after the append (KvObservations::observe); without, nothing extra runs.
+/// recorded there after the append (KvObservations::observe); without, nothing extra runs. With `compress` (a
+/// policy whose compresses_by_layer() is true) each layer is compressed right after that, by
+/// compress->after_layer(cache, layer, step): `step` is this chunk's KvStep (the caller then skips after_step).
 class KvCacheAttention : public AttentionWrapper {
  public:
   /// positions: [T] int64 absolute positions of the chunk (those the block rotated q and k with).
   KvCacheAttention(std::shared_ptr<KvCache> cache, torch::Tensor positions,
-                   std::shared_ptr<KvObservations> observations = nullptr);
+                   std::shared_ptr<KvObservations> observations = nullptr, KvPolicy* compress = nullptr,
+                   KvStep step = {});
   torch::Tensor forward(const AttentionBackend& inner, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
                         const torch::Tensor& v, const torch::Tensor& cu_seqlens) const override;
 
@@ -91,13 +94,17 @@ class KvCacheAttention : public AttentionWrapper {
   std::shared_ptr<KvCache> cache_;
   torch::Tensor positions_;
   std::shared_ptr<KvObservations> observations_;
+  KvPolicy* compress_;  // null: the caller runs after_step after the forward
+  KvStep step_;
 };
 
 /// One sequence decoded through a KV cache by a softmax model: a prompt runs in chunks of `chunk_tokens` (chunk
 /// t attends to the cache plus itself causally), then tokens one at a time; positions are absolute, 0 for the
 /// first token of the sequence (as in training, where they restart at 0 per sample; beyond the trained
 /// data.max_seq_len the model extrapolates). After every chunk and every token the policy (default
-/// FullKvPolicy) may commit to the cache. Without compression the logits equal model->forward over the whole
+/// FullKvPolicy) may commit to the cache: layer by layer inside the forward when its compresses_by_layer() (each
+/// layer right after it appended the chunk; the same edits as after_step after the forward, with a lower peak),
+/// else after_step after the forward. Without compression the logits equal model->forward over the whole
 /// sequence up to floating-point rounding (tests/unit/test_kv_cache.cpp). Runs without autograd.
 class DecodeSession {
  public:

@@ -29,6 +29,17 @@ class KvPolicy {
  public:
   virtual ~KvPolicy() = default;
   virtual void after_step(KvCache& cache, const KvStep& step) = 0;
+  /// True for a policy whose after_step compresses each layer from that layer's own entries, observations and
+  /// per-layer state alone (every policy of make_kv_policy but full). A DecodeSession then calls after_layer(l)
+  /// inside the forward, as soon as layer l's chunk has attended, been appended and been observed, instead of
+  /// after_step once after the whole forward: the same edits in the same order (a later layer of the forward never
+  /// reads layer l's cache, and l's compression reads nothing of a later layer), but at most one layer at a time
+  /// holds a whole uncompressed chunk, so a compressing session's peak bytes stay near its budget during a long
+  /// prefill (docs/serve.md "Memory"). False (the default): after_step only.
+  virtual bool compresses_by_layer() const { return false; }
+  /// after_step's work for `layer` alone (called only when compresses_by_layer(), layers in order 0, 1, ... within
+  /// one step). The default does nothing.
+  virtual void after_layer(KvCache& /*cache*/, int64_t /*layer*/, const KvStep& /*step*/) {}
   /// What the session must record for after_step (KvStep::observations); the default, nothing, costs nothing.
   virtual KvObservationNeeds needs() const { return {}; }
   /// Forgets what the policy kept about the sequence (DecodeSession::reset calls it for a new sequence).

@@ -62,6 +62,13 @@ void add_serve_command(CLI::App& app) {
     sigaddset(&signals, SIGTERM);
     sigaddset(&signals, SIGINT);
     pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    if (!o->port_file.empty()) {
+      // Checked before anything starts: a port file that cannot be written must not follow a "listening" line.
+      const std::filesystem::path folder = std::filesystem::path(o->port_file).parent_path();
+      if (!folder.empty() && !std::filesystem::is_directory(folder)) {
+        throw ConfigError(fmt::format("--port-file {}: the folder {} does not exist", o->port_file, folder.string()));
+      }
+    }
     Config cfg = serve_config(o->checkpoint, o->config, config_overrides(*sub));
     if (!o->host.empty()) cfg.serve.host = o->host;
     if (o->port >= 0) cfg.serve.port = o->port;
@@ -80,10 +87,11 @@ void add_serve_command(CLI::App& app) {
 
     Server server(std::move(model), cfg, id);
     const int port = server.bind();
+    // The port file first: "listening" is printed only once everything a script waits for is in place.
+    if (!o->port_file.empty()) write_file_atomically(o->port_file, std::to_string(port) + "\n");
     fmt::print("dcp serve: listening on http://{}:{} (model {}, KV memory {:.0f} bytes, scheduler {})\n", cfg.serve.host,
                port, id, cfg.serve.kv_memory_bytes, cfg.serve.scheduler);
     std::fflush(stdout);
-    if (!o->port_file.empty()) write_file_atomically(o->port_file, std::to_string(port) + "\n");
     std::atomic<bool> done{false};
     std::thread waiter([&] {
       const timespec tick{0, 200 * 1000 * 1000};

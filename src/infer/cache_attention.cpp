@@ -129,8 +129,12 @@ AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch
 }
 
 KvCacheAttention::KvCacheAttention(std::shared_ptr<KvCache> cache, torch::Tensor positions,
-                                   std::shared_ptr<KvObservations> observations)
-    : cache_(std::move(cache)), positions_(std::move(positions)), observations_(std::move(observations)) {
+                                   std::shared_ptr<KvObservations> observations, KvPolicy* compress, KvStep step)
+    : cache_(std::move(cache)),
+      positions_(std::move(positions)),
+      observations_(std::move(observations)),
+      compress_(compress),
+      step_(step) {
   if (!cache_) throw std::invalid_argument("KvCacheAttention: cache is null");
 }
 
@@ -159,6 +163,7 @@ torch::Tensor KvCacheAttention::forward(const AttentionBackend& inner, int64_t l
                           : kv_cache_attention(q, k, v, *cache_, layer, softmax->options()).out;
   cache_->append(layer, k, v, positions_);
   if (observations_) observations_->observe(layer, q, positions_, *cache_, scale);
+  if (compress_) compress_->after_layer(*cache_, layer, step_);
   return out;
 }
 

@@ -63,9 +63,12 @@ torch::Tensor DecodeSession::run(const std::vector<int64_t>& tokens, bool prefil
     batch.targets = torch::zeros({t}, torch::kInt64);
     batch.positions = torch::arange(first, first + t, torch::kInt64);
     batch.cu_seqlens = torch::tensor({int64_t{0}, t}, torch::kInt64);
-    batch.attention = std::make_shared<KvCacheAttention>(cache_, batch.positions, observations_);
+    const KvStep step{prefill, first, t, observations_.get()};
+    const bool by_layer = policy_->compresses_by_layer();
+    batch.attention = std::make_shared<KvCacheAttention>(cache_, batch.positions, observations_,
+                                                         by_layer ? policy_.get() : nullptr, step);
     logits.push_back(model_->forward(batch));
-    policy_->after_step(*cache_, KvStep{prefill, first, t, observations_.get()});
+    if (!by_layer) policy_->after_step(*cache_, step);
   }
   return logits.size() == 1 ? logits[0] : torch::cat(logits);
 }
@@ -86,6 +89,8 @@ class BatchedKvCacheAttention : public AttentionWrapper {
     KvObservations* observations;  // null when the session's policy asks for nothing
     torch::Tensor positions;       // [t] int64
     int64_t begin, length;
+    KvPolicy* compress;            // the session's policy when it compresses layer by layer, else null
+    KvStep step;
   };
   explicit BatchedKvCacheAttention(std::vector<Segment> segments) : segments_(std::move(segments)) {
     for (size_t i = 0; i < segments_.size(); ++i) {
@@ -129,6 +134,7 @@ class BatchedKvCacheAttention : public AttentionWrapper {
       const torch::Tensor ks = k.narrow(0, s.begin, s.length), vs = v.narrow(0, s.begin, s.length);
       s.cache->append(layer, ks, vs, s.positions);
       if (s.observations) s.observations->observe(layer, q.narrow(0, s.begin, s.length), s.positions, *s.cache, scale);
+      if (s.compress) s.compress->after_layer(*s.cache, layer, s.step);
     }
     return out;
   }
@@ -188,7 +194,8 @@ std::vector<torch::Tensor> DecodeSession::step_batch(const std::vector<DecodeSes
     flat.insert(flat.end(), tokens[i].begin(), tokens[i].end());
     for (int64_t p = first; p < first + t; ++p) positions.push_back(p);
     segments.push_back({s.cache_.get(), s.observations_.get(), torch::arange(first, first + t, torch::kInt64),
-                        cu.back(), t});
+                        cu.back(), t, s.policy_->compresses_by_layer() ? s.policy_.get() : nullptr,
+                        KvStep{prefill[i], first, t, s.observations_.get()}});
     cu.push_back(cu.back() + t);
   }
   PackedBatch batch;
@@ -204,7 +211,9 @@ std::vector<torch::Tensor> DecodeSession::step_batch(const std::vector<DecodeSes
     DecodeSession& s = *sessions[i];
     const auto t = static_cast<int64_t>(tokens[i].size());
     out[i] = logits.narrow(0, cu[i], t);
-    s.policy_->after_step(*s.cache_, KvStep{prefill[i], firsts[i], t, s.observations_.get()});
+    if (!s.policy_->compresses_by_layer()) {
+      s.policy_->after_step(*s.cache_, KvStep{prefill[i], firsts[i], t, s.observations_.get()});
+    }
   }
   return out;
 }

@@ -152,6 +152,8 @@ TEST(CliServe, UsageErrorsExitTwoNamingTheValue) {
       {{"--serve.kv_policy=nope"}, "nope"},
       {{"--serve.scheduler=fast"}, "serve.scheduler"},
       {{"--serve.port=70000"}, "serve.port"},
+      // Refused before the server starts, so no "listening" line promises a port file that will not come.
+      {{"--port-file", (workdir() / "no_such_folder" / "port").string()}, "no_such_folder does not exist"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args{DCP_BINARY, "serve", "--checkpoint", checkpoint().string(), "--port", "0"};
@@ -160,6 +162,7 @@ TEST(CliServe, UsageErrorsExitTwoNamingTheValue) {
     const int status = child.wait(60);
     EXPECT_EQ(exit_code(status), 2) << c.args[0] << ": " << child.log();
     EXPECT_NE(child.log().find(c.expected), std::string::npos) << child.log();
+    EXPECT_EQ(child.log().find("listening"), std::string::npos) << child.log();
   }
   Child flex = Child::spawn({DCP_BINARY, "serve", "--checkpoint", checkpoint("flexformer").string()}, {},
                             (workdir() / "flex.log").string());

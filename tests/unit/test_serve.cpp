@@ -3,6 +3,7 @@
 // its sequential run; admission queues and then refuses; a client that leaves frees its cache; every bad input is
 // a 400 naming its field; a shutdown lets in-flight requests finish, then cancels; 2,000 mixed requests leave no
 // KV bytes and no resident-memory growth behind. Every wait is bounded.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
 
@@ -23,6 +24,7 @@
 #include "dcp/serve.h"
 #include "infer/serve/api.h"
 #include "infer/serve/client.h"
+#include "infer/serve/scheduler.h"
 #include "unit/kv_test_model.h"
 
 using namespace dcp;
@@ -110,6 +112,79 @@ class ServeTest : public ::testing::Test {
 };
 
 }  // namespace
+
+namespace {
+
+// Wraps a layer-by-layer policy and records the cache's bytes at each moment a step's peak can fall on: a layer
+// has appended its tokens, and is about to be compressed (or, when not due, left as it is).
+class PeakRecorder : public KvPolicy {
+ public:
+  explicit PeakRecorder(std::shared_ptr<KvPolicy> inner) : inner_(std::move(inner)) {}
+  void after_step(KvCache& cache, const KvStep& step) override { inner_->after_step(cache, step); }
+  bool compresses_by_layer() const override { return true; }
+  void after_layer(KvCache& cache, int64_t layer, const KvStep& step) override {
+    peak = std::max(peak, cache.bytes());
+    inner_->after_layer(cache, layer, step);
+  }
+  KvObservationNeeds needs() const override { return inner_->needs(); }
+  int64_t peak = 0;
+
+ private:
+  std::shared_ptr<KvPolicy> inner_;
+};
+
+}  // namespace
+
+// Hand-computed: a 1025-token prompt in chunks of 512 at 0.25 over 4 layers. Layer by layer the second chunk's
+// peak is 3 layers at keep(1024) = 256 plus one at 128 + 512 (1408); all layers at once it is 4 x (128 + 512).
+TEST(KvReservation, PeakEntriesFollowTheSchedule) {
+  serve::KvGrowth g;
+  g.compresses = true;
+  g.ratio = 0.25;
+  g.protect = 68;
+  g.interval = 64;
+  EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 4, g), 1408);
+  g.by_layer = false;
+  EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 4, g), 2560);
+  // Decoding past the budget over 2 layers: a 10-token prompt kept whole (under protect), then 200 tokens,
+  // compressed every 64 to max(ceil(0.25 s), 68) = 68: the peak is as the first layer appends the 192nd token, over
+  // 131 entries in each layer (68 + 63): 132 + 131.
+  g.by_layer = true;
+  EXPECT_EQ(serve::kv_peak_entries(10, 201, 512, 2, g), 263);
+  serve::KvGrowth full;
+  EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 4, full), 4 * (1025 + 128));
+}
+
+// The reservation is an upper bound of what a session's cache really holds, at every moment, for the policies and
+// budgets a request may ask for, short and long prompts, few and many decoded tokens.
+TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
+  at::set_num_threads(1);
+  Transformer model = dcp::test::sharp_model(3, Precision::kFp32, 3);
+  const int64_t chunk = 16;
+  for (const std::string& name : {"window", "snapkv", "minimax", "h2o"}) {
+    for (double budget : {0.25, 0.5, 20.0}) {
+      for (int64_t prompt : {1, 15, 16, 17, 100, 230}) {
+        for (int64_t max_tokens : {1, 70}) {
+          SCOPED_TRACE(fmt::format("{}@{} prompt {} max_tokens {}", name, budget, prompt, max_tokens));
+          auto recorder = std::make_shared<PeakRecorder>(make_kv_policy_with_budget(name, budget));
+          DecodeSession session(model, chunk, recorder);
+          const std::vector<int64_t> tokens = dcp::test::random_tokens(prompt + max_tokens, 5 + prompt);
+          session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + prompt));
+          for (int64_t i = 0; i + 1 < max_tokens; ++i) session.decode(tokens[static_cast<size_t>(prompt + i)]);
+          serve::KvGrowth g;
+          g.compresses = true;
+          g.ratio = budget <= 1 ? budget : 1;
+          g.max_entries = budget <= 1 ? 0 : static_cast<int64_t>(budget);
+          g.protect = 4 + 64;
+          const int64_t reserved = serve::kv_peak_entries(prompt, max_tokens, chunk, 3, g) * 4 *
+                                   session.cache().entry_bytes();
+          EXPECT_LE(recorder->peak, reserved);
+          EXPECT_LE(session.cache().bytes(), reserved);
+        }
+      }
+    }
+  }
+}
 
 TEST_F(ServeTest, CompletionEqualsGenerateWithTheSameSeedPolicyAndBudget) {
   Running s(tiny_config());
@@ -384,6 +459,10 @@ TEST_F(ServeTest, EveryBadInputIsA400NamingTheField) {
       {R"({"prompt": "a", "top_k": 300})", "top_k", "invalid_value"},
       {R"({"prompt": "a", "seed": -1})", "seed", "invalid_value"},
       {R"({"prompt": "a", "seed": 1.5})", "seed", "invalid_type"},
+      // A whole number written as a float is of the right type: out of range, not "a number with a fraction".
+      {R"({"prompt": "a", "max_tokens": 1e30})", "max_tokens", "invalid_value"},
+      {R"({"prompt": "a", "top_k": 1e3})", "top_k", "invalid_value"},
+      {R"({"prompt": "a", "seed": 1e30})", "seed", "invalid_value"},
       {R"({"prompt": "a", "stop": 5})", "stop", "invalid_type"},
       {R"({"prompt": "a", "stop": [""]})", "stop", "invalid_value"},
       {R"({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]})", "stop", "invalid_value"},
@@ -423,6 +502,17 @@ TEST_F(ServeTest, EveryBadInputIsA400NamingTheField) {
     }
     EXPECT_EQ(e["code"], c.code) << shown << ": " << e.dump();
   }
+  {
+    const auto [status, j] = post(R"({"prompt": "a", "max_tokens": 1e30})");
+    EXPECT_NE(j["error"]["message"].get<std::string>().find("must be in [1, 400] (serve.max_tokens), got 1e+30"),
+              std::string::npos) << j.dump();
+  }
+  // A whole float in range is that integer: the same answer as the integer.
+  const json as_float = s.complete({{"prompt", "abc"}, {"max_tokens", 5.0}, {"temperature", 0}, {"return_bytes", true}}).json;
+  const json as_integer = s.complete({{"prompt", "abc"}, {"max_tokens", 5}, {"temperature", 0}, {"return_bytes", true}}).json;
+  ASSERT_TRUE(as_float.contains("choices")) << as_float.dump();
+  EXPECT_EQ(as_float["usage"]["completion_tokens"], 5);
+  EXPECT_EQ(bytes_of(as_float), bytes_of(as_integer));
   // A nested value is named by its type, never echoed: dump() recursed through 100,000 levels of '[' and overflowed
   // the worker's stack (found by review); the message stays short whatever the value.
   for (const std::string key : {"n", "kv_options"}) {
@@ -440,7 +530,7 @@ TEST_F(ServeTest, EveryBadInputIsA400NamingTheField) {
   EXPECT_EQ(wrong.first, 404);
   EXPECT_EQ(json::parse(wrong.second)["error"]["code"], "not_found");
   // Nothing was admitted, and the server still answers.
-  EXPECT_EQ(s.metric("dcp_requests_total", "status=\"400\""), static_cast<double>(cases.size() - 1 + 2));
+  EXPECT_EQ(s.metric("dcp_requests_total", "status=\"400\""), static_cast<double>(cases.size() - 1 + 2 + 1));
   EXPECT_EQ(s.complete({{"prompt", "still here"}, {"max_tokens", 3}}).status, 200);
 }
 

@@ -217,6 +217,75 @@ TEST(StepBatch, EverySessionEqualsItsSoloRun) {
   std::cout << "step_batch against solo: max |diff| " << worst << (bitwise ? " (bitwise equal)" : "") << "\n";
 }
 
+namespace {
+
+// A policy's after_step alone, after the forward (compresses_by_layer false): the schedule every policy had before
+// layer-by-layer compression, the twin of the layer-by-layer one.
+class AfterStepOnly : public KvPolicy {
+ public:
+  explicit AfterStepOnly(std::shared_ptr<KvPolicy> inner) : inner_(std::move(inner)) {}
+  void after_step(KvCache& cache, const KvStep& step) override { inner_->after_step(cache, step); }
+  KvObservationNeeds needs() const override { return inner_->needs(); }
+  void reset() override { inner_->reset(); }
+
+ private:
+  std::shared_ptr<KvPolicy> inner_;
+};
+
+bool same_cache(const KvCache& a, const KvCache& b) {
+  if (a.bytes() != b.bytes()) return false;
+  for (int64_t l = 0; l < a.spec().layers; ++l) {
+    for (int64_t h = 0; h < a.spec().kv_heads; ++h) {
+      const KvHeadView x = a.view(l, h), y = b.view(l, h);
+      if (!torch::equal(x.keys, y.keys) || !torch::equal(x.values, y.values) || !torch::equal(x.bias, y.bias) ||
+          !torch::equal(x.positions, y.positions)) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+// Compressing layer by layer inside the forward (each layer right after it appended its chunk) makes the same
+// edits as compressing every layer after the forward: a later layer never reads an earlier layer's cache within
+// one forward. Every compressing policy, prefill chunks and decoded tokens (crossing the compression interval),
+// alone and in a batch: logits bit for bit, caches entry for entry.
+TEST(KvPolicy, CompressingLayerByLayerEqualsCompressingAfterTheStep) {
+  Transformer model = sharp_model(8, Precision::kFp32, 3);
+  const std::vector<int64_t> tokens = random_tokens(120, 77);
+  const int64_t prompt = 90;
+  for (const std::string& name : kv_policy_names()) {
+    if (name == "full") continue;
+    SCOPED_TRACE(name);
+    KvPolicyOptions o{{"interval", 8}};
+    if (name == "snapkv" || name == "minimax" || name == "adakv-snapkv") o["window"] = 8;
+    auto by_layer = make_kv_policy_with_budget(name, 0.25, o);
+    ASSERT_TRUE(by_layer->compresses_by_layer());
+    DecodeSession a(model, 16, by_layer);
+    DecodeSession b(model, 16, std::make_shared<AfterStepOnly>(make_kv_policy_with_budget(name, 0.25, o)));
+    DecodeSession c(model, 16, make_kv_policy_with_budget(name, 0.25, o));  // layer by layer inside step_batch
+    const std::vector<int64_t> head(tokens.begin(), tokens.begin() + prompt);
+    ASSERT_TRUE(torch::equal(a.prefill(head), b.prefill(head)));
+    for (int64_t s = 0; s < prompt; s += 16) {
+      const std::vector<int64_t> chunk(tokens.begin() + s, tokens.begin() + std::min(prompt, s + 16));
+      DecodeSession::step_batch({&c}, {chunk}, {true});
+    }
+    ASSERT_TRUE(same_cache(a.cache(), b.cache()));
+    ASSERT_TRUE(same_cache(a.cache(), c.cache()));
+    ASSERT_LT(a.cache().bytes(), prompt * 3 * 4 * a.cache().entry_bytes());  // it did compress
+    for (size_t i = static_cast<size_t>(prompt); i < tokens.size(); ++i) {
+      const torch::Tensor x = a.decode(tokens[i]), y = b.decode(tokens[i]);
+      const torch::Tensor z = DecodeSession::step_batch({&c}, {{tokens[i]}}, {false})[0][0];
+      ASSERT_TRUE(torch::equal(x, y)) << "token " << i;
+      ASSERT_TRUE(torch::equal(x, z)) << "token " << i;
+      ASSERT_TRUE(same_cache(a.cache(), b.cache())) << "token " << i;
+      ASSERT_TRUE(same_cache(a.cache(), c.cache())) << "token " << i;
+    }
+  }
+}
+
 TEST(StepBatch, RefusesWhatDoesNotFit) {
   Transformer a = sharp_model(1, Precision::kFp32, 2), b = sharp_model(2, Precision::kFp32, 2);
   DecodeSession x(a, 4), y(b, 4), z(a, 4);

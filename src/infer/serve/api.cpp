@@ -25,7 +25,10 @@ std::string type_name(const nlohmann::json& v) {
   if (v.is_null()) return "null";
   if (v.is_boolean()) return "a boolean";
   if (v.is_number_integer() || v.is_number_unsigned()) return "an integer";
-  if (v.is_number_float()) return "a number with a fraction";
+  if (v.is_number_float()) {
+    const double x = v.get<double>();
+    return std::isfinite(x) && std::floor(x) == x ? "a number" : "a number with a fraction";
+  }
   if (v.is_string()) return "a string";
   if (v.is_array()) return "an array";
   return "an object";
@@ -42,6 +45,19 @@ std::string brief(const nlohmann::json& v) {
 
 ApiError wrong_type(const std::string& param, const std::string& wanted, const nlohmann::json& v) {
   return bad(param, fmt::format("'{}' must be {}, got {}", param, wanted, type_name(v)), "invalid_type");
+}
+
+// The value of an integer field: a JSON integer, or a number written as a float whose value is whole (16.0, 1e30:
+// JSON does not tell them apart, and 1e30 is out of range rather than of another type), as a double (exact
+// below 2^53, which is where every range checked here ends); nullopt for a number with a fraction or anything
+// else than a number.
+std::optional<double> whole_number(const nlohmann::json& v) {
+  if (v.is_number_integer()) return static_cast<double>(v.get<int64_t>());
+  if (v.is_number_unsigned()) return static_cast<double>(v.get<uint64_t>());
+  if (!v.is_number_float()) return std::nullopt;
+  const double x = v.get<double>();
+  if (!std::isfinite(x) || std::floor(x) != x) return std::nullopt;
+  return x;
 }
 
 // A JSON number as a finite double (integers too); nullopt for anything else.
@@ -93,16 +109,13 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
   r.max_tokens = limits.default_max_tokens;
   if (has("max_tokens")) {
     const auto& v = j["max_tokens"];
-    if (!v.is_number_integer() && !v.is_number_unsigned()) return wrong_type("max_tokens", "an integer", v);
-    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    const auto m = whole_number(v);
+    if (!m) return wrong_type("max_tokens", "an integer", v);
+    if (*m < 1 || *m > static_cast<double>(limits.max_tokens)) {
       return bad("max_tokens", fmt::format("'max_tokens' must be in [1, {}] (serve.max_tokens), got {}", limits.max_tokens,
                                            brief(v)));
     }
-    const int64_t m = v.get<int64_t>();
-    if (m < 1 || m > limits.max_tokens) {
-      return bad("max_tokens", fmt::format("'max_tokens' must be in [1, {}] (serve.max_tokens), got {}", limits.max_tokens, m));
-    }
-    r.max_tokens = m;
+    r.max_tokens = static_cast<int64_t>(*m);
   }
   if (has("temperature")) {
     const auto x = number(j["temperature"]);
@@ -123,19 +136,20 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
   }
   if (has("top_k")) {
     const auto& v = j["top_k"];
-    if (!v.is_number_integer() && !v.is_number_unsigned()) return wrong_type("top_k", "an integer", v);
-    if (v.is_number_unsigned() ? v.get<uint64_t>() > 256 : (v.get<int64_t>() < 0 || v.get<int64_t>() > 256)) {
-      return bad("top_k", fmt::format("'top_k' must be in [0, 256] (0 = every byte), got {}", brief(v)));
-    }
-    r.sampling.top_k = v.get<int64_t>();
+    const auto k = whole_number(v);
+    if (!k) return wrong_type("top_k", "an integer", v);
+    if (*k < 0 || *k > 256) return bad("top_k", fmt::format("'top_k' must be in [0, 256] (0 = every byte), got {}", brief(v)));
+    r.sampling.top_k = static_cast<int64_t>(*k);
   }
   if (has("seed")) {
     const auto& v = j["seed"];
-    if (!v.is_number_integer() && !v.is_number_unsigned()) return wrong_type("seed", "an integer", v);
-    if (!v.is_number_unsigned() && v.get<int64_t>() < 0) {  // (nlohmann holds a non-negative integer unsigned)
-      return bad("seed", fmt::format("'seed' must be >= 0, got {}", v.get<int64_t>()));
+    const auto x = whole_number(v);
+    if (!x) return wrong_type("seed", "an integer", v);
+    // 2^64 is exact as a double: a float seed at or above it does not fit the generator's 64 bits.
+    if (*x < 0 || *x >= 18446744073709551616.0) {
+      return bad("seed", fmt::format("'seed' must be in [0, 2^64 - 1], got {}", brief(v)));
     }
-    r.seed = v.get<uint64_t>();
+    r.seed = v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(*x);
     r.seed_given = true;
   }
   if (has("stop")) {

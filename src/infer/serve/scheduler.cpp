@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "dcp/kv_policies.h"
+
 namespace dcp::serve {
 
 // What the scheduler thread keeps of an admitted request.
@@ -47,27 +49,53 @@ Scheduler::~Scheduler() {
   if (thread_.joinable()) thread_.join();
 }
 
-int64_t Scheduler::reservation(const CompletionRequest& r) const {
-  const int64_t n = 1 + static_cast<int64_t>(r.prompt.size()) + r.max_tokens;  // tokens the session will have seen
-  int64_t entries = n;
-  if (r.kv_policy != "full") {
-    // The cap after a compression (a fraction of the tokens seen, or a number of entries), at least what the
-    // policy protects (sinks and an observation window), plus what arrives before the next compression (a prefill
-    // chunk, or `interval` decoded tokens).
+int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t layers,
+                        const KvGrowth& g) {
+  if (!g.compresses) return layers * (prompt_tokens + max_tokens);
+  auto keep = [&](int64_t seen) {
+    int64_t cap = static_cast<int64_t>(std::ceil(g.ratio * static_cast<double>(seen)));
+    if (g.max_entries > 0) cap = std::min(cap, g.max_entries);
+    return std::min(seen, std::max(cap, g.protect));
+  };
+  // A step appends t tokens to every layer holding `held` entries; the moment layer j has appended them and is not
+  // yet compressed, layers below j hold `after` and those above still `held`: the peak is at j = L - 1 when the
+  // compression keeps at least what was held (a prefill chunk), else at j = 0 (decoding past the budget). All
+  // layers at once: every layer holds held + t.
+  int64_t held = 0, seen = 0, peak = 0;
+  auto step = [&](int64_t t, bool due) {
+    const int64_t after = due ? std::min(held + t, keep(seen + t)) : held + t;
+    peak = std::max(peak, g.by_layer ? (layers - 1) * std::max(after, held) + held + t : layers * (held + t));
+    held = after;
+    seen += t;
+  };
+  while (seen < prompt_tokens) step(std::min(chunk_tokens, prompt_tokens - seen), true);
+  for (int64_t i = 0; i + 1 < max_tokens; ++i) step(1, (seen + 1) % g.interval == 0);
+  return peak;
+}
+
+int64_t Scheduler::reservation(const CompletionRequest& r, const KvPolicy& policy) const {
+  KvGrowth g;
+  g.compresses = r.kv_policy != "full";
+  if (g.compresses) {
     auto option = [&](const char* key, double fallback) {
       const auto it = r.kv_options.find(key);
       return it == r.kv_options.end() ? fallback : it->second;
     };
-    const double cap = r.kv_budget <= 1 ? std::ceil(r.kv_budget * static_cast<double>(n)) : r.kv_budget;
-    const double protect = option("n_sink", 4) + option("window", 64);
-    const double between = std::max<double>(static_cast<double>(opt_.chunk_tokens), option("interval", 64));
-    entries = std::min<int64_t>(n, static_cast<int64_t>(std::max(cap, protect) + between));
+    // make_kv_policy_with_budget: a fraction, or (>= 2) a number of entries per head at fraction 1.
+    g.ratio = r.kv_budget <= 1 ? r.kv_budget : 1.0;
+    g.max_entries = static_cast<int64_t>(r.kv_budget <= 1 ? option("max_tokens", 0) : r.kv_budget);
+    // What some policy never evicts: its sinks and observation window (the defaults of every policy that has them).
+    g.protect = static_cast<int64_t>(option("n_sink", 4) + option("window", 64));
+    g.interval = std::max<int64_t>(1, static_cast<int64_t>(option("interval", static_cast<double>(kKvDefaultInterval))));
+    g.by_layer = policy.compresses_by_layer();
   }
-  return entries * spec_.layers * spec_.kv_heads * entry_bytes_;
+  const int64_t prompt_tokens = 1 + static_cast<int64_t>(r.prompt.size());
+  return kv_peak_entries(prompt_tokens, r.max_tokens, opt_.chunk_tokens, spec_.layers, g) * spec_.kv_heads *
+         entry_bytes_;
 }
 
 std::optional<ApiError> Scheduler::submit(const std::shared_ptr<Job>& job) {
-  job->reserved_bytes = reservation(job->request);
+  job->reserved_bytes = reservation(job->request, *job->policy);
   std::lock_guard<std::mutex> lock(mu_);
   if (draining_ || stopping_) {
     return ApiError{503, "the server is shutting down", "server_error", "", "server_shutting_down"};

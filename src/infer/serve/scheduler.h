@@ -48,6 +48,26 @@ struct Job {
   std::vector<std::pair<int64_t, int64_t>> abstained_heads;
 };
 
+/// How a session's cache grows and is cut, for kv_peak_entries: its policy's budget and schedule.
+struct KvGrowth {
+  bool compresses = false;  ///< false: policy full, every token kept
+  double ratio = 1;         ///< the kept fraction of the tokens seen (KvBudget::per_head)
+  int64_t max_entries = 0;  ///< a cap on the entries per head (a kv_budget >= 2, or the option max_tokens); 0 = none
+  int64_t protect = 0;      ///< entries a policy never evicts (its sinks and observation window)
+  int64_t interval = 64;    ///< decoding compresses when the next position is a multiple of it
+  bool by_layer = true;     ///< the policy compresses layer by layer inside the forward (compresses_by_layer)
+};
+
+/// The most cache entries, summed over the `layers` layers of one KV head, that a session holds at any moment:
+/// `prompt_tokens` (BOS included) prefilled in chunks of `chunk_tokens`, each followed by a compression, then
+/// max_tokens - 1 tokens decoded (the last byte drawn is never run), compressed when the next position is a
+/// multiple of the interval. A compression leaves min(s, max(ceil(ratio s) capped at max_entries, protect))
+/// entries per head after s tokens. The peak of a prefill chunk is the moment its last layer has appended it: by
+/// layer, the other layers are already compressed; else every layer holds the whole chunk. Policy full: every
+/// token, layers x (prompt_tokens + max_tokens) (what its cache reserves). All arguments >= 1 (max_tokens >= 1).
+int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t layers,
+                        const KvGrowth& growth);
+
 struct SchedulerOptions {
   int64_t kv_memory_bytes = 1000000000;
   int64_t max_sessions = 64;
@@ -68,9 +88,9 @@ class Scheduler {
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
-  /// KV bytes a request reserves: its cache at its policy's budget, plus what a policy holds between two
-  /// compressions (docs/serve.md "Memory").
-  int64_t reservation(const CompletionRequest& request) const;
+  /// KV bytes a request reserves: the most its cache will hold at once under its policy's budget and schedule,
+  /// kv_peak_entries x kv_heads x entry bytes (docs/serve.md "Memory"); `policy` is the request's.
+  int64_t reservation(const CompletionRequest& request, const KvPolicy& policy) const;
   /// Admits or queues `job` (its reserved_bytes set here); returns the error to answer instead: 400 when it
   /// can never fit serve.kv_memory_bytes, 503 (Retry-After) when the queue is full or the server is draining.
   std::optional<ApiError> submit(const std::shared_ptr<Job>& job);

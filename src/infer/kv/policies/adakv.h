@@ -23,6 +23,8 @@ class AdaKvPolicy : public KvPolicy {
   /// outside [0, 1].
   AdaKvPolicy(std::shared_ptr<const KvScorer> scorer, KvBudget budget, double alpha_safeguard);
   void after_step(KvCache& cache, const KvStep& step) override;
+  bool compresses_by_layer() const override { return true; }
+  void after_layer(KvCache& cache, int64_t layer, const KvStep& step) override;
   KvObservationNeeds needs() const override { return scorer_->needs(); }
 
  private:

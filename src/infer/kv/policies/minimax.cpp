@@ -437,24 +437,26 @@ void MinimaxKvPolicy::commit_layer(KvCache& cache, int64_t layer, std::vector<Wo
 }
 
 void MinimaxKvPolicy::after_step(KvCache& cache, const KvStep& step) {
+  for (int64_t layer = 0; layer < cache.spec().layers; ++layer) after_layer(cache, layer, step);
+}
+
+void MinimaxKvPolicy::after_layer(KvCache& cache, int64_t layer, const KvStep& step) {
   if (!options_.budget.due(step)) return;
   const KvObservations* obs = step.observations;
   torch::NoGradGuard no_grad;
   restart_if_new(cache);
-  for (int64_t layer = 0; layer < layers_; ++layer) {
-    const int64_t n = cache.next_position(layer);
-    seen_[static_cast<size_t>(layer)] = n;
-    int64_t pool = 0;
-    std::vector<Work> work = collect_blocks(cache, layer, pool);
-    if (work.empty()) continue;
-    if (obs == nullptr || !obs->window_queries(layer).defined()) {
-      throw std::invalid_argument(
-          fmt::format("MinimaxKvPolicy: layer {}: no observed queries (needs window {})", layer, options_.window));
-    }
-    for (Work& w : work) assess_head(w, *obs, layer, n);
-    allocate_budget(work, pool);
-    commit_layer(cache, layer, work);
+  const int64_t n = cache.next_position(layer);
+  seen_[static_cast<size_t>(layer)] = n;
+  int64_t pool = 0;
+  std::vector<Work> work = collect_blocks(cache, layer, pool);
+  if (work.empty()) return;
+  if (obs == nullptr || !obs->window_queries(layer).defined()) {
+    throw std::invalid_argument(
+        fmt::format("MinimaxKvPolicy: layer {}: no observed queries (needs window {})", layer, options_.window));
   }
+  for (Work& w : work) assess_head(w, *obs, layer, n);
+  allocate_budget(work, pool);
+  commit_layer(cache, layer, work);
 }
 
 }  // namespace dcp

@@ -76,6 +76,8 @@ class MinimaxKvPolicy : public KvPolicy {
   /// abstain_tail, abstain_heldout or max_rel_error < 0, and max_rel_error > 0 with a budget below 1.
   explicit MinimaxKvPolicy(const MinimaxOptions& options);
   void after_step(KvCache& cache, const KvStep& step) override;
+  bool compresses_by_layer() const override { return true; }
+  void after_layer(KvCache& cache, int64_t layer, const KvStep& step) override;
   KvObservationNeeds needs() const override { return {options_.window, false}; }
   void reset() override;
   /// The heads with at least one block judged incompressible in this sequence.

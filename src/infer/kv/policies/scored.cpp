@@ -23,21 +23,22 @@ ScoredKvPolicy::ScoredKvPolicy(std::shared_ptr<const KvScorer> scorer, KvBudget 
 }
 
 void ScoredKvPolicy::after_step(KvCache& cache, const KvStep& step) {
+  for (int64_t layer = 0; layer < cache.spec().layers; ++layer) after_layer(cache, layer, step);
+}
+
+void ScoredKvPolicy::after_layer(KvCache& cache, int64_t layer, const KvStep& step) {
   if (!budget_.due(step)) return;
   torch::NoGradGuard no_grad;
   const int64_t heads = cache.spec().kv_heads;
-  for (int64_t layer = 0; layer < cache.spec().layers; ++layer) {
-    const int64_t budget = budget_.per_head(cache, layer);
-    std::vector<KvHeadEdit> edits(static_cast<size_t>(heads));
-    bool any = false;
-    for (int64_t h = 0; h < heads; ++h) {
-      if (cache.length(layer, h) <= budget) continue;  // nothing to drop: no scoring either
-      edits[static_cast<size_t>(h)].keep =
-          kv_keep_top(scorer_->score(cache, step.observations, layer, h, budget), budget);
-      any = any || edits[static_cast<size_t>(h)].keep.defined();
-    }
-    if (any) cache.commit(layer, edits);
+  const int64_t budget = budget_.per_head(cache, layer);
+  std::vector<KvHeadEdit> edits(static_cast<size_t>(heads));
+  bool any = false;
+  for (int64_t h = 0; h < heads; ++h) {
+    if (cache.length(layer, h) <= budget) continue;  // nothing to drop: no scoring either
+    edits[static_cast<size_t>(h)].keep = kv_keep_top(scorer_->score(cache, step.observations, layer, h, budget), budget);
+    any = any || edits[static_cast<size_t>(h)].keep.defined();
   }
+  if (any) cache.commit(layer, edits);
 }
 
 }  // namespace dcp

@@ -18,6 +18,8 @@ class ScoredKvPolicy : public KvPolicy {
   /// Throws std::invalid_argument for a null scorer, ratio outside (0, 1] or interval < 1.
   ScoredKvPolicy(std::shared_ptr<const KvScorer> scorer, KvBudget budget);
   void after_step(KvCache& cache, const KvStep& step) override;
+  bool compresses_by_layer() const override { return true; }
+  void after_layer(KvCache& cache, int64_t layer, const KvStep& step) override;
   KvObservationNeeds needs() const override { return scorer_->needs(); }
 
  private:
