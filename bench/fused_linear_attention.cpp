@@ -5,9 +5,10 @@
 //
 //   build/bench/bench_fused_linear_attention --length 16384 --map stationary --dtype fp32 --reps 5
 //
-// Prints the median forward and backward seconds over --reps runs after one warm-up, and the rate of the FLOPs
-// the bench-attention report credits (the chunked form's cost model: forward A = H L (2 C F' + 2 C D' + 4 F' D' +
-// 4 P D) with F' = F + 1, D' = D + 1, backward 2 A), where F is 2m (trig maps) or D (elu), P the frequency rows.
+// Prints the median forward and backward seconds over --reps runs after --warmups untimed ones, and the rate of
+// the FLOPs the bench-attention report credits (the chunked form's cost model: forward A = H L (2 C F' + 2 C D' +
+// 4 F' D' + 4 P D) with F' = F + 1, D' = D + 1, backward 2 A), where F is 2m (trig maps) or D (elu), P the
+// frequency rows. The forward and backward are called directly (fused_linear_attention_forward / _backward).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -38,7 +39,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   CLI::App app("The fused linear-attention kernel's forward and backward on one sequence");
-  int64_t length = 16384, heads = 4, head_dim = 64, m = 64, chunk = 64, reps = 5, threads = 1;
+  int64_t length = 16384, heads = 4, head_dim = 64, m = 64, chunk = 64, reps = 5, warmups = 1, threads = 1;
   std::string map_name = "stationary", dtype_name = "fp32", path_name = "auto";
   app.add_option("--length", length, "tokens of the one sequence")->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
   app.add_option("--heads", heads, "heads")->check(CLI::Range(1, 1024));
@@ -50,7 +51,9 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype_name, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--path", path_name, "auto | portable | avx512 | avx512-bf16 | amx")
       ->check(CLI::IsMember({"auto", "portable", "avx512", "avx512-bf16", "amx"}));
-  app.add_option("--reps", reps, "timed runs after one warm-up (median)")->check(CLI::Range(1, 10000));
+  app.add_option("--reps", reps, "timed runs after the warm-ups (median)")->check(CLI::Range(1, 10000));
+  app.add_option("--warmups", warmups, "untimed runs first (the heap grows for a few runs before it settles)")
+      ->check(CLI::Range(0, 10000));
   app.add_option("--threads", threads, "intra-op threads")->check(CLI::Range(1, 1024));
   bool fresh_pages = false, faults = false;
   app.add_flag("--faults", faults, "print the process's minor page faults after each run (fresh pages show there)");
@@ -88,7 +91,7 @@ int main(int argc, char** argv) {
   const auto cu = torch::tensor({int64_t{0}, length}, torch::kInt64);
 
   std::vector<double> fwd, bwd;
-  for (int64_t r = 0; r <= reps; ++r) {
+  for (int64_t r = 0; r < warmups + reps; ++r) {
     auto t0 = std::chrono::steady_clock::now();
     const dcp::FusedLinearAttentionResult res = dcp::fused_linear_attention_forward(q, k, v, cu, map, options);
     const double f = seconds_since(t0);
@@ -101,7 +104,7 @@ int main(int argc, char** argv) {
       getrusage(RUSAGE_SELF, &u);
       if (faults) fmt::print("after run {}: {} minor page faults in all\n", r, u.ru_minflt);
     }
-    if (r > 0) {
+    if (r >= warmups) {
       fwd.push_back(f);
       bwd.push_back(b);
     }

@@ -10,8 +10,9 @@
 namespace dcp {
 
 /// Sets glibc's M_MMAP_THRESHOLD to kKeptBlockBytes (1 GiB) and M_TRIM_THRESHOLD to kKeptTopBytes (2 GiB - 1, the
-/// most mallopt's int can say), so that blocks up to 1 GiB come from the heap and freed ones stay there for the next allocation (as a caching tensor allocator
-/// would keep them): a steady-state step then touches no fresh pages. The cost is that the heap's freed memory
+/// most mallopt's int can say), so that blocks up to 1 GiB come from the heap and freed ones stay there for the
+/// next allocation (as a caching tensor allocator would keep them): once the heap has grown to a step's needs
+/// (a few steps), a step touches no fresh pages. The cost is that the heap's freed memory
 /// is not returned to the system until malloc_trim (which `dcp serve` calls when idle). Skipped when the
 /// environment already sets either (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES), so a
 /// user's choice wins; returns whether it changed anything.

@@ -50,8 +50,7 @@ std::string report_markdown(const AttentionBenchRun& run, const AttentionBenchOp
       date, std::thread::hardware_concurrency(), threads, physical_memory_bytes() / 1e9, cpu_features().summary(),
       TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, blas_description(),
       omp_env.empty() ? " (none set)" : omp_env,
-      malloc_env.empty() ? " freed blocks up to 1 GiB stay in the heap (the dcp binary's setting, src/cli/host_memory.h)"
-                         : malloc_env,
+      malloc_env.empty() ? " freed blocks up to 1 GiB stay in the heap (src/cli/host_memory.h)" : malloc_env,
       load_start, load_end, wall_s, run.note.empty() ? "" : " " + run.note);
   md += fmt::format(
       "Matmul peak (measured by this run before the points, intra-op threads: {threads}): torch::matmul of two "

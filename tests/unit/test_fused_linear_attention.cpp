@@ -271,6 +271,32 @@ TEST(FusedLinearAttention, MatchesTheChunkedFormInFp32OnEveryPath) {
   }
 }
 
+// Head dims that are not multiples of 16 take the masked edges of the row loads, stores and 16 x 16 transposes.
+TEST(FusedLinearAttention, HeadDimsOffTheVectorWidthMatchTheChunkedForm) {
+  torch::manual_seed(5);
+  const auto cu = cu_of(kLengths);
+  const int64_t total = total_of(kLengths);
+  std::vector<LinearAttentionPath> paths{LinearAttentionPath::kPortable};
+  if (avx512_usable()) paths.push_back(LinearAttentionPath::kAvx512);
+  for (LinearAttentionPath path : paths) {
+    for (int64_t d : {24, 40}) {
+      for (FeatureMap f : {FeatureMap::kStationary, FeatureMap::kElu}) {
+        FlexformerAttention att = module(f, Normalizer::kShift, InputNorm::kL2, 2, d, 12);
+        auto x = random_qkv(total, 2, d);
+        const auto g = torch::randn({total, 2, d});
+        const CallResult ref = run_case(att, x, g, reference(att, cu, LinearAttentionForm::kChunk, 16));
+        for (int64_t c : {7, 40}) {
+          const CallResult got = run_case(att, x, g, fused(att, cu, c, path));
+          const Errors e = compare(got, ref, name_of(f, Normalizer::kShift, InputNorm::kL2));
+          // The fp32 table of MatchesTheChunkedFormInFp32OnEveryPath.
+          EXPECT_LT(e.out, 2e-5) << to_string(path) << " head_dim " << d << " chunk " << c;
+          EXPECT_LT(e.grad, 1e-4) << to_string(path) << " head_dim " << d << " chunk " << c;
+        }
+      }
+    }
+  }
+}
+
 TEST(FusedLinearAttention, MatchesTheChunkedFormInBf16OnEveryPath) {
   torch::manual_seed(4);
   const std::vector<int64_t> lengths{200, 1, 33, 300};

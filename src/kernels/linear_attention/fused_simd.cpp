@@ -168,7 +168,7 @@ DCP_AVX512 void load_rows_any(const In* src, int64_t lds, int64_t rows, int64_t 
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; c += kLanes) {
       const __mmask16 m = lanes_below(cols - c);
-      _mm512_mask_storeu_ps(dst + r * ldd + c, m, simd::load(src + r * lds + c, m));
+      simd::store(dst + r * ldd + c, simd::load(src + r * lds + c, m), m);
     }
   }
 }
@@ -225,7 +225,7 @@ DCP_AVX512 void transpose_blocks(const float* src, int64_t lds, int64_t rows, in
       __m512 r[16];
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) {
-        r[i] = i < nr ? _mm512_maskz_loadu_ps(col_mask, src + (r0 + i) * lds + c0) : _mm512_setzero_ps();
+        r[i] = i < nr ? simd::load(src + (r0 + i) * lds + c0, col_mask) : _mm512_setzero_ps();
       }
       transpose16(r);
 #pragma GCC unroll 16
