@@ -71,7 +71,7 @@ std::vector<double> RunRecord::record_memory(const StepPlan& plan, const StepSta
     if (steps_measured_over_budget_++ == 0) {
       spdlog::warn("step {}: rank {} measured a peak of {} bytes, over the memory budget of {:.0f} bytes (the "
                    "memory model predicted {:.0f}); such steps are counted as steps_measured_over_budget in "
-                   "summary.json: lower memory.budget_bytes or re-profile",
+                   "summary.json: raise memory.margin, lower memory.budget_bytes or re-profile",
                    step, rank, *measured_peak, budget_bytes_, predicted_peaks[rank]);
     }
   }

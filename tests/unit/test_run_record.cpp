@@ -64,7 +64,7 @@ TEST(RunRecord, ReportsWhatThePlansDecided) {
   const auto samples = samples_of({4096, 1024, 1024, 512, 512, 256});
   const CostModel cost(kShape, kH200);
   const MemoryModel memory = MemoryModel::analytic(kShape, 0.9 * kH200.memory_bytes);
-  RunRecord record(samples, 4, cost, memory, "test");
+  RunRecord record(samples, 4, cost, memory, memory.budget_bytes(), "test");
   TrainState state;
   StepStats stats;
   stats.rank_busy_s = {1.0, 0.5, 0.5, 0.5};
@@ -106,4 +106,28 @@ TEST(RunRecord, ReportsWhatThePlansDecided) {
                    plans["best_static_predicted_s"].get<double>() / predicted);
   EXPECT_EQ(summary["peak_bytes"], int64_t{40} << 30);
   EXPECT_FALSE(summary["predicted_step_median_rel_err"].is_null());
+}
+
+// memory.margin: the planners plan within (1 - margin) x the budget (the MemoryModel's budget), while a step's
+// measured peak is checked against the whole budget, which stands for the device's memory. A peak between the two
+// is inside the device and not counted; one above the whole budget is.
+TEST(RunRecord, MeasuredPeaksAreCheckedAgainstTheWholeBudgetNotThePlannersShare) {
+  const auto samples = samples_of({1024, 512});
+  const CostModel cost(kShape, kH200);
+  const double budget = 0.9 * kH200.memory_bytes, margin = 0.03;
+  const MemoryModel memory = MemoryModel::analytic(kShape, (1 - margin) * budget);
+  RunRecord record(samples, 2, cost, memory, budget, "test");
+  StepPlan plan;
+  for (int64_t r = 0; r < 2; ++r) plan.groups.push_back({r, 1, {micro_batch({r}, samples, 0)}});
+  TrainState state;
+  StepStats stats;
+  stats.rank_busy_s = {1.0, 1.0};
+  stats.rank_peak_bytes = {static_cast<int64_t>((1 - margin / 2) * budget), int64_t{1} << 30};  // above the share
+  state.step = 1;
+  record.step(plan, stats, 1.0, 1e-3, 0.5, state);
+  EXPECT_EQ(record.summary()["steps_measured_over_budget"], 0);
+  stats.rank_peak_bytes = {int64_t{1} << 30, static_cast<int64_t>(1.01 * budget)};  // above the whole budget
+  state.step = 2;
+  record.step(plan, stats, 1.0, 1e-3, 0.5, state);
+  EXPECT_EQ(record.summary()["steps_measured_over_budget"], 1);
 }
