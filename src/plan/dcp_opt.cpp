@@ -106,7 +106,8 @@ struct Packed {
   double makespan = 0;
 };
 
-// One step of dcp-opt: the samples' times at every power-of-two size and the search over group layouts.
+// One step of dcp-opt: the samples' times at every power-of-two size (and the world's) and the search over group
+// layouts.
 class OptStep {
  public:
   // `layouts`: the candidate group layouts, by SP size ascending (several modes may share a size); the step
@@ -1118,8 +1119,11 @@ PlanSet plan_dcp_opt(const std::vector<Sample>& samples, int64_t world_size, con
   check_world(world_size);
   const auto steps = split_steps(samples, options);
   std::vector<SpLayout> layouts;
+  // Power-of-two sizes (any mix of them tiles the ranks in aligned blocks, largest first), and the whole world
+  // when it is not one: a group of every rank stands alone in its layout, so alignment holds, and at world 12
+  // or 24 a sample that runs best (or only fits) on more than the largest power of two gets all the ranks.
   for (const SpLayout& l : sp_layouts_allowed(world_size, cost, options.sp_modes)) {
-    if ((l.sp_size & (l.sp_size - 1)) == 0) layouts.push_back(l);
+    if ((l.sp_size & (l.sp_size - 1)) == 0 || l.sp_size == world_size) layouts.push_back(l);
   }
   std::vector<char> skipped(samples.size(), 0);
   // A sample fits the largest size when min_recompute_layers finds a count: when it is at most max_tokens there

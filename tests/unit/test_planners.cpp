@@ -30,14 +30,14 @@ std::vector<Sample> random_samples(int n, int64_t max_len, uint32_t seed) {
 }
 
 
-// Smallest makespan over every layout of power-of-two groups (each of a layout of sp_layouts_allowed: Ulysses
-// dividing the heads, ring, ulysses-ring) summing to `world` and every assignment of the samples to groups, each
-// sample its own micro-batch with its fewest recompute layers.
+// Smallest makespan over every layout of power-of-two groups, or one group of the whole world (dcp-opt's sizes;
+// each of a layout of sp_layouts_allowed: Ulysses dividing the heads, ring, ulysses-ring) summing to `world` and
+// every assignment of the samples to groups, each sample its own micro-batch with its fewest recompute layers.
 double brute_force_makespan(const std::vector<Sample>& s, int64_t world, const CostModel& cost,
                             const MemoryModel& memory) {
   std::vector<SpLayout> sizes;
   for (const SpLayout& x : sp_layouts_allowed(world, cost, {})) {
-    if ((x.sp_size & (x.sp_size - 1)) == 0) sizes.push_back(x);
+    if ((x.sp_size & (x.sp_size - 1)) == 0 || x.sp_size == world) sizes.push_back(x);
   }
   double best = 1e300;
   std::vector<SpLayout> groups;
