@@ -156,7 +156,8 @@ PlanSet plan_dcp_inter_pac(const std::vector<Sample>& samples, int64_t world_siz
                            const MemoryModel& memory, const PlannerOptions& options);
 
 /// `dcp-opt`: per step, chooses the groups (power-of-two SP sizes placed largest first, so every group is an
-/// aligned block, for any world_size), assigns samples to groups and packs micro-batches, each with the fewest
+/// aligned block, for any world_size; where world_size is not a power of two, also one group of all the ranks,
+/// alone in its layout), assigns samples to groups and packs micro-batches, each with the fewest
 /// recompute layers that fit memory, to minimise the step makespan (the largest group time). Heuristic:
 ///  1. each sample's time t(s) at every allowed size s, with its fewest feasible recompute layers; the fixed
 ///     per-micro-batch cost is charged in proportion to the share of a no-recompute micro-batch it fills;
@@ -180,8 +181,8 @@ PlanSet plan_dcp_inter_pac(const std::vector<Sample>& samples, int64_t world_siz
 ///     the best floor is retried at looser targets (1.02 T .. 1.5 T) and the best layout kept;
 ///  4. each group packs its samples first-fit decreasing, merging a sample into a micro-batch only when that is
 ///     not slower than running it alone.
-/// No approximation factor is proven; a unit test checks the makespan against brute force (every power-of-two
-/// layout and assignment) on tiny cases. Throws as plan_packed.
+/// No approximation factor is proven; a unit test checks the makespan against brute force (every layout of the
+/// same sizes and every assignment) on tiny cases. Throws as plan_packed.
 PlanSet plan_dcp_opt(const std::vector<Sample>& samples, int64_t world_size, const CostModel& cost,
                      const MemoryModel& memory, const PlannerOptions& options);
 
