@@ -41,18 +41,22 @@ AttentionResult kv_cache_attention(const torch::Tensor& q, const torch::Tensor& 
 AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                              const KvCache& cache, int64_t layer, double scale = 0);
 
-/// Which loops the decode kernel (kv_decode_attention) runs. Both compute the same three passes in fp32 (scores,
+/// Which loops the decode kernel (kv_decode_attention) runs. All compute the same three passes in fp32 (scores,
 /// exp and sum, weighted values); their sums are ordered differently, so they agree to fp32 rounding, not bit for
-/// bit (tests/unit/test_serve_batching.cpp forces each and compares both with the fp64 reference).
+/// bit (tests/unit/test_serve_batching.cpp forces each and compares it with the fp64 reference).
 enum class DecodeAttentionPath {
-  kAuto,      ///< kAvx512 for fp32 and bf16 caches where the CPU has AVX-512 (F, BW, VL), else kPortable
-  kPortable,  ///< plain C++ loops (any CPU; fp64 caches always)
-  kAvx512,    ///< 16-lane fp32 FMAs and a vectorised exp (fp32 and bf16 caches)
+  kAuto,        ///< kAvx512Bf16 for bf16 caches where the CPU has AVX512-BF16, kAvx512 for fp32 and bf16 caches
+                ///< where it has AVX-512 (F, BW, VL), else kPortable
+  kPortable,    ///< plain C++ loops (any CPU; fp64 caches always)
+  kAvx512,      ///< 16 key rows at a time in 16-lane fp32 FMAs, one transposing lane reduction per 16 rows, a
+                ///< vectorised exp (fp32 and bf16 caches)
+  kAvx512Bf16,  ///< kAvx512 with the scores by vdpbf16ps from the bf16 query and keys (bf16 caches)
 };
-/// "auto", "portable", "avx512".
+/// "auto", "portable", "avx512", "avx512-bf16".
 const char* to_string(DecodeAttentionPath path);
 /// The path `requested` resolves to for a cache of `dtype` on this CPU. Throws std::invalid_argument naming the
-/// path, the dtype and what is missing when a forced path cannot run (kAvx512 on fp64, or on a CPU without AVX-512).
+/// path, the dtype and what is missing when a forced path cannot run (kAvx512 on fp64, or on a CPU without AVX-512;
+/// kAvx512Bf16 on other than bf16, or on a CPU without AVX512-BF16).
 DecodeAttentionPath resolve_decode_attention_path(torch::ScalarType dtype, DecodeAttentionPath requested);
 
 /// The decode step's attention for N sequences at once (continuous batching): for sequence i and head h, the one
@@ -63,13 +67,15 @@ DecodeAttentionPath resolve_decode_attention_path(torch::ScalarType dtype, Decod
 /// q: [N, heads, head_dim], k: [N, kv_heads, head_dim], v: [N, kv_heads, value_dim], CPU, the caches' dtype;
 /// caches: N caches of one spec on the CPU; heads a multiple of kv_heads (grouped-query attention: query head h
 /// reads KV head h / (heads / kv_heads)). scale 0 = 1/sqrt(head_dim). Returns out [N, heads,
-/// value_dim] in q's dtype. `path` chooses the loops (DecodeAttentionPath; every path of one call gives a sequence the
+/// value_dim] in q's dtype. `threads`: the OpenMP threads the pairs are spread over, each pair to whichever thread is
+/// free (0 = at::get_num_threads(); a call of less than 2^20 entries x head dims runs on the calling thread, where
+/// waking threads costs about what they save). `path` chooses the loops (DecodeAttentionPath; every path of one call gives a sequence the
 /// same bits alone or among others). Throws std::invalid_argument for shapes, dtypes, devices, null or mismatched
 /// caches, a layer that does not fit and a forced path that cannot run. Twin: kv_cache_attention
 /// (tests/unit/test_serve_batching.cpp compares both with reference_kv_cache_attention).
 torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const std::vector<const KvCache*>& caches, int64_t layer, double scale = 0,
-                                  DecodeAttentionPath path = DecodeAttentionPath::kAuto);
+                                  DecodeAttentionPath path = DecodeAttentionPath::kAuto, int64_t threads = 0);
 
 /// The AttentionWrapper of one forward of a chunk through a KV cache (set as PackedBatch::attention): block
 /// `layer` attends with kv_cache_attention over the cache and the chunk, then appends the chunk's k and v at
@@ -129,10 +135,12 @@ class DecodeSession {
   /// [tokens[i].size(), kVocabSize]. A session's logits equal its solo step's up to the rounding of the matmuls,
   /// whose rows BLAS may sum in another order for another number of rows (tests/unit/test_serve_batching.cpp
   /// measures it). Throws std::invalid_argument for sessions of different models, a session given twice, sizes
-  /// that differ, empty or too many tokens, a token outside the vocabulary.
+  /// that differ, empty or too many tokens, a token outside the vocabulary. `attention_threads`: the threads of the
+  /// decode kernel (kv_decode_attention's `threads`; 0 = at::get_num_threads()), which a server may give more threads
+  /// than the rest of the step's operations.
   static std::vector<torch::Tensor> step_batch(const std::vector<DecodeSession*>& sessions,
                                                const std::vector<std::vector<int64_t>>& tokens,
-                                               const std::vector<bool>& prefill);
+                                               const std::vector<bool>& prefill, int64_t attention_threads = 0);
 
   /// The cache (e.g. to save() or load() it between calls; positions continue from its next_position()).
   KvCache& cache() { return *cache_; }
@@ -163,7 +171,7 @@ struct SamplingOptions {
 /// The byte sampler of generate and dcp serve, one per sequence: its seeded CPU generator
 /// (at::CPUGeneratorImpl) advances by one draw per sampled byte, so equal seeds, options and logits give equal
 /// bytes. next(): logits [>= 256] (the model's row; only the 256 byte entries count) to fp64; temperature 0 is
-/// argmax; else logits / temperature, then top_k, then top_p (each skipped at its "all" value), then one
+/// argmax (the first largest, read in place from fp32 logits); else logits / temperature, then top_k, then top_p (each skipped at its "all" value), then one
 /// multinomial draw from the softmax. Throws std::invalid_argument for options out of range (temperature < 0,
 /// top_k < 0, top_p outside (0, 1]) and for a temperature so small that logits / temperature overflow;
 /// std::runtime_error when the logits are not finite (`index`, the byte's index, is named).
@@ -171,6 +179,10 @@ class ByteSampler {
  public:
   explicit ByteSampler(uint64_t seed);
   int64_t next(const torch::Tensor& logits, const SamplingOptions& options, int64_t index);
+  /// The same from `size` (>= 256) contiguous fp32 logits: greedy reads them in place (no tensor op: the batched
+  /// decode step samples every session this way), other options wrap them in a tensor. Throws as next() and
+  /// std::invalid_argument for size < 256.
+  int64_t next(const float* logits, int64_t size, const SamplingOptions& options, int64_t index);
 
  private:
   at::Generator generator_;

@@ -83,6 +83,15 @@ class KvCache {
   /// nothing.
   void append(int64_t layer, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& positions);
 
+  /// One token for each of several caches of one spec on the CPU (a batched decode step): caches[i] gets k[i] and
+  /// v[i] at positions[i] in `layer`: the same bytes as caches[i]->append(layer, k[i:i+1], v[i:i+1], positions[i:i+1]),
+  /// without a tensor per cache. k [N, kv_heads, head_dim], v [N, kv_heads, value_dim] in the caches' dtype, N =
+  /// caches.size() = positions.size(). Throws std::invalid_argument naming the bad value (a null cache, a cache given
+  /// twice, another spec, shapes, dtype, a device other than the CPU, a position below the cache's next position) and
+  /// then changes nothing.
+  static void append_tokens(const std::vector<KvCache*>& caches, int64_t layer, const torch::Tensor& k,
+                            const torch::Tensor& v, const std::vector<int64_t>& positions);
+
   /// Read-only view of (layer, head) (KvHeadView). Throws std::invalid_argument for layer or head out of range.
   KvHeadView view(int64_t layer, int64_t head) const;
   /// The same entries as raw pointers (KvHeadData), without making a tensor. Throws std::invalid_argument for
@@ -139,6 +148,8 @@ class KvCache {
   const Head& head(int64_t layer, int64_t h) const;
   void check_layer(int64_t layer, const char* who) const;
   void grow(Head& head, int64_t entries) const;
+  void append_rows(int64_t layer, const char* k, int64_t k_token, int64_t k_head, const char* v, int64_t v_token,
+                   int64_t v_head, const int64_t* positions, int64_t t);
 
   KvCacheSpec spec_;
   std::vector<Head> heads_;           // layer-major: heads_[layer * kv_heads + head]

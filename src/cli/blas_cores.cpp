@@ -21,4 +21,15 @@ void ensure_openblas_kernels(char** argv) {
   execv("/proc/self/exe", argv);
 }
 
+void ensure_passive_openmp_for_serving(int argc, char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] == '-') continue;
+    if (std::strcmp(argv[i], "serve") != 0 && std::strcmp(argv[i], "bench-serve") != 0) return;
+    setenv("OMP_WAIT_POLICY", "passive", 1);
+    execv("/proc/self/exe", argv);
+    return;
+  }
+}
+
 }  // namespace dcp

@@ -68,6 +68,7 @@ void report_error(const std::string& message) {
 // config), 3 verify-plan found gradients that differ.
 int main(int argc, char** argv) {
   dcp::ensure_openblas_kernels(argv);
+  dcp::ensure_passive_openmp_for_serving(argc, argv);
   dcp::keep_freed_memory();
   CLI::App app{"dcp: Data-Centric Parallel training of transformers on variable-length sequences"};
   app.require_subcommand(1);

@@ -10,7 +10,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <stdexcept>
 #include <type_traits>
@@ -65,16 +67,57 @@ struct Rows {
   int64_t q_stride[2], k_stride[2], v_stride[2];  // elements per sequence, per head
 };
 
+// Entries x head dims below which one call runs on the calling thread: a call reads about 2 bytes (bf16) per entry
+// and dimension from memory, ~0.25 ms at 8 GB/s for 2^20 of them, and splitting less than that over threads saves
+// about what waking them costs (tens of microseconds, more on a loaded machine).
+constexpr int64_t kSerialWork = int64_t{1} << 20;
+
+// Runs body(begin, end) over the pairs [0, pairs): on `threads` OpenMP threads, one pair at a time to whichever
+// thread is free (the caches differ in length), or all on the calling thread for threads <= 1. The first exception
+// a pair throws is rethrown once every thread has stopped.
+template <class Body>
+void parallel_pairs(int64_t pairs, int64_t threads, const Body& body) {
+#ifdef _OPENMP
+  if (threads > 1 && pairs > 1) {
+    std::exception_ptr error;
+    std::atomic<bool> failed{false};
+#pragma omp parallel for num_threads(static_cast<int>(std::min(threads, pairs))) schedule(dynamic, 1)
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      if (failed.load(std::memory_order_relaxed)) continue;
+      try {
+        body(pair, pair + 1);
+      } catch (...) {
+#pragma omp critical(dcp_decode_attention_error)
+        {
+          if (!error) error = std::current_exception();
+        }
+        failed = true;
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+#endif
+  body(0, pairs);
+}
+
 template <class T>
 void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t layer, int64_t heads, int64_t kv_heads,
-            int64_t d, int64_t dv, double scale, T* out, bool simd) {
+            int64_t d, int64_t dv, double scale, T* out, DecodeAttentionPath path, int64_t threads) {
   using A = typename Acc<T>::type;
   const int64_t n_seq = static_cast<int64_t>(caches.size());
   const int64_t pairs = n_seq * heads;
-  // A pair over a cache of L entries costs about 4 L d flops; grain 1 keeps long caches spread over threads.
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> qs(static_cast<size_t>(d)), acc(static_cast<size_t>(dv));
-    std::vector<A> scores;
+  int64_t work = 0;
+  for (const KvCache* c : caches) {
+    for (int64_t h = 0; h < kv_heads; ++h) work += (c->length(layer, h) + 1) * (heads / kv_heads) * (d + dv);
+  }
+  const bool simd = path != DecodeAttentionPath::kPortable;
+  parallel_pairs(pairs, work < kSerialWork ? 1 : threads, [&](int64_t begin, int64_t end) {
+    // Per-thread scratch, kept between calls: qs the scaled query (d rounded up to 32: the AVX-512 paths read bf16
+    // queries 32 columns at a time), acc the weighted values, scores one per entry.
+    static thread_local std::vector<A> qs, acc, scores;
+    qs.resize(static_cast<size_t>((d + 31) / 32 * 32));
+    acc.resize(static_cast<size_t>(dv));
     for (int64_t pair = begin; pair < end; ++pair) {
       // Query head h reads KV head h / (heads / kv_heads) (grouped-query attention; equal counts without GQA).
       const int64_t s = pair / heads, h = pair % heads, kh = h / (heads / kv_heads);
@@ -87,6 +130,13 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
       const T* keys = static_cast<const T*>(hd.keys);
       const T* values = static_cast<const T*>(hd.values);
       T* o = out + (s * heads + h) * dv;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (path == DecodeAttentionPath::kAvx512Bf16) {
+          decode_simd::attend_pair_dot(q, keys, values, hd.bias, n, k_new, v_new, d, dv, static_cast<float>(scale),
+                                       scores.data(), o);
+          continue;
+        }
+      }
       if constexpr (!std::is_same_v<T, double>) {
         if (simd) {
           decode_simd::attend_pair<T>(q, keys, values, hd.bias, n, k_new, v_new, d, dv, static_cast<float>(scale),
@@ -131,32 +181,55 @@ const char* to_string(DecodeAttentionPath path) {
     case DecodeAttentionPath::kAuto: return "auto";
     case DecodeAttentionPath::kPortable: return "portable";
     case DecodeAttentionPath::kAvx512: return "avx512";
+    case DecodeAttentionPath::kAvx512Bf16: return "avx512-bf16";
   }
   return "unknown";
 }
 
-DecodeAttentionPath resolve_decode_attention_path(torch::ScalarType dtype, DecodeAttentionPath requested) {
+namespace decode_simd {
+
+DecodeAttentionPath resolve_path(torch::ScalarType dtype, DecodeAttentionPath requested, const CpuFeatures& cpu) {
+  const bool avx512 = cpu.avx512f && cpu.avx512bw && cpu.avx512vl;
   switch (requested) {
     case DecodeAttentionPath::kAuto:
-      return dtype != torch::kDouble && avx512_usable() ? DecodeAttentionPath::kAvx512 : DecodeAttentionPath::kPortable;
+      if (dtype == torch::kBFloat16 && avx512 && cpu.avx512_bf16) return DecodeAttentionPath::kAvx512Bf16;
+      return dtype != torch::kDouble && avx512 ? DecodeAttentionPath::kAvx512 : DecodeAttentionPath::kPortable;
     case DecodeAttentionPath::kPortable: return requested;
     case DecodeAttentionPath::kAvx512:
       if (dtype == torch::kDouble) {
         throw std::invalid_argument("kv_decode_attention: path avx512 cannot run for Double caches: fp64 runs the "
                                     "portable loops only");
       }
-      if (!avx512_usable()) {
+      if (!avx512) {
         throw std::invalid_argument(fmt::format("kv_decode_attention: path avx512 cannot run for {} caches: this CPU "
                                                 "lacks AVX-512 (F, BW, VL)", c10::toString(dtype)));
+      }
+      return requested;
+    case DecodeAttentionPath::kAvx512Bf16:
+      if (dtype != torch::kBFloat16) {
+        throw std::invalid_argument(fmt::format("kv_decode_attention: path avx512-bf16 cannot run for {} caches: it "
+                                                "reads bf16 rows only", c10::toString(dtype)));
+      }
+      if (!avx512 || !cpu.avx512_bf16) {
+        throw std::invalid_argument("kv_decode_attention: path avx512-bf16 cannot run for BFloat16 caches: this CPU "
+                                    "lacks AVX-512 (F, BW, VL) with AVX512-BF16");
       }
       return requested;
   }
   throw std::invalid_argument("kv_decode_attention: unknown path");
 }
 
+}  // namespace decode_simd
+
+DecodeAttentionPath resolve_decode_attention_path(torch::ScalarType dtype, DecodeAttentionPath requested) {
+  return decode_simd::resolve_path(dtype, requested, cpu_features());
+}
+
 torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const std::vector<const KvCache*>& caches, int64_t layer, double scale,
-                                  DecodeAttentionPath path) {
+                                  DecodeAttentionPath path, int64_t threads) {
+  if (threads < 0) throw std::invalid_argument(fmt::format("kv_decode_attention: threads {} must be >= 0", threads));
+  if (threads == 0) threads = at::get_num_threads();
   const int64_t n = static_cast<int64_t>(caches.size());
   if (n == 0) throw std::invalid_argument("kv_decode_attention: no caches");
   for (int64_t i = 0; i < n; ++i) {
@@ -199,20 +272,22 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
   const torch::Tensor qd = dense(q), kd = dense(k), vd = dense(v);
   if (!s.device.is_cpu()) throw std::invalid_argument("kv_decode_attention: the caches must be on the CPU");
   if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
-  const bool simd = resolve_decode_attention_path(s.dtype, path) == DecodeAttentionPath::kAvx512;
+  const DecodeAttentionPath resolved = resolve_decode_attention_path(s.dtype, path);
   torch::Tensor out = torch::empty({n, heads, s.value_dim}, q.options());
   const Rows rows{qd.data_ptr(), kd.data_ptr(), vd.data_ptr(), {qd.stride(0), qd.stride(1)},
                   {kd.stride(0), kd.stride(1)}, {vd.stride(0), vd.stride(1)}};
   switch (s.dtype) {
     case torch::kFloat:
-      attend<float>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<float>(), simd);
+      attend<float>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<float>(), resolved,
+                    threads);
       break;
     case torch::kDouble:
-      attend<double>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<double>(), false);
+      attend<double>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<double>(), resolved,
+                     threads);
       break;
     case torch::kBFloat16:
       attend<c10::BFloat16>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale,
-                            out.data_ptr<c10::BFloat16>(), simd);
+                            out.data_ptr<c10::BFloat16>(), resolved, threads);
       break;
     default:
       throw std::invalid_argument("kv_decode_attention: unsupported dtype " + std::string(c10::toString(s.dtype)));

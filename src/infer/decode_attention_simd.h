@@ -1,23 +1,41 @@
-// The AVX-512 path of the decode kernel (kv_decode_attention): one (sequence, head) pair over raw rows. Internal to
-// the infer stage; callers check avx512_usable() first (the functions carry their own target attributes).
+// The AVX-512 paths of the decode kernel (kv_decode_attention): one (sequence, head) pair over raw rows, and the
+// choice of path for given CPU features. Internal to the infer stage; callers check the CPU first (resolve_path:
+// the functions carry their own target attributes).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
 
+#include "dcp/cpu_features.h"
+#include "dcp/infer.h"
+
 namespace dcp::decode_simd {
 
+/// resolve_decode_attention_path on a CPU with the features `cpu` (resolve_decode_attention_path passes
+/// cpu_features()): lets a test check the choice and the refusals for CPUs other than the one it runs on. Throws
+/// std::invalid_argument as resolve_decode_attention_path does.
+DecodeAttentionPath resolve_path(c10::ScalarType dtype, DecodeAttentionPath requested, const CpuFeatures& cpu);
+
 /// softmax(q.K^T * scale + bias) V over n cache rows and the token's own (k_new, v_new), on AVX-512F registers in
-/// fp32: pass 1 the n + 1 scores (each a 16-lane FMA chain over head_dim, then one fixed-order lane reduction),
-/// pass 2 their maximum, exp (dcp::simd::exp, ~1 ulp) and sum, pass 3 the probability-weighted value rows
-/// (value_dim in 16-lane accumulators). The order of every sum depends only on this pair's rows, so a pair gives the
-/// same bits alone or among others. q, keys [n, d], values [n, dv], k_new [d], v_new [dv] in T (fp32 or bf16);
-/// bias [n] fp32 (the entries' log-weights); qs: scratch of d floats (the scaled query); scores: scratch of
-/// n + 1 floats; out [dv] in T.
+/// fp32: pass 1 the n + 1 scores, 16 rows at a time (each row's FMA chain over head_dim in its own register, bf16
+/// rows split into even and odd columns, then one transposing reduction gives the 16 scores), pass 2 their
+/// maximum, exp (dcp::simd::exp, ~1 ulp) and sum, pass 3 the probability-weighted value rows (fp32 accumulators,
+/// each column summed over the rows in order). The order of every sum depends only on this pair's rows, so a pair
+/// gives the same bits alone or among others. q, keys [n, d], values [n, dv], k_new [d], v_new [dv] in T (fp32 or
+/// bf16); bias [n] fp32 (the entries' log-weights); qs: scratch of d rounded up to 32 floats (the scaled query);
+/// scores: scratch of n + 1 floats; out [dv] in T.
 template <class T>
 void attend_pair(const T* q, const T* keys, const T* values, const float* bias, int64_t n, const T* k_new,
                  const T* v_new, int64_t d, int64_t dv, float scale, float* qs, float* scores, T* out);
+
+/// attend_pair for bf16 rows with the scores by vdpbf16ps (AVX512-BF16): <q, k> from the bf16 query and key pairs
+/// (exact products, fp32 sums), times scale, plus bias; passes 2 and 3 as attend_pair's. Call only where
+/// cpu_features().avx512_bf16 (and AVX-512 F, BW, VL) hold.
+void attend_pair_dot(const c10::BFloat16* q, const c10::BFloat16* keys, const c10::BFloat16* values, const float* bias,
+                     int64_t n, const c10::BFloat16* k_new, const c10::BFloat16* v_new, int64_t d, int64_t dv,
+                     float scale, float* scores, c10::BFloat16* out);
 
 extern template void attend_pair<float>(const float*, const float*, const float*, const float*, int64_t,
                                         const float*, const float*, int64_t, int64_t, float, float*, float*, float*);

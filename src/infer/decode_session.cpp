@@ -79,29 +79,36 @@ namespace dcp {
 namespace {
 
 // The attention of a packed batch of several sessions' steps (DecodeSession::step_batch): segment i of the
-// stream is session i's tokens. The one-token segments of a layer attend together through kv_decode_attention,
-// each longer one through kv_cache_attention over its own cache; then every segment is appended to its cache and
-// recorded in its observations, in the order a solo step does (attend, append, observe).
+// stream is session i's tokens. The one-token segments of a layer attend together through kv_decode_attention and
+// are appended together by KvCache::append_tokens (no tensor per session), each longer one attends through
+// kv_cache_attention over its own cache and is appended alone; then each segment is recorded in its observations
+// and compressed by its layer-by-layer policy, in the order a solo step does (attend, append, observe, compress).
 class BatchedKvCacheAttention : public AttentionWrapper {
  public:
   struct Segment {
     KvCache* cache;
     KvObservations* observations;  // null when the session's policy asks for nothing
-    torch::Tensor positions;       // [t] int64
     int64_t begin, length;
     KvPolicy* compress;            // the session's policy when it compresses layer by layer, else null
     KvStep step;
+    torch::Tensor positions;       // [length] int64; made only for a chunk or an observed session
   };
-  explicit BatchedKvCacheAttention(std::vector<Segment> segments) : segments_(std::move(segments)) {
+  BatchedKvCacheAttention(std::vector<Segment> segments, int64_t threads)
+      : segments_(std::move(segments)), threads_(threads) {
     for (size_t i = 0; i < segments_.size(); ++i) {
-      if (segments_[i].length == 1) {
-        decode_.push_back(i);
-        decode_rows_.push_back(segments_[i].begin);
-        decode_caches_.push_back(segments_[i].cache);
+      Segment& s = segments_[i];
+      if (s.length > 1 || s.observations) {
+        s.positions = torch::arange(s.step.first_position, s.step.first_position + s.length, torch::kInt64);
+      }
+      if (s.length == 1) {
+        decode_rows_.push_back(s.begin);
+        decode_caches_.push_back(s.cache);
+        decode_writable_.push_back(s.cache);
+        decode_positions_.push_back(s.step.first_position);
       }
     }
-    all_decode_ = decode_.size() == segments_.size();
-    rows_ = torch::tensor(decode_rows_, torch::kInt64);
+    all_decode_ = decode_rows_.size() == segments_.size();
+    if (!all_decode_ && !decode_rows_.empty()) rows_ = torch::tensor(decode_rows_, torch::kInt64);
   }
 
   torch::Tensor forward(const AttentionBackend& inner, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
@@ -113,14 +120,18 @@ class BatchedKvCacheAttention : public AttentionWrapper {
     }
     const double scale = softmax->options().scale > 0 ? softmax->options().scale
                                                       : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
-    torch::Tensor out;
+    torch::Tensor out, k_decode, v_decode;
     if (all_decode_) {
-      out = kv_decode_attention(q, k, v, decode_caches_, layer, scale);
+      out = kv_decode_attention(q, k, v, decode_caches_, layer, scale, DecodeAttentionPath::kAuto, threads_);
+      k_decode = k;
+      v_decode = v;
     } else {
       out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-      if (!decode_.empty()) {
-        out.index_copy_(0, rows_, kv_decode_attention(q.index_select(0, rows_), k.index_select(0, rows_),
-                                                      v.index_select(0, rows_), decode_caches_, layer, scale));
+      if (!decode_rows_.empty()) {
+        k_decode = k.index_select(0, rows_);
+        v_decode = v.index_select(0, rows_);
+        out.index_copy_(0, rows_, kv_decode_attention(q.index_select(0, rows_), k_decode, v_decode, decode_caches_,
+                                                      layer, scale, DecodeAttentionPath::kAuto, threads_));
       }
       for (const Segment& s : segments_) {
         if (s.length == 1) continue;
@@ -130,9 +141,9 @@ class BatchedKvCacheAttention : public AttentionWrapper {
                        .out);
       }
     }
+    if (!decode_rows_.empty()) KvCache::append_tokens(decode_writable_, layer, k_decode, v_decode, decode_positions_);
     for (const Segment& s : segments_) {
-      const torch::Tensor ks = k.narrow(0, s.begin, s.length), vs = v.narrow(0, s.begin, s.length);
-      s.cache->append(layer, ks, vs, s.positions);
+      if (s.length > 1) s.cache->append(layer, k.narrow(0, s.begin, s.length), v.narrow(0, s.begin, s.length), s.positions);
       if (s.observations) s.observations->observe(layer, q.narrow(0, s.begin, s.length), s.positions, *s.cache, scale);
       if (s.compress) s.compress->after_layer(*s.cache, layer, s.step);
     }
@@ -141,18 +152,20 @@ class BatchedKvCacheAttention : public AttentionWrapper {
 
  private:
   std::vector<Segment> segments_;
-  std::vector<size_t> decode_;
-  std::vector<int64_t> decode_rows_;
+  std::vector<int64_t> decode_rows_;        // rows of the one-token segments in the packed stream
   std::vector<const KvCache*> decode_caches_;
+  std::vector<KvCache*> decode_writable_;
+  std::vector<int64_t> decode_positions_;
   bool all_decode_ = false;
   torch::Tensor rows_;
+  int64_t threads_;
 };
 
 }  // namespace
 
 std::vector<torch::Tensor> DecodeSession::step_batch(const std::vector<DecodeSession*>& sessions,
                                                      const std::vector<std::vector<int64_t>>& tokens,
-                                                     const std::vector<bool>& prefill) {
+                                                     const std::vector<bool>& prefill, int64_t attention_threads) {
   const size_t n = sessions.size();
   if (n == 0) return {};
   if (tokens.size() != n || prefill.size() != n) {
@@ -193,9 +206,9 @@ std::vector<torch::Tensor> DecodeSession::step_batch(const std::vector<DecodeSes
     firsts[i] = first;
     flat.insert(flat.end(), tokens[i].begin(), tokens[i].end());
     for (int64_t p = first; p < first + t; ++p) positions.push_back(p);
-    segments.push_back({s.cache_.get(), s.observations_.get(), torch::arange(first, first + t, torch::kInt64),
-                        cu.back(), t, s.policy_->compresses_by_layer() ? s.policy_.get() : nullptr,
-                        KvStep{prefill[i], first, t, s.observations_.get()}});
+    segments.push_back({s.cache_.get(), s.observations_.get(), cu.back(), t,
+                        s.policy_->compresses_by_layer() ? s.policy_.get() : nullptr,
+                        KvStep{prefill[i], first, t, s.observations_.get()}, torch::Tensor()});
     cu.push_back(cu.back() + t);
   }
   PackedBatch batch;
@@ -204,7 +217,7 @@ std::vector<torch::Tensor> DecodeSession::step_batch(const std::vector<DecodeSes
   batch.targets = torch::zeros({total}, torch::kInt64);
   batch.positions = torch::tensor(positions, torch::kInt64);
   batch.cu_seqlens = torch::tensor(cu, torch::kInt64);
-  batch.attention = std::make_shared<BatchedKvCacheAttention>(std::move(segments));
+  batch.attention = std::make_shared<BatchedKvCacheAttention>(std::move(segments), attention_threads);
   const torch::Tensor logits = sessions[0]->model_->forward(batch);
   std::vector<torch::Tensor> out(n);
   for (size_t i = 0; i < n; ++i) {

@@ -14,6 +14,7 @@
 #include "dcp/infer.h"
 #include "dcp/kv_cache.h"
 #include "dcp/kv_policies.h"
+#include "infer/decode_attention_simd.h"
 #include "unit/error_of.h"
 #include "unit/kv_test_model.h"
 
@@ -51,23 +52,27 @@ double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
 std::vector<DecodeAttentionPath> decode_paths(torch::ScalarType dtype) {
   std::vector<DecodeAttentionPath> paths{DecodeAttentionPath::kPortable};
   if (dtype != torch::kDouble && avx512_usable()) paths.push_back(DecodeAttentionPath::kAvx512);
+  if (dtype == torch::kBFloat16 && avx512_usable() && cpu_features().avx512_bf16) {
+    paths.push_back(DecodeAttentionPath::kAvx512Bf16);
+  }
   return paths;
 }
 
 TEST(KvDecodeAttention, MatchesTheTwinForEverySequenceHeadAndPath) {
   if (!avx512_usable()) std::cout << "[ SKIPPED  ] the avx512 path: this CPU lacks AVX-512 (F, BW, VL)\n";
+  if (!cpu_features().avx512_bf16) std::cout << "[ SKIPPED  ] the avx512-bf16 path: this CPU lacks AVX512-BF16\n";
   torch::manual_seed(21);
   const int64_t heads = 4;
   // Tolerances (outputs O(1)): fp64 is the same sum in another order (measured ~1e-15); fp32 sums up to 3001
   // terms in fp32 (relative error ~ sqrt(n) 6e-8 ~ 3e-6; the avx512 path's exp is ~1 ulp, its lane sums another
   // order); bf16 rounds the output once to bf16 (a step is 2^-7 in [1, 2)) after fp32 arithmetic on bf16 inputs,
   // so 2 steps. Head dims 16, 24 (a masked tail) and 80 (two 64-column value sweeps, the second masked).
-  for (int64_t dim : {16, 24, 80}) {
+  for (int64_t dim : {16, 24, 32, 80}) {
     for (auto [dtype, tol] : {std::pair{torch::kDouble, 1e-12}, std::pair{torch::kFloat, 5e-6},
                               std::pair{torch::kBFloat16, 1.6e-2}}) {
       // Three caches of other lengths; in the second one head emptied, one cut with biases, one left long.
       std::vector<std::unique_ptr<KvCache>> caches;
-      for (int64_t n : {3000, 700, 1}) {
+      for (int64_t n : {3000, 700, 1, 17, 33}) {
         caches.push_back(std::make_unique<KvCache>(spec_of(dtype, heads, dim)));
         fill(*caches.back(), n);
       }
@@ -75,7 +80,8 @@ TEST(KvDecodeAttention, MatchesTheTwinForEverySequenceHeadAndPath) {
       caches[1]->commit(1, {KvHeadEdit{}, KvHeadEdit{keep, torch::randn({keep.numel()})},
                             KvHeadEdit{torch::empty({0}, torch::kInt64)}, KvHeadEdit{}});
       KvCache empty(spec_of(dtype, heads, dim));
-      std::vector<const KvCache*> all{caches[0].get(), caches[1].get(), &empty, caches[2].get()};
+      std::vector<const KvCache*> all{caches[0].get(), caches[1].get(), &empty, caches[2].get(), caches[3].get(),
+                                      caches[4].get()};
       const int64_t n = static_cast<int64_t>(all.size());
       const auto q = (torch::randn({n, heads, dim}) * 1.5).to(dtype), k = torch::randn({n, heads, dim}).to(dtype),
                  v = torch::randn({n, heads, dim}).to(dtype);
@@ -92,6 +98,12 @@ TEST(KvDecodeAttention, MatchesTheTwinForEverySequenceHeadAndPath) {
           const torch::Tensor alone = kv_decode_attention(qi, ki, vi, {all[static_cast<size_t>(i)]}, 1, 0, path);
           EXPECT_TRUE(torch::equal(alone, out.narrow(0, i, 1))) << what << " sequence " << i;
         }
+        // On two intra-op threads (the pairs split between them; decode_attention.cpp is compiled with OpenMP):
+        // the same bits, since every pair is computed alone.
+        const int threads = at::get_num_threads();
+        at::set_num_threads(2);
+        EXPECT_TRUE(torch::equal(kv_decode_attention(q, k, v, all, 1, 0, path), out)) << what << " on 2 threads";
+        at::set_num_threads(threads);
         // Strided rows (a view of a packed [T, 3, heads, dim] projection, as the model hands them) read the same.
         auto packed = torch::stack({q, k, v}, 1);
         auto parts = packed.unbind(1);
@@ -109,13 +121,63 @@ TEST(KvDecodeAttention, AForcedPathTheCpuOrDtypeLacksIsRefused) {
   EXPECT_NE(error_of([] { resolve_decode_attention_path(torch::kDouble, DecodeAttentionPath::kAvx512); })
                 .find("path avx512 cannot run for Double caches"),
             std::string::npos);
-  if (avx512_usable()) {
+  EXPECT_NE(error_of([] { resolve_decode_attention_path(torch::kFloat, DecodeAttentionPath::kAvx512Bf16); })
+                .find("path avx512-bf16 cannot run for Float caches"),
+            std::string::npos);
+  if (avx512_usable() && cpu_features().avx512_bf16) {
+    EXPECT_EQ(resolve_decode_attention_path(torch::kBFloat16, DecodeAttentionPath::kAuto),
+              DecodeAttentionPath::kAvx512Bf16);
+    EXPECT_EQ(resolve_decode_attention_path(torch::kFloat, DecodeAttentionPath::kAuto), DecodeAttentionPath::kAvx512);
+  } else if (avx512_usable()) {
     EXPECT_EQ(resolve_decode_attention_path(torch::kBFloat16, DecodeAttentionPath::kAuto), DecodeAttentionPath::kAvx512);
+    EXPECT_NE(error_of([] { resolve_decode_attention_path(torch::kBFloat16, DecodeAttentionPath::kAvx512Bf16); })
+                  .find("lacks AVX-512 (F, BW, VL) with AVX512-BF16"),
+              std::string::npos);
   } else {
     EXPECT_NE(error_of([] { resolve_decode_attention_path(torch::kFloat, DecodeAttentionPath::kAvx512); })
                   .find("this CPU lacks AVX-512"),
               std::string::npos);
     EXPECT_EQ(resolve_decode_attention_path(torch::kFloat, DecodeAttentionPath::kAuto), DecodeAttentionPath::kPortable);
+  }
+}
+
+// The same choice for CPUs other than this one (decode_simd::resolve_path with made-up features): a CPU without
+// AVX512-BF16 refuses the forced avx512-bf16 path by name and picks avx512 for bf16 caches by itself; one without
+// AVX-512 refuses both and picks the portable loops.
+TEST(KvDecodeAttention, ThePathFollowsTheCpuFeatures) {
+  CpuFeatures none, avx512, bf16;
+  avx512.avx512f = avx512.avx512bw = avx512.avx512vl = true;
+  bf16 = avx512;
+  bf16.avx512_bf16 = true;
+  CpuFeatures bf16_only;  // AVX512-BF16 reported without BW: not enough
+  bf16_only.avx512f = bf16_only.avx512vl = bf16_only.avx512_bf16 = true;
+  using P = DecodeAttentionPath;
+  EXPECT_EQ(decode_simd::resolve_path(torch::kBFloat16, P::kAuto, bf16), P::kAvx512Bf16);
+  EXPECT_EQ(decode_simd::resolve_path(torch::kFloat, P::kAuto, bf16), P::kAvx512);
+  EXPECT_EQ(decode_simd::resolve_path(torch::kDouble, P::kAuto, bf16), P::kPortable);
+  EXPECT_EQ(decode_simd::resolve_path(torch::kBFloat16, P::kAuto, avx512), P::kAvx512);
+  EXPECT_EQ(decode_simd::resolve_path(torch::kBFloat16, P::kAuto, bf16_only), P::kPortable);
+  EXPECT_EQ(decode_simd::resolve_path(torch::kBFloat16, P::kAuto, none), P::kPortable);
+  EXPECT_EQ(decode_simd::resolve_path(torch::kBFloat16, P::kAvx512Bf16, bf16), P::kAvx512Bf16);
+  EXPECT_EQ(decode_simd::resolve_path(torch::kBFloat16, P::kAvx512, bf16), P::kAvx512);
+  EXPECT_EQ(decode_simd::resolve_path(torch::kFloat, P::kPortable, none), P::kPortable);
+  for (const CpuFeatures* cpu : {&avx512, &bf16_only, &none}) {
+    EXPECT_NE(error_of([&] { decode_simd::resolve_path(torch::kBFloat16, P::kAvx512Bf16, *cpu); })
+                  .find("path avx512-bf16 cannot run for BFloat16 caches: this CPU lacks AVX-512 (F, BW, VL) with "
+                        "AVX512-BF16"),
+              std::string::npos);
+  }
+  EXPECT_NE(error_of([&] { decode_simd::resolve_path(torch::kFloat, P::kAvx512, none); })
+                .find("path avx512 cannot run for Float caches: this CPU lacks AVX-512 (F, BW, VL)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { decode_simd::resolve_path(torch::kDouble, P::kAvx512Bf16, bf16); })
+                .find("path avx512-bf16 cannot run for Double caches"),
+            std::string::npos);
+  // resolve_decode_attention_path is this choice for this CPU.
+  for (P p : {P::kAuto, P::kPortable}) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kDouble}) {
+      EXPECT_EQ(resolve_decode_attention_path(dtype, p), decode_simd::resolve_path(dtype, p, cpu_features()));
+    }
   }
 }
 
@@ -130,6 +192,47 @@ TEST(KvDecodeAttention, RefusesWhatDoesNotFit) {
   EXPECT_NE(error_of([&] { kv_decode_attention(q.to(torch::kDouble), q, q, {&a, &a}, 0); }).find("the cache dtype"),
             std::string::npos);
   EXPECT_NE(error_of([&] { kv_decode_attention(q, q, q, {}, 0); }).find("no caches"), std::string::npos);
+}
+
+// A batched decode step appends one token to each of several caches at once: the same bytes as one append each,
+// and a bad call changes nothing.
+TEST(KvCache, AppendTokensEqualsOneAppendPerCache) {
+  for (torch::ScalarType dtype : {torch::kFloat, torch::kBFloat16}) {
+    KvCache a(spec_of(dtype, 4, 16)), b(spec_of(dtype, 4, 16)), a2(spec_of(dtype, 4, 16)), b2(spec_of(dtype, 4, 16));
+    fill(a, 5);
+    fill(b, 9);
+    const std::string dir = ::testing::TempDir();
+    a.save(dir + "/a.kv");
+    b.save(dir + "/b.kv");
+    a2.load(dir + "/a.kv");
+    b2.load(dir + "/b.kv");
+    // A strided k (a view of a packed projection), as the model hands it.
+    const auto packed = torch::randn({2, 3, 4, 16}).to(dtype);
+    const auto k = packed.select(1, 0), v = packed.select(1, 2);
+    KvCache::append_tokens({&a, &b}, 1, k, v, {5, 12});
+    a2.append(1, k.narrow(0, 0, 1), v.narrow(0, 0, 1), torch::tensor({int64_t{5}}));
+    b2.append(1, k.narrow(0, 1, 1), v.narrow(0, 1, 1), torch::tensor({int64_t{12}}));
+    for (int64_t h = 0; h < 4; ++h) {
+      for (auto [x, y] : {std::pair{&a, &a2}, std::pair{&b, &b2}}) {
+        const KvHeadView p = x->view(1, h), r = y->view(1, h);
+        EXPECT_TRUE(torch::equal(p.keys, r.keys) && torch::equal(p.values, r.values) && torch::equal(p.bias, r.bias) &&
+                    torch::equal(p.positions, r.positions));
+      }
+    }
+    EXPECT_EQ(b.next_position(1), 13);
+    const int64_t before = a.bytes() + b.bytes();
+    EXPECT_NE(error_of([&] { KvCache::append_tokens({&a, &b}, 1, k, v, {6, 12}); }).find("cache 1: position 12 is below"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { KvCache::append_tokens({&a, &a}, 1, k, v, {6, 7}); }).find("given twice"), std::string::npos);
+    EXPECT_NE(error_of([&] { KvCache::append_tokens({&a}, 1, k, v, {6}); }).find("one token per cache"), std::string::npos);
+    EXPECT_NE(error_of([&] { KvCache::append_tokens({&a, &b}, 1, k, v, {6}); }).find("2 caches and 1 positions"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { KvCache::append_tokens({&a, nullptr}, 1, k, v, {6, 13}); }).find("cache 1 is null"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { KvCache::append_tokens({&a, &b}, 2, k, v, {6, 13}); }).find("layer 2 outside"),
+              std::string::npos);
+    EXPECT_EQ(a.bytes() + b.bytes(), before);
+  }
 }
 
 TEST(KvCache, RawRowsAreTheViewsRows) {
@@ -299,6 +402,42 @@ TEST(StepBatch, RefusesWhatDoesNotFit) {
   EXPECT_NE(error_of([&] { DecodeSession::step_batch({&x}, {{300}}, {true}); }).find("token 300"), std::string::npos);
   EXPECT_NE(error_of([&] { DecodeSession::step_batch({&x}, {{1}}, {true, false}); }).find("one each"), std::string::npos);
   EXPECT_TRUE(DecodeSession::step_batch({}, {}, {}).empty());
+}
+
+// Greedy sampling in place (ByteSampler::next from raw fp32 logits, what the scheduler calls) against its twin,
+// the fp64 argmax of the tensor path (a row that is not contiguous fp32 takes it): the same byte, the first of
+// equal largest ones; sampled options draw the same bytes either way; non-finite logits and short rows refused.
+TEST(ByteSampler, GreedyInPlaceEqualsTheArgmaxOfTheTensorPath) {
+  torch::manual_seed(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    // Rounded to a few values so that equal largest logits (ties) occur; 259 entries (more than the 256 bytes).
+    torch::Tensor row = (torch::randn({259}) * 2).round();
+    if (trial % 3 == 0) row[258] = 100;  // beyond the bytes: never chosen
+    const torch::Tensor twin = row.to(torch::kDouble);  // fp64: the tensor path
+    ByteSampler a(1), b(1);
+    const int64_t expected = twin.slice(0, 0, 256).argmax().item<int64_t>();
+    EXPECT_EQ(b.next(twin, {0.0, 0, 1.0}, trial), expected);
+    EXPECT_EQ(a.next(row.data_ptr<float>(), row.numel(), {0.0, 0, 1.0}, trial), expected) << "trial " << trial;
+    EXPECT_EQ(a.next(row, {0.0, 0, 1.0}, trial), expected);
+    EXPECT_LT(expected, 256);
+    // The first of the largest: no earlier byte is as large.
+    EXPECT_TRUE((row.slice(0, 0, expected) < row[expected]).all().item<bool>());
+  }
+  const torch::Tensor logits = torch::randn({256});
+  ByteSampler a(9), b(9);
+  for (int i = 0; i < 50; ++i) {
+    EXPECT_EQ(a.next(logits.data_ptr<float>(), 256, {0.8, 20, 0.9}, i), b.next(logits.to(torch::kDouble), {0.8, 20, 0.9}, i));
+  }
+  torch::Tensor bad = torch::randn({256});
+  bad[7] = std::nan("");
+  EXPECT_NE(error_of([&] { a.next(bad.data_ptr<float>(), 256, {0.0, 0, 1.0}, 3); }).find("new byte 3 are not finite"),
+            std::string::npos);
+  bad[7] = INFINITY;
+  EXPECT_NE(error_of([&] { a.next(bad, {0.0, 0, 1.0}, 4); }).find("new byte 4 are not finite"), std::string::npos);
+  EXPECT_NE(error_of([&] { a.next(logits.data_ptr<float>(), 255, {0.0, 0, 1.0}, 0); }).find("255 logits"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { a.next(logits.data_ptr<float>(), 256, {-1.0, 0, 1.0}, 0); }).find("temperature -1"),
+            std::string::npos);
 }
 
 TEST(ByteSampler, TopPKeepsTheNucleusAndOneIsEverything) {

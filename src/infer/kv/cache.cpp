@@ -186,25 +186,8 @@ void KvCache::append(int64_t layer, const torch::Tensor& k, const torch::Tensor&
   }
   torch::NoGradGuard no_grad;  // the cache holds values, never autograd history
   if (spec_.device.is_cpu() && k.stride(2) == 1 && v.stride(2) == 1) {
-    // Row copies without a tensor per head: a decode step appends one row per head and layer, where the tensor
-    // path below costs more than the attention over a short cache (the same bytes land in the same places).
-    const int64_t es = static_cast<int64_t>(c10::elementSize(spec_.dtype));
-    const char* kp = static_cast<const char*>(k.data_ptr());
-    const char* vp = static_cast<const char*>(v.data_ptr());
-    for (int64_t h = 0; h < spec_.kv_heads; ++h) {
-      Head& hd = head(layer, h);
-      grow(hd, hd.length + t);
-      char* kd = static_cast<char*>(hd.keys.data_ptr()) + hd.length * spec_.head_dim * es;
-      char* vd = static_cast<char*>(hd.values.data_ptr()) + hd.length * spec_.value_dim * es;
-      for (int64_t i = 0; i < t; ++i) {
-        std::memcpy(kd + i * spec_.head_dim * es, kp + (i * k.stride(0) + h * k.stride(1)) * es, spec_.head_dim * es);
-        std::memcpy(vd + i * spec_.value_dim * es, vp + (i * v.stride(0) + h * v.stride(1)) * es, spec_.value_dim * es);
-      }
-      std::fill_n(hd.bias.data_ptr<float>() + hd.length, t, 0.0f);
-      std::copy_n(p, t, hd.positions.data_ptr<int64_t>() + hd.length);
-      hd.length += t;
-    }
-    next_position_[static_cast<size_t>(layer)] = p[t - 1] + 1;
+    append_rows(layer, static_cast<const char*>(k.data_ptr()), k.stride(0), k.stride(1),
+                static_cast<const char*>(v.data_ptr()), v.stride(0), v.stride(1), p, t);
     return;
   }
   const torch::Tensor pos = positions.to(spec_.device);
@@ -218,6 +201,86 @@ void KvCache::append(int64_t layer, const torch::Tensor& k, const torch::Tensor&
     hd.length += t;
   }
   next_position_[static_cast<size_t>(layer)] = p[t - 1] + 1;
+}
+
+// Row copies without a tensor per head: a decode step appends one row per head and layer, where a tensor per head
+// costs more than the attention over a short cache (the same bytes land in the same places). Strides in elements.
+void KvCache::append_rows(int64_t layer, const char* kp, int64_t k_token, int64_t k_head, const char* vp,
+                          int64_t v_token, int64_t v_head, const int64_t* p, int64_t t) {
+  const int64_t es = static_cast<int64_t>(c10::elementSize(spec_.dtype));
+  for (int64_t h = 0; h < spec_.kv_heads; ++h) {
+    Head& hd = head(layer, h);
+    grow(hd, hd.length + t);
+    char* kd = static_cast<char*>(hd.keys.data_ptr()) + hd.length * spec_.head_dim * es;
+    char* vd = static_cast<char*>(hd.values.data_ptr()) + hd.length * spec_.value_dim * es;
+    for (int64_t i = 0; i < t; ++i) {
+      std::memcpy(kd + i * spec_.head_dim * es, kp + (i * k_token + h * k_head) * es, spec_.head_dim * es);
+      std::memcpy(vd + i * spec_.value_dim * es, vp + (i * v_token + h * v_head) * es, spec_.value_dim * es);
+    }
+    std::fill_n(hd.bias.data_ptr<float>() + hd.length, t, 0.0f);
+    std::copy_n(p, t, hd.positions.data_ptr<int64_t>() + hd.length);
+    hd.length += t;
+  }
+  next_position_[static_cast<size_t>(layer)] = p[t - 1] + 1;
+}
+
+void KvCache::append_tokens(const std::vector<KvCache*>& caches, int64_t layer, const torch::Tensor& k,
+                            const torch::Tensor& v, const std::vector<int64_t>& positions) {
+  const auto n = static_cast<int64_t>(caches.size());
+  if (static_cast<int64_t>(positions.size()) != n) {
+    throw std::invalid_argument(fmt::format("KvCache::append_tokens: {} caches and {} positions (one each)", n,
+                                            positions.size()));
+  }
+  if (n == 0) return;
+  for (int64_t i = 0; i < n; ++i) {
+    if (caches[static_cast<size_t>(i)] == nullptr) {
+      throw std::invalid_argument(fmt::format("KvCache::append_tokens: cache {} is null", i));
+    }
+  }
+  const KvCacheSpec& s = caches[0]->spec_;
+  caches[0]->check_layer(layer, "append_tokens");
+  for (int64_t i = 1; i < n; ++i) {
+    const KvCacheSpec& o = caches[static_cast<size_t>(i)]->spec_;
+    if (o.layers != s.layers || o.kv_heads != s.kv_heads || o.head_dim != s.head_dim || o.value_dim != s.value_dim ||
+        o.dtype != s.dtype || o.device != s.device) {
+      throw std::invalid_argument(fmt::format("KvCache::append_tokens: cache {} has another shape or dtype than cache 0", i));
+    }
+  }
+  std::vector<KvCache*> sorted(caches);
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    throw std::invalid_argument("KvCache::append_tokens: a cache is given twice (one token per cache)");
+  }
+  if (!k.defined() || k.dim() != 3 || k.size(0) != n || k.size(1) != s.kv_heads || k.size(2) != s.head_dim ||
+      !v.defined() || v.dim() != 3 || v.size(0) != n || v.size(1) != s.kv_heads || v.size(2) != s.value_dim) {
+    throw std::invalid_argument(fmt::format("KvCache::append_tokens: layer {}: k must be [{}, {}, {}] and v [{}, {}, {}] "
+                                            "(one token per cache), got {} and {}", layer, n, s.kv_heads, s.head_dim, n,
+                                            s.kv_heads, s.value_dim, shape_of(k), shape_of(v)));
+  }
+  if (k.scalar_type() != s.dtype || v.scalar_type() != s.dtype || !s.device.is_cpu() || !k.device().is_cpu() ||
+      !v.device().is_cpu()) {
+    throw std::invalid_argument(fmt::format("KvCache::append_tokens: layer {}: k and v must be CPU {} tensors for CPU "
+                                            "caches, got {} and {}", layer, dtype_name(s.dtype),
+                                            dtype_name(k.scalar_type()), dtype_name(v.scalar_type())));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t next = caches[static_cast<size_t>(i)]->next_position_[static_cast<size_t>(layer)];
+    if (positions[static_cast<size_t>(i)] < next) {
+      throw std::invalid_argument(fmt::format(
+          "KvCache::append_tokens: layer {}: cache {}: position {} is below its next position {} (positions are never "
+          "reused)", layer, i, positions[static_cast<size_t>(i)], next));
+    }
+  }
+  torch::NoGradGuard no_grad;
+  const torch::Tensor kd = k.stride(2) == 1 ? k : k.contiguous(), vd = v.stride(2) == 1 ? v : v.contiguous();
+  const int64_t es = static_cast<int64_t>(c10::elementSize(s.dtype));
+  const char* kp = static_cast<const char*>(kd.data_ptr());
+  const char* vp = static_cast<const char*>(vd.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    caches[static_cast<size_t>(i)]->append_rows(layer, kp + i * kd.stride(0) * es, kd.stride(0), kd.stride(1),
+                                                vp + i * vd.stride(0) * es, vd.stride(0), vd.stride(1),
+                                                &positions[static_cast<size_t>(i)], 1);
+  }
 }
 
 KvHeadView KvCache::view(int64_t layer, int64_t h) const {

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <malloc.h>
+#include <omp.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -215,7 +216,18 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   std::vector<torch::Tensor> logits(run.size());
   try {
     if (opt_.batched) {
-      logits = DecodeSession::step_batch(sessions, tokens, prefill);
+      // A decode-only step is some hundred small operations and one decode kernel call per layer: the operations
+      // run on this thread alone (each parallel region would wake the idle intra-op threads for microseconds of
+      // work), the kernel on every intra-op thread. Steps with a prefill chunk keep every thread for its matmuls.
+      const int threads = at::get_num_threads();
+      struct OneThread {
+        int restore;
+        explicit OneThread(int r) : restore(r) { omp_set_num_threads(1); }
+        ~OneThread() { omp_set_num_threads(restore); }
+      };
+      std::optional<OneThread> one;
+      if (prefills == 0 && threads > 1) one.emplace(threads);
+      logits = DecodeSession::step_batch(sessions, tokens, prefill, threads);
     } else {
       // The reference path: each session alone, exactly as dcp generate runs it.
       for (size_t i = 0; i < run.size(); ++i) {
@@ -236,10 +248,16 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
       s.prefilled += tokens[i].size();
       if (s.prefilled < s.prompt.size()) continue;
     }
-    const torch::Tensor row = logits[i][logits[i].size(0) - 1];
+    // The last row of the session's fp32 logits [t, vocab] (rows contiguous), read in place: greedy sampling
+    // then makes no tensor.
+    const torch::Tensor& rows = logits[i];
     int64_t byte = 0;
     try {
-      byte = s.sampler.next(row, job.request.sampling, static_cast<int64_t>(s.text.size()));
+      if (rows.scalar_type() != torch::kFloat || !rows.device().is_cpu() || rows.stride(1) != 1) {
+        throw std::logic_error("the step's logits are not CPU fp32 rows");
+      }
+      byte = s.sampler.next(rows.data_ptr<float>() + (rows.size(0) - 1) * rows.stride(0), rows.size(1),
+                            job.request.sampling, static_cast<int64_t>(s.text.size()));
     } catch (const std::exception& e) {
       finish(s, "error", ApiError{500, e.what(), "server_error", "", "sampling_failed"});
       continue;
