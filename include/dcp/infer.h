@@ -68,8 +68,9 @@ DecodeAttentionPath resolve_decode_attention_path(torch::ScalarType dtype, Decod
 /// caches: N caches of one spec on the CPU; heads a multiple of kv_heads (grouped-query attention: query head h
 /// reads KV head h / (heads / kv_heads)). scale 0 = 1/sqrt(head_dim). Returns out [N, heads,
 /// value_dim] in q's dtype. `threads`: the OpenMP threads the pairs are spread over, each pair to whichever thread is
-/// free (0 = at::get_num_threads(); a call of less than 2^20 entries x head dims runs on the calling thread, where
-/// waking threads costs about what they save). `path` chooses the loops (DecodeAttentionPath; every path of one call gives a sequence the
+/// free (0 = at::get_num_threads(); a call that reads less than 2^20 values, summed over query heads of
+/// (cached entries + 1) x (head_dim + value_dim), runs on the calling thread, where waking threads costs about what they
+/// save). `path` chooses the loops (DecodeAttentionPath; every path of one call gives a sequence the
 /// same bits alone or among others). Throws std::invalid_argument for shapes, dtypes, devices, null or mismatched
 /// caches, a layer that does not fit and a forced path that cannot run. Twin: kv_cache_attention
 /// (tests/unit/test_serve_batching.cpp compares both with reference_kv_cache_attention).

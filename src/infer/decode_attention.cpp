@@ -67,7 +67,8 @@ struct Rows {
   int64_t q_stride[2], k_stride[2], v_stride[2];  // elements per sequence, per head
 };
 
-// Entries x head dims below which one call runs on the calling thread: a call reads about 2 bytes (bf16) per entry
+// Values read, summed over query heads of (entries + 1) x (head_dim + value_dim), below which one call runs on the
+// calling thread: a call reads about 2 bytes (bf16) per entry
 // and dimension from memory, ~0.25 ms at 8 GB/s for 2^20 of them, and splitting less than that over threads saves
 // about what waking them costs (tens of microseconds, more on a loaded machine).
 constexpr int64_t kSerialWork = int64_t{1} << 20;

@@ -126,31 +126,23 @@ DCP_AVX512_BF16 inline void block_dots_bf16(const bf16* q, const bf16* rows, int
 }
 
 // Pass 1 of one block: scores[i..i+valid) = <q, row> scale + bias (fp32 paths: the scale is in qs), and the
-// running maximum over the valid lanes.
-template <class T, bool kDot>
-DCP_AVX512 inline __m512 block_scores(const T* q, const float* qs, const T* rows, const float* bias, int64_t d,
-                                      int64_t valid, float scale, float* scores, __m512 mx);
-
-template <>
-DCP_AVX512 inline __m512 block_scores<float, false>(const float*, const float* qs, const float* rows, const float* bias,
-                                                    int64_t d, int64_t valid, float, float* scores, __m512 mx) {
-  __m512 acc[kRows];
-  block_dots<float>(qs, rows, d, valid, acc);
+// running maximum over the valid lanes. The fp32 and bf16 caches share this body (block_dots<T> on the scaled fp32
+// query); the vdpbf16ps path is the specialisation below.
+DCP_AVX512 inline __m512 store_block_scores(__m512 s, int64_t valid, float* scores, __m512 mx) {
   const __mmask16 m = simd::lanes_below(valid);
-  const __m512 s = bias ? _mm512_add_ps(sum_lanes_16(acc), _mm512_maskz_loadu_ps(m, bias)) : sum_lanes_16(acc);
   _mm512_mask_storeu_ps(scores, m, s);
   return _mm512_mask_max_ps(mx, m, mx, s);
 }
 
-template <>
-DCP_AVX512 inline __m512 block_scores<bf16, false>(const bf16*, const float* qs, const bf16* rows, const float* bias,
-                                                   int64_t d, int64_t valid, float, float* scores, __m512 mx) {
+template <class T, bool kDot>
+DCP_AVX512 inline __m512 block_scores(const T*, const float* qs, const T* rows, const float* bias, int64_t d,
+                                      int64_t valid, float, float* scores, __m512 mx) {
+  static_assert(!kDot, "the vdpbf16ps path is block_scores<bf16, true>");
   __m512 acc[kRows];
-  block_dots<bf16>(qs, rows, d, valid, acc);
-  const __mmask16 m = simd::lanes_below(valid);
-  const __m512 s = bias ? _mm512_add_ps(sum_lanes_16(acc), _mm512_maskz_loadu_ps(m, bias)) : sum_lanes_16(acc);
-  _mm512_mask_storeu_ps(scores, m, s);
-  return _mm512_mask_max_ps(mx, m, mx, s);
+  block_dots<T>(qs, rows, d, valid, acc);
+  const __m512 s = bias ? _mm512_add_ps(sum_lanes_16(acc), _mm512_maskz_loadu_ps(simd::lanes_below(valid), bias))
+                        : sum_lanes_16(acc);
+  return store_block_scores(s, valid, scores, mx);
 }
 
 template <>
@@ -158,12 +150,10 @@ DCP_AVX512_BF16 inline __m512 block_scores<bf16, true>(const bf16* q, const floa
                                                        int64_t d, int64_t valid, float scale, float* scores, __m512 mx) {
   __m512 acc[kRows];
   block_dots_bf16(q, rows, d, valid, acc);
-  const __mmask16 m = simd::lanes_below(valid);
   const __m512 sv = _mm512_set1_ps(scale);
-  const __m512 s = bias ? _mm512_fmadd_ps(sum_lanes_16(acc), sv, _mm512_maskz_loadu_ps(m, bias))
+  const __m512 s = bias ? _mm512_fmadd_ps(sum_lanes_16(acc), sv, _mm512_maskz_loadu_ps(simd::lanes_below(valid), bias))
                         : _mm512_mul_ps(sum_lanes_16(acc), sv);
-  _mm512_mask_storeu_ps(scores, m, s);
-  return _mm512_mask_max_ps(mx, m, mx, s);
+  return store_block_scores(s, valid, scores, mx);
 }
 
 // Pass 3 for fp32 values: sum_r p_r v_r in four 16-lane accumulators (64 value columns) per sweep over the rows.

@@ -22,7 +22,7 @@ class InterStep {
             int64_t world_size, const CostModel& cost)
       : samples_(samples), profile_(profile), pool_(pool), rng_(rng), world_(world_size), cost_(cost) {}
 
-  // native: one iteration of the reference (its first round only), from a pool that spans the epoch.
+  // native: one iteration of the reference (its first wave only), from a pool that spans the epoch.
   std::vector<GroupPlan> plan(bool native) {
     std::vector<RefGroup> groups = first_micro_batches(native);
     load_.assign(groups.size(), 0.0);
@@ -36,11 +36,11 @@ class InterStep {
     // each takes its further ones from its bucket.
     accumulate(groups, serving, true);
     if (native) return place_groups(std::move(groups));
-    // The step's samples need more rounds: keep the layout; a group whose bucket ran out serves a bucket of
-    // the largest class it holds. Rounds of the reference are separate iterations; here they add up in one
-    // step, so a round serves the groups below the slowest one (all when none of those can serve), least
+    // The step's samples need more waves: keep the layout; a group whose bucket ran out serves a bucket of
+    // the largest class it holds. Waves of the reference are separate iterations; here they add up in one
+    // step, so a wave serves the groups below the slowest one (all when none of those can serve), least
     // loaded first, with the gas solver balancing their micro-batches. The first group has the step's
-    // largest class, so every round places a sample.
+    // largest class, so every wave places a sample.
     while (!pool_.empty()) {
       std::vector<size_t> order(groups.size());
       for (size_t g = 0; g < order.size(); ++g) order[g] = g;
@@ -74,7 +74,7 @@ class InterStep {
 
   // Reference 3.5 step 1 on the step's pool: groups of the drawn buckets' sp sizes until no drawn class fits
   // the ranks left, each with its first micro-batch; largest groups first. On a step the first group takes the
-  // step's largest class so that a group can hold every bucket of the step in later rounds; the reference
+  // step's largest class so that a group can hold every bucket of the step in later waves; the reference
   // (native) leaves buckets to later iterations.
   std::vector<RefGroup> first_micro_batches(bool native) {
     std::vector<RefGroup> groups;
@@ -87,7 +87,7 @@ class InterStep {
       key = pool_.draw(left, rng_);
     }
     // Ranks the fill could not use become groups too (the reference discards such an iteration); they serve
-    // buckets from the next round on.
+    // buckets from the next wave on.
     for (int64_t s : leftover_groups(world_, world_ - left, profile_.sizes)) groups.push_back(RefGroup{s, -1, {}});
     std::stable_sort(groups.begin(), groups.end(),
                      [](const RefGroup& a, const RefGroup& b) { return a.sp_size > b.sp_size; });
@@ -96,12 +96,12 @@ class InterStep {
 
   static int64_t size_of(const MicroBatch& mb) { return static_cast<int64_t>(mb.sample_ids.size()); }
 
-  // One round of the gas solver over the serving groups: t_i = the predicted time of the group's micro-batch
-  // of this round (its actual sample count; the reference uses the full-bs time even for a bucket's tail);
+  // One wave of the gas solver over the serving groups: t_i = the predicted time of the group's micro-batch
+  // of this wave (its actual sample count; the reference uses the full-bs time even for a bucket's tail);
   // each group's gas is capped by the micro-batches its bucket can still give it (shared evenly by the
   // serving groups of that bucket, rounded up); each group, in the given order, then runs g_i micro-batches
-  // of its bucket in this round (in the first round the first one is already there) while the bucket lasts.
-  void accumulate(std::vector<RefGroup>& groups, const std::vector<size_t>& serving, bool first_round) {
+  // of its bucket in this wave (in the first wave the first one is already there) while the bucket lasts.
+  void accumulate(std::vector<RefGroup>& groups, const std::vector<size_t>& serving, bool first_wave) {
     std::map<int64_t, int64_t> sharing;
     for (size_t g : serving) ++sharing[groups[g].key];
     std::vector<double> t;
@@ -109,16 +109,16 @@ class InterStep {
     for (size_t g : serving) {
       const int64_t key = groups[g].key;
       const BucketSetting st = setting(key, groups[g].sp_size);
-      t.push_back(st.seconds(first_round ? size_of(groups[g].micro_batches.front())
+      t.push_back(st.seconds(first_wave ? size_of(groups[g].micro_batches.front())
                                          : std::min(st.bs, pool_.remaining(key))));
       const int64_t batches = (pool_.remaining(key) + st.bs - 1) / st.bs;
       const int64_t share = (batches + sharing[key] - 1) / sharing[key];
-      caps.push_back(std::max<int64_t>(1, share + (first_round ? 1 : 0)));
+      caps.push_back(std::max<int64_t>(1, share + (first_wave ? 1 : 0)));
     }
     const auto gas = solve_grad_accum_steps(t, kMaxGradAccumSteps, kMinGradAccumSteps, caps);
     for (size_t j = 0; j < serving.size(); ++j) {
       RefGroup& g = groups[serving[j]];
-      for (int64_t m = first_round ? 1 : 0; m < gas[j] && pool_.remaining(g.key) > 0; ++m) {
+      for (int64_t m = first_wave ? 1 : 0; m < gas[j] && pool_.remaining(g.key) > 0; ++m) {
         g.micro_batches.push_back(next_micro_batch(g.key, g.sp_size));
         load_[serving[j]] += setting(g.key, g.sp_size).seconds(size_of(g.micro_batches.back()));
       }

@@ -14,10 +14,10 @@ using namespace planner_detail;
 
 namespace {
 
-// One micro-batch of one group in one round: n samples of bucket `key` on sp_size ranks, after `base`
-// seconds the group already spent in earlier rounds.
+// One micro-batch of one group in one wave: n samples of bucket `key` on sp_size ranks, after `base`
+// seconds the group already spent in earlier waves.
 struct Plan {
-  size_t group = 0;  // index into the layout (rounds after the first)
+  size_t group = 0;  // index into the layout (waves after the first)
   int64_t key = 0;
   int64_t sp_size = 1;
   std::vector<int64_t> ids;
@@ -30,19 +30,19 @@ class IntraStep {
             int64_t world_size)
       : samples_(samples), profile_(profile), pool_(pool), rng_(rng), world_(world_size) {}
 
-  // native: one iteration of the reference (its first round only), from a pool that spans the epoch.
+  // native: one iteration of the reference (its first wave only), from a pool that spans the epoch.
   std::vector<GroupPlan> plan(bool native) {
-    std::vector<RefGroup> groups = first_round(native);
+    std::vector<RefGroup> groups = first_wave(native);
     if (native) return place_groups(std::move(groups));
     std::vector<double> load(groups.size(), 0.0);
     for (size_t g = 0; g < groups.size(); ++g) {
       for (const auto& mb : groups[g].micro_batches) load[g] += seconds_of(mb, groups[g]);
     }
-    // The step's samples need more than one round: keep the layout; every round gives each group at most one
+    // The step's samples need more than one wave: keep the layout; every wave gives each group at most one
     // more micro-batch (its bucket while it lasts, else a bucket of the largest SP class it holds), least
-    // loaded groups first. Rounds of the reference are separate iterations; here they add up in one step,
-    // so retarget and top-up balance the groups' accumulated times, and a group already past the round's
-    // target sits it out. The first group has the step's largest class, so every round places a sample.
+    // loaded groups first. Waves of the reference are separate iterations; here they add up in one step,
+    // so retarget and top-up balance the groups' accumulated times, and a group already past the wave's
+    // target sits it out. The first group has the step's largest class, so every wave places a sample.
     std::vector<size_t> order(groups.size());
     while (!pool_.empty()) {
       for (size_t g = 0; g < order.size(); ++g) order[g] = g;
@@ -86,11 +86,11 @@ class IntraStep {
   }
 
   // Reference 3.4 steps 1-5 on the step's pool; returns the layout, largest groups first (aligned blocks).
-  std::vector<RefGroup> first_round(bool native) {
+  std::vector<RefGroup> first_wave(bool native) {
     std::vector<Plan> plans;
     int64_t left = world_;
     // Fill. On a step the first group takes the step's largest class so that a group can hold every bucket of
-    // the step in later rounds; the reference (native) leaves buckets to later iterations.
+    // the step in later waves; the reference (native) leaves buckets to later iterations.
     std::optional<int64_t> key = native ? pool_.draw(world_, rng_) : pool_.draw_largest(world_, rng_);
     while (key) {
       const BucketSetting& st = profile_.of(*key).chosen;
@@ -112,7 +112,7 @@ class IntraStep {
     std::vector<RefGroup> groups;
     for (const auto& p : plans) groups.push_back(RefGroup{p.sp_size, p.key, {micro_batch(p)}});
     // Ranks the fill could not use become groups too (the reference discards such an iteration); they take
-    // micro-batches from the next round on.
+    // micro-batches from the next wave on.
     for (int64_t s : leftover_groups(world_, used, profile_.sizes)) groups.push_back(RefGroup{s, -1, {}});
     std::stable_sort(groups.begin(), groups.end(),
                      [](const RefGroup& a, const RefGroup& b) { return a.sp_size > b.sp_size; });
@@ -123,7 +123,7 @@ class IntraStep {
   // tail; every other non-tail plan whose bucket differs from that plan's moves towards t_min, trying its
   // size and (grow) the larger ones, with bs = round((t_min - base - fixed) / per-sample time) within
   // [1, what fits and remains]; the closest time wins, and one within 10% of t_min ends the search. Without
-  // grow (later rounds), a plan whose group already reaches t_min gives its samples back.
+  // grow (later waves), a plan whose group already reaches t_min gives its samples back.
   void retarget(std::vector<Plan>& plans, bool grow) {
     const Plan* fastest = nullptr;
     for (const auto& p : plans) {

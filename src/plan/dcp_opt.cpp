@@ -999,9 +999,24 @@ class RoundSearch {
       rounds = split(whole, seconds, max_rounds_);
     }
     if (rounds.empty()) rounds.push_back(std::move(one));
+    // Consecutive rounds of the same partition (the same groups: ranks, sizes and modes) run as one round, each
+    // group's micro-batches back to back: never slower in the model (max over groups of a_g + b_g is at most
+    // max a + max b, and one switch fewer), and at world 1 a step is always one round.
+    std::vector<Packed> merged;
+    for (auto& r : rounds) {
+      if (!merged.empty() && same_partition(merged.back(), r)) {
+        for (size_t g = 0; g < r.groups.size(); ++g) {
+          auto& to = merged.back().groups[g].micro_batches;
+          auto& from = r.groups[g].micro_batches;
+          to.insert(to.end(), std::make_move_iterator(from.begin()), std::make_move_iterator(from.end()));
+        }
+      } else {
+        merged.push_back(std::move(r));
+      }
+    }
     std::vector<GroupPlan> out;
-    for (size_t r = 0; r < rounds.size(); ++r) {
-      for (auto& g : rounds[r].groups) {
+    for (size_t r = 0; r < merged.size(); ++r) {
+      for (auto& g : merged[r].groups) {
         g.round = static_cast<int64_t>(r);
         out.push_back(std::move(g));
       }
@@ -1010,6 +1025,19 @@ class RoundSearch {
   }
 
  private:
+  // Whether two rounds have the same groups in the same order (first rank, size, mode, Ulysses size).
+  static bool same_partition(const Packed& a, const Packed& b) {
+    if (a.groups.size() != b.groups.size()) return false;
+    for (size_t g = 0; g < a.groups.size(); ++g) {
+      const GroupPlan &x = a.groups[g], &y = b.groups[g];
+      if (x.first_rank != y.first_rank || x.sp_size != y.sp_size ||
+          x.layout().ulysses_size != y.layout().ulysses_size) {
+        return false;
+      }
+    }
+    return true;
+  }
+
   // Rounds of `step`'s samples that beat `best_s` (the seconds of its one partition, already planned) by
   // kRoundGain, at most `rounds_left` of them; empty when no split does. On success best_s is their seconds
   // (makespans and switches).

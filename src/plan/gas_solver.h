@@ -8,7 +8,7 @@
 
 namespace dcp::planner_detail {
 
-/// How many micro-batches dcp-inter lets groups accumulate in one round (the reference's inter config:
+/// How many micro-batches dcp-inter lets groups accumulate in one wave (the reference's inter config:
 /// max_grad_accumulation_steps 5, min_grad_accumulation_steps 2; its PAC config's min of 15 is not used, so
 /// dcp-inter-pac gets no extra accumulation that the other planners lack, section 7 "benchmark fairness").
 constexpr int64_t kMaxGradAccumSteps = 5;

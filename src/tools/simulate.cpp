@@ -112,8 +112,9 @@ void run_simulation(const PlanningInputs& in, const std::vector<std::string>& na
     // Nothing to compare: every ratio below would be 0 / 0.
     if (r.trained == 0) {
       throw std::runtime_error(fmt::format(
-          "planner {} fits none of the {} samples in the per-rank memory budget of {} bytes: raise "
-          "memory.budget_bytes or memory.fraction",
+          "planner {} fits none of the {} samples in the per-rank planning budget of {} bytes "
+          "(memory.budget_bytes less memory.margin): raise memory.budget_bytes or memory.fraction, or lower "
+          "memory.margin",
           r.planner, samples.size(), memory.budget_bytes()));
     }
   }

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -706,6 +707,49 @@ TEST(Rounds, DcpOptRoundsNeverSlowerThanOnePartitionInItsOwnModel) {
   EXPECT_GT(with_rounds, 0) << "no step used rounds: the comparison would hold by construction alone";
   std::printf("dcp-opt with rounds / one partition: best %.3f, %d of %d plans with rounds\n", best_gain, with_rounds,
               compared);
+}
+
+// The partition of one round: (first rank, size, Ulysses size) of each group, in order.
+static std::vector<std::array<int64_t, 3>> round_partition(const StepPlan& p, int64_t round) {
+  std::vector<std::array<int64_t, 3>> out;
+  for (const auto& g : p.groups) {
+    if (g.round == round) out.push_back({g.first_rank, g.sp_size, g.layout().ulysses_size});
+  }
+  return out;
+}
+
+// Two consecutive rounds of the same partition would be one round with a switch more: dcp-opt merges them, so at
+// world 1 (one partition only) a step is one round, and elsewhere each round's partition differs from the last.
+TEST(Rounds, DcpOptNeverRepeatsAPartitionInConsecutiveRounds) {
+  ModelShape shape;
+  shape.hidden = 128, shape.layers = 4, shape.heads = 4, shape.ffn = 384, shape.mlp_matrices = 3, shape.vocab = 257;
+  int multi = 0;
+  for (uint32_t seed = 0; seed < 240; ++seed) {
+    DeviceSpec dev = DeviceSpec::named("h200");
+    dev.peak_flops = 1e11, dev.mfu = 1;
+    dev.micro_batch_overhead_s = (seed % 3) * 4e-3;
+    dev.round_switch_s = (seed % 4) * 1e-3;
+    dev.all_to_all[2] = CommFit{seed % 2 == 0 ? 2.8e-3 : 1e-4, 2e9, 0};
+    dev.all_to_all[4] = CommFit{seed % 2 == 0 ? 4e-3 : 2e-4, 1.5e9, 0};
+    dev.memory_bytes = std::vector<double>{40e6, 80e6, 160e6, 1e9}[seed % 4];
+    const CostModel cost(shape, dev);
+    const MemoryModel memory(shape, dev, 1.0, 0);
+    const int64_t world = std::vector<int64_t>{1, 2, 4}[seed % 3];
+    const auto samples = random_samples(4 + static_cast<int>(seed % 13), 16384, seed + 7);
+    PlannerOptions opt;
+    opt.samples_per_step = static_cast<int64_t>(samples.size());
+    opt.max_rounds = 0;
+    const PlanSet set = plan_dcp_opt(samples, world, cost, memory, opt);
+    for (const StepPlan& p : set.steps) {
+      ASSERT_NO_THROW(p.validate(world, samples, shape.layers)) << "seed " << seed;
+      if (world == 1) EXPECT_EQ(p.num_rounds(), 1) << "seed " << seed;
+      for (int64_t r = 1; r < p.num_rounds(); ++r) {
+        EXPECT_NE(round_partition(p, r - 1), round_partition(p, r)) << "seed " << seed << " round " << r;
+      }
+      multi += p.num_rounds() > 1 ? 1 : 0;
+    }
+  }
+  EXPECT_GT(multi, 0) << "no step used rounds: the check would hold by construction alone";
 }
 
 TEST(Workload, MegatronLognormalIsTheBenchmarksDistribution) {
