@@ -3,6 +3,7 @@
 # parameters) and equal training tokens: the config trained once per variant on 2 ranks, same samples in the
 # same order, same seed. Writes a markdown table to bench/results/ and keeps the runs under OUT.
 # Usage: [CONFIG=FILE] bash bench/attention_quality.sh [OUT] [extra --section.key=value overrides for every run ...]
+# (CONFIG and OUT, when relative, are taken from the repository root: the script works there.)
 # CONFIG defaults to configs/default.yaml, the main job. The published table
 # (bench/results/cpu2_202612_attention_quality.md) was measured at commit e917eb0 on the default job of that time
 # (16K tokens per step), not on today's.
@@ -11,6 +12,7 @@ cd "$(dirname "$0")/.."
 out_dir=${1:-runs/attention_quality}
 config=${CONFIG:-configs/default.yaml}
 [ -f "$config" ] || { echo "attention_quality.sh: config file $config does not exist" >&2; exit 2; }
+[ -x build/dcp ] || { echo "attention_quality.sh: build/dcp not found (relative to the repository root $(pwd)): build it first (scripts/build.sh or the README's test command)" >&2; exit 2; }
 mkdir -p "$out_dir"
 shift || true
 result=bench/results/cpu$(nproc)_$(date +%Y%m)_attention_quality.md
@@ -31,10 +33,11 @@ for v in "${variants[@]}"; do
   fi
 done
 {
-  echo "# Attention backends at equal tokens on the default corpus ($(date +%Y-%m-%d), $(nproc) CPU threads)"
+  echo "# Attention backends at equal tokens on the corpus of $config ($(date +%Y-%m-%d), $(nproc) CPU threads)"
   echo
-  echo "Command: \`bash bench/attention_quality.sh $out_dir $*\` (config $config: d_model 128, 4 layers,"
-  echo "4 heads, $(jq .steps "$out_dir/softmax/summary.json") steps of $(jq '.tokens_trained / .steps | round' "$out_dir/softmax/summary.json") tokens on average, 2 ranks; flexformer defaults: m = 64,"
+  model=$(awk '/^model:/{m=1;next} /^[^ ]/{m=0} m && /^  (d_model|n_layers|n_heads):/{printf "%s%s %s", sep, $1, $2; sep=", "}' "$out_dir/softmax/config.yaml")
+  echo "Command: \`CONFIG=$config bash bench/attention_quality.sh $out_dir $*\` ($model,"
+  echo "$(jq .steps "$out_dir/softmax/summary.json") steps of $(jq '.tokens_trained / .steps | round' "$out_dir/softmax/summary.json") tokens on average, 2 ranks; flexformer defaults: m = 64,"
   echo "input_norm l2, normalizer shift). Held-out bpb over the first eval.max_tokens held-out tokens."
   echo
   echo "| variant | parameters | tokens trained | held-out bpb initial | held-out bpb final | ratio to softmax |"

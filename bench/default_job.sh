@@ -7,14 +7,14 @@
 # model_flops; the same count for the other entries, which train the same model on the same tokens) / (the
 # one-thread matmul peak of the entry's dtype, measured here by dcp bench-attention, x 2 ranks).
 #
-# usage: bash bench/default_job.sh [STEPS] [OUT.md]   (env: DCP_BASELINE=/path/to/old/build/dcp, ROUNDS=2)
-# The entries take turns round by round, so machine drift hits all of them alike; each entry's figure is its
-# best round.
+# usage: bash bench/default_job.sh [STEPS] [OUT.md]   (env: DCP_BASELINE=/path/to/old/build/dcp, REPETITIONS=2)
+# The entries take turns repetition by repetition, so machine drift hits all of them alike; each entry's figure
+# is its best repetition.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-30}
 out=${2:-bench/results/cpu$(nproc)_$(date +%Y%m)_default_job.md}
-rounds=${ROUNDS:-2}
+repetitions=${REPETITIONS:-2}
 work=$(mktemp -d /tmp/dcp_default_job.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 dcp=./build/dcp
@@ -60,10 +60,10 @@ if [ -n "${DCP_BASELINE:-}" ]; then
 fi
 
 declare -A best flops_per_token
-for round in $(seq 1 "$rounds"); do
+for rep in $(seq 1 "$repetitions"); do
   for i in "${!entries[@]}"; do
     IFS='|' read -r name kind cmd <<<"${entries[$i]}"
-    run="$work/run_${i}_${round}"
+    run="$work/run_${i}_${rep}"
     if [ "$kind" = dcp ]; then
       $cmd --run.dir="$run" --train.max_steps="$steps" --train.checkpoint_every=0 --eval.max_tokens=8192 \
         >"$run.log" 2>&1 || { echo "default_job.sh: '$name' failed, see its log:" >&2; cat "$run.log" >&2; exit 1; }
@@ -73,7 +73,7 @@ for round in $(seq 1 "$rounds"); do
     else
       tps=$($cmd --steps "$steps" 2>"$run.log" | tail -1 | jq .tokens_per_s)
     fi
-    echo "round $round: $name: $tps tokens/s"
+    echo "repetition $rep: $name: $tps tokens/s"
     if [ -z "${best[$name]:-}" ] || awk "BEGIN{exit !($tps > ${best[$name]})}"; then best[$name]=$tps; fi
   done
 done
@@ -86,10 +86,10 @@ done
 {
   echo "# Default job throughput, side by side ($(date -u +%Y-%m-%d), $(nproc) hardware threads)"
   echo
-  echo "Command: \`bash bench/default_job.sh $steps${2:+ $2}\`${DCP_BASELINE:+ with DCP_BASELINE=$DCP_BASELINE}, ROUNDS=$rounds."
+  echo "Command: \`bash bench/default_job.sh $steps${2:+ $2}\`${DCP_BASELINE:+ with DCP_BASELINE=$DCP_BASELINE}, REPETITIONS=$repetitions."
   echo
   echo "configs/default.yaml (0.9M parameters, 4 layers, 4 heads x 32, 512-byte samples, 16K tokens per step) on"
-  echo "2 ranks x 1 thread, $steps steps per entry, tokens/s over the steps after the first 2, best of $rounds rounds"
+  echo "2 ranks x 1 thread, $steps steps per entry, tokens/s over the steps after the first 2, best of $repetitions repetitions"
   echo "taken in turns. Matmul peak of one thread (2048^3, measured by this run): fp32 $peak_fp32 GFLOP/s, bf16"
   echo "$peak_bf16 GFLOP/s. Model FLOPs per token: $(printf '%.3g' "$fpt") (dcp's cost model: 6 per parameter per"
   echo "token plus causal attention; the same model and tokens for every entry). MFU = tokens/s x FLOPs per token /"

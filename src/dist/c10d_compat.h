@@ -12,13 +12,13 @@
 namespace dcp {
 
 /// The store of a rendezvous: `store` holds this start's keys; `agent` is the launcher's whole store (under
-/// DistEnv::agent_store, where `store` is its round "dcp/r<restart_count>/"), else null.
+/// DistEnv::agent_store, where `store` is its rendezvous round's "dcp/r<restart_count>/"), else null.
 struct Rendezvous {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Store> agent;
 };
 
-/// The key prefix of round `restart_count` in the launcher's store.
+/// The key prefix of rendezvous round `restart_count` in the launcher's store.
 std::string agent_round_prefix(int64_t restart_count);
 
 /// TCPStore at env.master_addr:env.master_port, served by rank 0 (or, under env.agent_store, by the launcher of

@@ -282,7 +282,7 @@ class ElasticLaunch {
         const std::string status_key = key(want, fmt::format("status/{}", opt_.node_rank));
         if (!store_.get(status_key) && !store_.lost()) {
           const Failure lost{opt_.node_rank, -1, 1, "lost_node",
-                             fmt::format("the launcher of node {} was restarted while round {} ran (its ranks died "
+                             fmt::format("the launcher of node {} was restarted while rendezvous round {} ran (its ranks died "
                                          "with the previous one)",
                                          opt_.node_rank, want),
                              ""};
@@ -294,7 +294,7 @@ class ElasticLaunch {
         if (!decision.is_null()) {
           const Verdict v = verdict_of(decision);
           if (v.action != "restart") {
-            fmt::print(stderr, "dcp launch: round {} of this job ended without node {}: {}\n", want, opt_.node_rank,
+            fmt::print(stderr, "dcp launch: rendezvous round {} of this job ended without node {}: {}\n", want, opt_.node_rank,
                        v.action == "done" ? "it succeeded" : v.failure.describe());
             end_code_ = v.code;
             return std::nullopt;
@@ -319,9 +319,9 @@ class ElasticLaunch {
           store_.set(key(want, "start"), json{{"resume", given_resume_ || step.has_value()}, {"step", step.value_or(-1)}}.dump());
           continue;  // read back as every node does
         }
-        waiting_for = fmt::format("node(s) {} to join round {}", fmt::join(missing, ", "), want);
+        waiting_for = fmt::format("node(s) {} to join rendezvous round {}", fmt::join(missing, ", "), want);
       } else {
-        waiting_for = fmt::format("node 0 to start round {}", want);
+        waiting_for = fmt::format("node 0 to start rendezvous round {}", want);
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
@@ -342,7 +342,7 @@ class ElasticLaunch {
                  {"DCP_MAX_RESTARTS", std::to_string(opt_.max_restarts)}};
     setup.error_file_prefix = fmt::format("{}/r{}_", errors_dir_, r);
     if (r > 0 || opt_.nnodes > 1) {
-      fmt::print(stderr, "dcp launch: round {} ({} node(s) joined): starting {} rank(s) of node {}{}\n", r,
+      fmt::print(stderr, "dcp launch: rendezvous round {} ({} node(s) joined): starting {} rank(s) of node {}{}\n", r,
                  opt_.nnodes, opt_.nproc, opt_.node_rank,
                  setup.command.size() > opt_.command.size() ? " with --resume" : "");
     }
@@ -414,7 +414,7 @@ class ElasticLaunch {
       if (s.is_null()) {
         all_ok = false;
         consider(Failure{k, -1, 1, "lost_node",
-                         fmt::format("the launcher of node {} reported nothing on round {} (it died, or cannot reach "
+                         fmt::format("the launcher of node {} reported nothing on rendezvous round {} (it died, or cannot reach "
                                      "node 0)",
                                      k, r),
                          ""});
@@ -460,7 +460,7 @@ class ElasticLaunch {
     }
     Verdict v;
     v.failure = own.failure.value_or(Failure{0, -1, 1, "lost_node",
-                                             fmt::format("node 0's launcher left round {} undecided", r), ""});
+                                             fmt::format("node 0's launcher left rendezvous round {} undecided", r), ""});
     if (own.launcher_signal != 0) {
       v.failure = Failure{opt_.node_rank, -1, 128 + own.launcher_signal, "launcher_signal", "this launcher got a signal", ""};
     }

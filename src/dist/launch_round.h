@@ -1,4 +1,4 @@
-// One round of `dcp launch`: this node's ranks started, supervised and taken down together (src/dist/launcher.cpp),
+// One rendezvous round of `dcp launch`: this node's ranks started, supervised and taken down together (src/dist/launcher.cpp),
 // and the failure record the launchers of an elastic job exchange (src/dist/elastic.cpp).
 #pragma once
 
@@ -15,7 +15,7 @@
 
 namespace dcp {
 
-/// Why a round failed, as the launchers report it to each other.
+/// Why a rendezvous round failed, as the launchers report it to each other.
 struct Failure {
   int node = 0;
   int rank = -1;         ///< global rank, -1 when no rank failed (a lost node, a signal to a launcher)
@@ -30,7 +30,7 @@ struct Failure {
   std::string describe() const;
 };
 
-/// The progress of a round, as launch_round reports it.
+/// The progress of a rendezvous round, as launch_round reports it.
 struct RoundResult {
   bool ok = false;                 ///< every rank of this node exited 0
   std::optional<Failure> failure;  ///< this node's first failure (none when stopped for a peer's)
@@ -44,13 +44,13 @@ class Watcher {
   Watcher();  ///< forks the watcher; throws std::runtime_error
   ~Watcher();  ///< ends it (the launcher's own clean-up is done)
   void add(pid_t group);
-  void clear();  ///< forget the groups of the last round (all reaped)
+  void clear();  ///< forget the groups of the last rendezvous round (all reaped)
  private:
   int fd_ = -1;
   pid_t pid_ = -1;
 };
 
-/// What a round's ranks get besides RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+/// What a rendezvous round's ranks get besides RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
 struct RoundSetup {
   std::string addr;
   int port = 0;

@@ -17,7 +17,7 @@ struct LaunchOptions {
   double grace_s = 10.0;             ///< seconds between SIGTERM and SIGKILL for the survivors of a failure
   int max_restarts = 0;              ///< restarts of the job after failures (0: the first failure ends it)
   double restart_backoff_s = 1.0;    ///< seconds between a failure and the restart
-  double join_timeout_s = 600.0;     ///< with restarts: how long the launchers wait for each other at each round
+  double join_timeout_s = 600.0;     ///< with restarts: how long the launchers wait for each other at each rendezvous round
 };
 
 /// Runs this node's ranks, each in its own process group, and waits. When a rank exits non-zero or by a

@@ -2,6 +2,8 @@
 // compared (markdown or JSON on stdout).
 #include "tools/simulate.h"
 
+#include "dcp/config.h"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -111,10 +113,10 @@ void run_simulation(const PlanningInputs& in, const std::vector<std::string>& na
   for (const auto& r : rows) {
     // Nothing to compare: every ratio below would be 0 / 0.
     if (r.trained == 0) {
-      throw std::runtime_error(fmt::format(
+      throw ConfigError(fmt::format(
           "planner {} fits none of the {} samples in the per-rank planning budget of {} bytes "
-          "(memory.budget_bytes less memory.margin): raise memory.budget_bytes or memory.fraction, or lower "
-          "memory.margin",
+          "(memory.budget_bytes less memory.margin): raise memory.budget_bytes (--memory-budget-bytes) or "
+          "memory.fraction, or lower memory.margin",
           r.planner, samples.size(), memory.budget_bytes()));
     }
   }

@@ -31,7 +31,7 @@ struct PlanningInputs {
 /// sizes used: a markdown table, with `by_sp_size` one more per round index, SP size and mode (groups counted in
 /// each round they run), or with `json` one JSON array. `native_iterations`: dcp-intra, dcp-inter and dcp-inter-pac form
 /// their own iterations (PlannerOptions). Throws std::runtime_error naming the planner and the step for an invalid
-/// plan or a predicted peak over the budget, and when a planner fits no sample.
+/// plan or a predicted peak over the budget; ConfigError (exit 2) when a planner fits no sample.
 void run_simulation(const PlanningInputs& in, const std::vector<std::string>& names, int64_t world_size,
                     bool native_iterations, bool by_sp_size, bool json);
 
