@@ -3,7 +3,6 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "dcp/config.h"
 #include "cli/planning_inputs.h"
 
 namespace dcp {
@@ -18,11 +17,7 @@ void run_plan(const PlanArgs& a) {
   const PlanningInputs in = make_planning_inputs(a);
   const PlanSet set = planner(in.samples, a.world_size, *in.cost, *in.memory, in.options);
   if (set.steps.empty() && !in.samples.empty()) {  // as dcp simulate and dcp train: nothing to plan is an error
-    throw ConfigError(fmt::format(
-        "planner {} fits none of the {} samples in the per-rank planning budget of {} bytes (memory.budget_bytes "
-        "less memory.margin): raise memory.budget_bytes (--memory-budget-bytes) or memory.fraction, or lower "
-        "memory.margin",
-        a.planner, in.samples.size(), in.memory->budget_bytes()));
+    throw planner_fits_no_sample(a.planner, in.samples.size(), in.memory->budget_bytes());
   }
   if (a.json) {
     nlohmann::json out = nlohmann::json::array();

@@ -2,8 +2,6 @@
 // compared (markdown or JSON on stdout).
 #include "tools/simulate.h"
 
-#include "dcp/config.h"
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -95,6 +93,14 @@ Row simulate(const std::string& name, const std::vector<Sample>& samples, int64_
 
 }  // namespace
 
+ConfigError planner_fits_no_sample(const std::string& planner, size_t samples, double budget_bytes) {
+  return ConfigError(fmt::format(
+      "planner {} fits none of the {} samples in the per-rank planning budget of {} bytes (memory.budget_bytes "
+      "less memory.margin): raise memory.budget_bytes (--memory-budget-bytes) or memory.fraction, or lower "
+      "memory.margin",
+      planner, samples, budget_bytes));
+}
+
 void run_simulation(const PlanningInputs& in, const std::vector<std::string>& names, int64_t world_size,
                     bool native_iterations, bool by_sp_size, bool json) {
   const auto& samples = in.samples;
@@ -113,11 +119,7 @@ void run_simulation(const PlanningInputs& in, const std::vector<std::string>& na
   for (const auto& r : rows) {
     // Nothing to compare: every ratio below would be 0 / 0.
     if (r.trained == 0) {
-      throw ConfigError(fmt::format(
-          "planner {} fits none of the {} samples in the per-rank planning budget of {} bytes "
-          "(memory.budget_bytes less memory.margin): raise memory.budget_bytes (--memory-budget-bytes) or "
-          "memory.fraction, or lower memory.margin",
-          r.planner, samples.size(), memory.budget_bytes()));
+      throw planner_fits_no_sample(r.planner, samples.size(), memory.budget_bytes());
     }
   }
   double bucket_s = 0;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "dcp/config.h"
 #include "dcp/cost_model.h"
 #include "dcp/data.h"
 #include "dcp/planners.h"
@@ -32,6 +33,11 @@ struct PlanningInputs {
 /// each round they run), or with `json` one JSON array. `native_iterations`: dcp-intra, dcp-inter and dcp-inter-pac form
 /// their own iterations (PlannerOptions). Throws std::runtime_error naming the planner and the step for an invalid
 /// plan or a predicted peak over the budget; ConfigError (exit 2) when a planner fits no sample.
+/// The error of a planner that fits none of `samples` samples in the per-rank planning budget `budget_bytes`
+/// (MemoryModel::budget_bytes: memory.budget_bytes less memory.margin): a ConfigError, exit 2, as `dcp train`
+/// gives for the same fault. `dcp simulate` and `dcp plan` throw it.
+ConfigError planner_fits_no_sample(const std::string& planner, size_t samples, double budget_bytes);
+
 void run_simulation(const PlanningInputs& in, const std::vector<std::string>& names, int64_t world_size,
                     bool native_iterations, bool by_sp_size, bool json);
 

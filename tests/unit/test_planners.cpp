@@ -664,19 +664,26 @@ TEST(Rounds, DcpOptGivesALongSampleAllRanksAndShortOnesTheirOwnRound) {
 // Issue 26: dcp-opt with rounds is never slower than its one-partition plan in its own model (random steps of
 // up to 16 samples, 2-8 ranks, budgets 40 MB-1 GB, a CPU profile's latencies, as
 // DcpOptNotSlowerThanStaticLayoutsInItsOwnModel), and its plans hold the lower bound.
+// The devices of the rounds property tests, varied by seed: micro-batch overheads, round switches, all-to-all
+// costs and memory budgets under which rounds sometimes pay and sometimes do not.
+static DeviceSpec rounds_test_device(uint32_t seed) {
+  DeviceSpec dev = DeviceSpec::named("h200");
+  dev.peak_flops = 1e11, dev.mfu = 1;
+  dev.micro_batch_overhead_s = (seed % 3) * 4e-3;
+  dev.round_switch_s = (seed % 4) * 1e-3;
+  dev.all_to_all[2] = CommFit{seed % 2 == 0 ? 2.8e-3 : 1e-4, 2e9, 0};
+  dev.all_to_all[4] = CommFit{seed % 2 == 0 ? 4e-3 : 2e-4, 1.5e9, 0};
+  dev.memory_bytes = std::vector<double>{40e6, 80e6, 160e6, 1e9}[seed % 4];
+  return dev;
+}
+
 TEST(Rounds, DcpOptRoundsNeverSlowerThanOnePartitionInItsOwnModel) {
   ModelShape shape;
   shape.hidden = 128, shape.layers = 4, shape.heads = 4, shape.ffn = 384, shape.mlp_matrices = 3, shape.vocab = 257;
   double best_gain = 1;
   int compared = 0, with_rounds = 0;
   for (uint32_t seed = 0; seed < 160; ++seed) {
-    DeviceSpec dev = DeviceSpec::named("h200");
-    dev.peak_flops = 1e11, dev.mfu = 1;
-    dev.micro_batch_overhead_s = (seed % 3) * 4e-3;
-    dev.round_switch_s = (seed % 4) * 1e-3;
-    dev.all_to_all[2] = CommFit{seed % 2 == 0 ? 2.8e-3 : 1e-4, 2e9, 0};
-    dev.all_to_all[4] = CommFit{seed % 2 == 0 ? 4e-3 : 2e-4, 1.5e9, 0};
-    dev.memory_bytes = std::vector<double>{40e6, 80e6, 160e6, 1e9}[seed % 4];
+    const DeviceSpec dev = rounds_test_device(seed);
     const CostModel cost(shape, dev);
     const MemoryModel memory(shape, dev, 1.0, 0);
     const int64_t world = std::vector<int64_t>{2, 4, 8}[seed % 3];
@@ -725,13 +732,7 @@ TEST(Rounds, DcpOptNeverRepeatsAPartitionInConsecutiveRounds) {
   shape.hidden = 128, shape.layers = 4, shape.heads = 4, shape.ffn = 384, shape.mlp_matrices = 3, shape.vocab = 257;
   int multi = 0;
   for (uint32_t seed = 0; seed < 240; ++seed) {
-    DeviceSpec dev = DeviceSpec::named("h200");
-    dev.peak_flops = 1e11, dev.mfu = 1;
-    dev.micro_batch_overhead_s = (seed % 3) * 4e-3;
-    dev.round_switch_s = (seed % 4) * 1e-3;
-    dev.all_to_all[2] = CommFit{seed % 2 == 0 ? 2.8e-3 : 1e-4, 2e9, 0};
-    dev.all_to_all[4] = CommFit{seed % 2 == 0 ? 4e-3 : 2e-4, 1.5e9, 0};
-    dev.memory_bytes = std::vector<double>{40e6, 80e6, 160e6, 1e9}[seed % 4];
+    const DeviceSpec dev = rounds_test_device(seed);
     const CostModel cost(shape, dev);
     const MemoryModel memory(shape, dev, 1.0, 0);
     const int64_t world = std::vector<int64_t>{1, 2, 4}[seed % 3];
