@@ -130,6 +130,10 @@ struct EvalConfig {
 /// kv.*: the KV cache of softmax models in `dcp generate` (docs/kv_cache.md).
 struct KvConfig {
   int64_t chunk_tokens = 512;  ///< prefill chunk: tokens run per forward when the cache is (re)built
+  /// > 0: also bounds a prefill chunk's attention, c (seen + c) <= chunk_pairs query-key pairs for a chunk of c
+  /// tokens after `seen` (prefill_chunk_length in dcp/infer.h), so a chunk deep into a long prompt costs about what
+  /// an early one does (a latency bound for the server's decoding streams). 0 = tokens only.
+  int64_t chunk_pairs = 0;
   std::string policy = "full";  ///< compression policy (make_kv_policy in dcp/kv_policies.h)
   /// (0, 1]: fraction of the tokens seen each head keeps; a whole number >= 2: entries per head (a fixed cap)
   double budget = 1.0;

@@ -105,6 +105,14 @@ class KvCacheAttention : public AttentionWrapper {
   KvStep step_;
 };
 
+/// The length of the next prefill chunk of a sequence that has run `seen` tokens (the cache's next_position()) and
+/// has `remaining` (>= 1) prompt tokens left: min(remaining, chunk_tokens), and with chunk_pairs > 0 also at most
+/// the largest c with c (seen + c) <= chunk_pairs, the (query, key) pairs of the chunk's attention when no entry
+/// was evicted (an upper bound under compression), and at least 1. The attention-aware form of Sarathi-Serve's
+/// token budget (Agrawal et al. 2024): chunks shrink as the context grows, so each costs about the same.
+/// Throws std::invalid_argument for seen < 0, remaining < 1, chunk_tokens < 1 or chunk_pairs < 0.
+int64_t prefill_chunk_length(int64_t seen, int64_t remaining, int64_t chunk_tokens, int64_t chunk_pairs);
+
 /// One sequence decoded through a KV cache by a softmax model: a prompt runs in chunks of `chunk_tokens` (chunk
 /// t attends to the cache plus itself causally), then tokens one at a time; positions are absolute, 0 for the
 /// first token of the sequence (as in training, where they restart at 0 per sample; beyond the trained
@@ -115,8 +123,10 @@ class KvCacheAttention : public AttentionWrapper {
 /// sequence up to floating-point rounding (tests/unit/test_kv_cache.cpp). Runs without autograd.
 class DecodeSession {
  public:
-  /// Throws std::invalid_argument for chunk_tokens < 1 or a model whose blocks are not all SoftmaxAttention.
-  DecodeSession(Transformer model, int64_t chunk_tokens = 512, std::shared_ptr<KvPolicy> policy = nullptr);
+  /// chunk_pairs > 0 bounds each chunk's attention too (prefill_chunk_length). Throws std::invalid_argument for
+  /// chunk_tokens < 1, chunk_pairs < 0 or a model whose blocks are not all SoftmaxAttention.
+  DecodeSession(Transformer model, int64_t chunk_tokens = 512, std::shared_ptr<KvPolicy> policy = nullptr,
+                int64_t chunk_pairs = 0);
 
   /// Runs `tokens` (ids in [0, kVocabSize), at least one) after what the cache holds, in chunks; returns fp32
   /// logits [tokens.size(), kVocabSize], row i predicting the token after tokens[i].
@@ -147,6 +157,10 @@ class DecodeSession {
   KvCache& cache() { return *cache_; }
   const KvCache& cache() const { return *cache_; }
   int64_t chunk_tokens() const { return chunk_tokens_; }
+  int64_t chunk_pairs() const { return chunk_pairs_; }
+  /// The length of this session's next prefill chunk when `remaining` prompt tokens are left (prefill_chunk_length
+  /// after the cache's next_position()).
+  int64_t next_chunk_length(int64_t remaining) const;
   /// The session's compression policy (FullKvPolicy when none was given).
   const KvPolicy& policy() const { return *policy_; }
 
@@ -155,6 +169,7 @@ class DecodeSession {
 
   Transformer model_;
   int64_t chunk_tokens_;
+  int64_t chunk_pairs_;
   std::shared_ptr<KvPolicy> policy_;
   std::shared_ptr<KvCache> cache_;
   std::shared_ptr<KvObservations> observations_;  // null unless the policy needs() something
@@ -197,6 +212,7 @@ struct GenerateOptions {
   uint64_t seed = 0;
   int64_t context = 1024;     ///< tokens the model sees (the training max_seq_len)
   int64_t chunk_tokens = 512; ///< softmax models: prefill chunk of the KV cache (kv.chunk_tokens)
+  int64_t chunk_pairs = 0;    ///< softmax models: attention bound of a prefill chunk (kv.chunk_pairs; 0 = none)
   /// softmax models: the KV cache's compression policy (null = keep everything); flexformer models have none
   std::shared_ptr<KvPolicy> kv_policy;
   /// Called with each byte as soon as it is sampled (e.g. to print it), before the next one runs; may be empty.
@@ -212,7 +228,7 @@ struct GenerateOptions {
 /// for every token (equal logits up to rounding; tests compare greedy outputs token for token), cheap per token
 /// until the window is full and a full window's prefill per token after that. Bytes are drawn by a ByteSampler
 /// seeded with `seed`. Throws std::invalid_argument for a negative max_new_tokens or temperature, a negative
-/// top_k, top_p outside (0, 1], context < 1 or chunk_tokens < 1, and for a
+/// top_k, top_p outside (0, 1], context < 1, chunk_tokens < 1 or chunk_pairs < 0, and for a
 /// temperature so small that logits / temperature overflow; std::runtime_error when the model's logits are not
 /// finite (NaN or inf weights).
 std::string generate(Transformer& model, const std::string& prompt, const GenerateOptions& opt);

@@ -20,7 +20,8 @@ void add_bench_serve_command(CLI::App& app) {
   sub->add_option("--max-tokens", o->max_tokens, "completion bytes per request")->check(CLI::Range(1, 1 << 20));
   sub->add_option("--policies", o->policies, "memory runs: NAME or NAME@BUDGET")->delimiter(',');
   sub->add_option("--memory-clients", o->memory_clients, "clients of the memory runs")->check(CLI::Range(1, 4096));
-  sub->add_option("--memory-requests", o->memory_requests, "requests per memory run")->check(CLI::Range(1, 100000));
+  sub->add_option("--memory-requests", o->memory_requests, "requests per memory run; 0 = no memory runs")
+      ->check(CLI::Range(0, 100000));
   sub->add_option("--memory-bytes", o->memory_bytes, "serve.kv_memory_bytes of the memory runs (0: memory-full-sessions full caches of the mean prompt)")
       ->check(finite_number_validator("bytes", 0, true));
   sub->add_option("--memory-full-sessions", o->memory_full_sessions, "full caches the default memory holds")->check(CLI::Range(1, 4096));

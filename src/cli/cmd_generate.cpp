@@ -74,6 +74,11 @@ void add_generate_command(CLI::App& app) {
   sub->add_option("--kv.chunk_tokens,--chunk-tokens", *chunk_tokens,
                   "softmax models: prefill chunk of the KV cache, tokens (default: the checkpoint's kv.chunk_tokens)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  auto chunk_pairs = std::make_shared<int64_t>(-1);
+  sub->add_option("--kv.chunk_pairs", *chunk_pairs,
+                  "softmax models: most query-key pairs a prefill chunk attends, 0 = no bound (default: the "
+                  "checkpoint's kv.chunk_pairs; docs/serve.md \"Prefill chunks\")")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 48));
   auto kv = std::make_shared<KvChoice>();
   sub->add_option("--kv.policy", kv->policy,
                   "softmax models: KV cache compression policy (default: the checkpoint's kv.policy; docs/kv_cache.md)");
@@ -88,7 +93,7 @@ void add_generate_command(CLI::App& app) {
       ->check(finite_number_validator("", 0, true, 1));
   sub->add_option("--seed", opt->seed, "sampling seed")->check(CLI::Validator(
       [](std::string& text) { return text.rfind('-', 0) == 0 ? std::string("must be >= 0") : std::string(); }, "SEED"));
-  sub->callback([checkpoint, prompt, opt, chunk_tokens, kv] {
+  sub->callback([checkpoint, prompt, opt, chunk_tokens, chunk_pairs, kv] {
     // Warnings (a fallback to checkpoint.old, a checkpoint without manifest) go to stderr: stdout is the text.
     spdlog::set_default_logger(spdlog::stderr_color_mt("generate"));
     Config cfg = load_checkpoint_config(*checkpoint);
@@ -112,6 +117,7 @@ void add_generate_command(CLI::App& app) {
     load_checkpoint(*checkpoint, model, nullptr);
     opt->context = cfg.data.max_seq_len;
     opt->chunk_tokens = *chunk_tokens > 0 ? *chunk_tokens : cfg.kv.chunk_tokens;
+    opt->chunk_pairs = *chunk_pairs >= 0 ? *chunk_pairs : cfg.kv.chunk_pairs;
     // Bytes are printed as they come: a long or interrupted generation shows what it made so far.
     fmt::print("{}", *prompt);
     std::fflush(stdout);

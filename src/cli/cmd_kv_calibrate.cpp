@@ -34,6 +34,7 @@ void run(const KvCalibrateCli& cli) {
   o.coverage = cli.coverage;
   const Config cfg = load_checkpoint_config(cli.checkpoint);
   o.eval.chunk_tokens = cli.chunk_tokens > 0 ? cli.chunk_tokens : cfg.kv.chunk_tokens;
+  o.eval.chunk_pairs = cfg.kv.chunk_pairs;
   try {
     o.validate();
   } catch (const std::invalid_argument& e) {

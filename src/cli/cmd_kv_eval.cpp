@@ -62,6 +62,7 @@ void run(const KvEvalCli& cli) {
   o.paired_against = cli.paired_against;
   const Config cfg = load_checkpoint_config(cli.checkpoint);
   o.chunk_tokens = cli.chunk_tokens > 0 ? cli.chunk_tokens : cfg.kv.chunk_tokens;
+  o.chunk_pairs = cfg.kv.chunk_pairs;  // the checkpoint's, as dcp generate and dcp serve use it
   std::string calibration_note;
   if (!cli.max_rel_bpb.empty()) {
     // Error targets: minimax sized by the checkpoint's calibration (dcp kv-calibrate).

@@ -8,12 +8,39 @@
 
 namespace dcp {
 
-DecodeSession::DecodeSession(Transformer model, int64_t chunk_tokens, std::shared_ptr<KvPolicy> policy)
+int64_t prefill_chunk_length(int64_t seen, int64_t remaining, int64_t chunk_tokens, int64_t chunk_pairs) {
+  if (seen < 0 || remaining < 1 || chunk_tokens < 1 || chunk_pairs < 0) {
+    throw std::invalid_argument(fmt::format("prefill_chunk_length: seen {} must be >= 0, remaining {} >= 1, "
+                                            "chunk_tokens {} >= 1 and chunk_pairs {} >= 0",
+                                            seen, remaining, chunk_tokens, chunk_pairs));
+  }
+  int64_t c = std::min(remaining, chunk_tokens);
+  if (chunk_pairs > 0) {
+    // The positive root of c^2 + seen c = chunk_pairs, then corrected to the exact integer bound (long double's
+    // 64-bit mantissa is exact for every seen and chunk_pairs the config allows, but the square root rounds).
+    const long double s = static_cast<long double>(seen);
+    auto fits = [&](int64_t x) {
+      return static_cast<long double>(x) * (s + static_cast<long double>(x)) <= static_cast<long double>(chunk_pairs);
+    };
+    int64_t root = static_cast<int64_t>((std::sqrt(s * s + 4.0L * static_cast<long double>(chunk_pairs)) - s) / 2);
+    while (root > 0 && !fits(root)) --root;
+    while (root < c && fits(root + 1)) ++root;
+    c = std::max<int64_t>(1, std::min(c, root));
+  }
+  return c;
+}
+
+DecodeSession::DecodeSession(Transformer model, int64_t chunk_tokens, std::shared_ptr<KvPolicy> policy,
+                             int64_t chunk_pairs)
     : model_(std::move(model)),
       chunk_tokens_(chunk_tokens),
+      chunk_pairs_(chunk_pairs),
       policy_(policy ? std::move(policy) : std::make_shared<FullKvPolicy>()) {
   if (chunk_tokens < 1) {
     throw std::invalid_argument(fmt::format("DecodeSession: chunk_tokens {} must be >= 1", chunk_tokens));
+  }
+  if (chunk_pairs < 0) {
+    throw std::invalid_argument(fmt::format("DecodeSession: chunk_pairs {} must be >= 0 (0 = no bound)", chunk_pairs));
   }
   for (int64_t i = 0; i < model_->cfg.n_layers; ++i) {
     if (dynamic_cast<const SoftmaxAttention*>(model_->blocks->ptr<BlockImpl>(static_cast<size_t>(i))->attention.get()) ==
@@ -37,6 +64,10 @@ void DecodeSession::reset() {
   policy_->reset();
 }
 
+int64_t DecodeSession::next_chunk_length(int64_t remaining) const {
+  return prefill_chunk_length(cache_->next_position(), remaining, chunk_tokens_, chunk_pairs_);
+}
+
 torch::Tensor DecodeSession::prefill(const std::vector<int64_t>& tokens) { return run(tokens, /*prefill=*/true); }
 
 torch::Tensor DecodeSession::decode(int64_t token) { return run({token}, /*prefill=*/false)[0]; }
@@ -55,8 +86,8 @@ torch::Tensor DecodeSession::run(const std::vector<int64_t>& tokens, bool prefil
   // leaves doubling to append.
   if (total > 1) cache_->reserve(total);
   std::vector<torch::Tensor> logits;
-  for (int64_t s = 0; s < total; s += chunk_tokens_) {
-    const int64_t t = std::min(chunk_tokens_, total - s);
+  for (int64_t s = 0, t = 0; s < total; s += t) {
+    t = next_chunk_length(total - s);
     const int64_t first = cache_->next_position();
     PackedBatch batch;
     batch.tokens = torch::tensor(std::vector<int64_t>(tokens.begin() + s, tokens.begin() + s + t), torch::kInt64);

@@ -7,6 +7,7 @@ namespace dcp {
 
 std::string generate(Transformer& model, const std::string& prompt, const GenerateOptions& opt) {
   if (opt.max_new_tokens < 0 || opt.temperature < 0 || opt.top_k < 0 || opt.context < 1 || opt.chunk_tokens < 1 ||
+      opt.chunk_pairs < 0 ||
       !(opt.top_p > 0 && opt.top_p <= 1)) {
     throw std::invalid_argument(fmt::format(
         "generate: max_new_tokens {}, temperature {}, top_k {} must be >= 0, top_p {} in (0, 1], context {} and "
@@ -30,7 +31,7 @@ std::string generate(Transformer& model, const std::string& prompt, const Genera
     }
     recurrent = std::make_shared<FlexformerDecoding>(model->cfg.n_layers);
   } else {
-    session = std::make_unique<DecodeSession>(model, opt.chunk_tokens, opt.kv_policy);
+    session = std::make_unique<DecodeSession>(model, opt.chunk_tokens, opt.kv_policy, opt.chunk_pairs);
   }
   int64_t cached_start = -1, cached = 0;  // window start the states were built for, and tokens they cover
   // Logits [kVocabSize] after tokens[start..end): from the cache or states where they cover tokens[start..end-1).

@@ -116,7 +116,7 @@ DocRun run_document(Transformer& model, const KvEvalDocument& doc, const KvEvalO
                                             doc.source, doc.tokens.size(), o.context, o.continuation));
   }
   DocRun r;
-  DecodeSession session(model, o.chunk_tokens, policy);
+  DecodeSession session(model, o.chunk_tokens, policy, o.chunk_pairs);
   const auto t0 = std::chrono::steady_clock::now();
   session.prefill(std::vector<int64_t>(doc.tokens.begin(), doc.tokens.begin() + o.context));
   r.prefill_s = seconds_since(t0);
@@ -256,6 +256,7 @@ void KvEvalOptions::validate() const {
   for (const auto& [name, v] : counts) {
     if (v < 1) throw std::invalid_argument(fmt::format("kv-eval: {} {} must be >= 1", name, v));
   }
+  if (chunk_pairs < 0) throw std::invalid_argument(fmt::format("kv-eval: chunk_pairs {} must be >= 0", chunk_pairs));
   if (head_ablation && context <= kKvAblationSinks + kKvAblationRecent) {
     throw std::invalid_argument(fmt::format("kv-eval: head ablation keeps {} + {} entries per head: context {} must "
                                             "be longer for the cut to remove anything",

@@ -42,6 +42,7 @@ struct KvEvalOptions {
   int64_t max_docs = 32;              ///< documents evaluated at most (a seeded choice among the long enough), >= 1
   uint64_t seed = 0;                  ///< the choice of documents and the bootstrap resamples
   int64_t chunk_tokens = 512;         ///< prefill chunk of every DecodeSession, >= 1
+  int64_t chunk_pairs = 0;            ///< its attention bound (kv.chunk_pairs, prefill_chunk_length), >= 0
   int64_t bootstrap_resamples = 1000; ///< resamples over documents for the 95% intervals, >= 1
   /// Also run every document once per (layer, head) with only that head cut, right after prefill, to its first
   /// kKvAblationSinks and newest kKvAblationRecent entries (every other head full): which heads the
@@ -53,7 +54,7 @@ struct KvEvalOptions {
   /// budget (KvEvalResult::paired); empty = "minimax" when it is among `policies`, else none.
   std::string paired_against;
   /// Throws std::invalid_argument naming the field and its value: no policy, no budget, a budget outside (0, 1]
-  /// or NaN, context, continuation, max_docs, chunk_tokens or bootstrap_resamples < 1; and for a policy spec
+  /// or NaN, context, continuation, max_docs, chunk_tokens or bootstrap_resamples < 1, chunk_pairs < 0; and for a policy spec
   /// that does not build (make_kv_policy's and parse_kv_policy_spec's messages) or sets budget or max_tokens, a
   /// policy or budget given twice, and head_ablation with context <= kKvAblationSinks + kKvAblationRecent.
   void validate() const;

@@ -176,6 +176,7 @@ nlohmann::json kv_eval_json(const KvEvalResult& r, const KvEvalReportInfo& info)
           {"context", o.context},
           {"continuation", o.continuation},
           {"chunk_tokens", o.chunk_tokens},
+          {"chunk_pairs", o.chunk_pairs},
           {"seed", o.seed},
           {"bootstrap_resamples", o.bootstrap_resamples},
           {"threads", info.threads},
@@ -199,11 +200,13 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
   md << fmt::format(
       "Date: {} UTC. Checkpoint `{}`: {} parameters, {}. Documents: `{}` ({}), {} samples, {} shorter than the {} "
       "tokens needed (context {} + continuation {} + 1, BOS included) skipped, {} long enough but beyond "
-      "--max-docs, **{} evaluated** (chosen with seed {}) from {} source files. Prefill chunk {} tokens, {} "
+      "--max-docs, **{} evaluated** (chosen with seed {}) from {} source files. Prefill chunk {} tokens{}, {} "
       "intra-op threads, 1-minute load average {:.2f} at the start, {:.2f} at the end.\n\n",
       info.date, info.checkpoint, info.parameters, info.model, info.data_path, split_text(info.split), d.available,
       d.too_short, d.required_tokens, o.context, o.continuation, d.not_chosen, d.documents.size(), o.seed,
-      r.source_files, o.chunk_tokens, info.threads, info.load_average_start, info.load_average_end);
+      r.source_files, o.chunk_tokens,
+      o.chunk_pairs > 0 ? fmt::format(" (at most {} query-key pairs, kv.chunk_pairs)", o.chunk_pairs) : std::string(),
+      info.threads, info.load_average_start, info.load_average_end);
   if (!info.calibration.empty()) md << "Calibration: " << info.calibration << "\n\n";
   md << fmt::format(
       "Per document the first {} tokens are prefilled with the policy, the next {} teacher-forced one decode() "

@@ -160,6 +160,11 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
       row.decode_step_tokens = static_cast<int64_t>(serve::metric(text, "dcp_decode_step_tokens_total"));
       const double seconds = serve::metric(text, "dcp_decode_step_seconds_total");
       if (row.decode_steps > 0 && seconds > 0) row.decode_tokens_per_s = static_cast<double>(row.decode_step_tokens) / seconds;
+      row.saturated_s = serve::metric(text, "dcp_saturated_seconds_total");
+      if (row.saturated_s > 0) {
+        row.saturated_sessions = serve::metric(text, "dcp_saturated_session_seconds_total") / row.saturated_s;
+        row.saturated_kv_bytes = serve::metric(text, "dcp_saturated_kv_byte_seconds_total") / row.saturated_s;
+      }
     }
   }
   server.shutdown();
@@ -201,13 +206,15 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
 std::string csv(const std::vector<ServeBenchRow>& rows) {
   std::string out = "run,policy,budget,clients,requests,answered,failed,tokens,wall_s,tokens_per_s,ttft_p50_s,ttft_p99_s,"
                     "itl_p50_s,itl_p99_s,itl_prefill_p50_s,itl_prefill_p99_s,peak_sessions,peak_kv_bytes,"
-                    "kv_memory_bytes,abstained,decode_steps,decode_step_tokens,decode_tokens_per_s\n";
+                    "kv_memory_bytes,abstained,decode_steps,decode_step_tokens,decode_tokens_per_s,saturated_s,saturated_sessions,"
+                    "saturated_kv_bytes\n";
   for (const auto& r : rows) {
-    out += fmt::format("{},{},{},{},{},{},{},{},{:.3f},{:.2f},{:.4f},{:.4f},{:.5f},{:.5f},{:.5f},{:.5f},{},{:.0f},{:.0f},{},{},{},{:.2f}\n",
+    out += fmt::format("{},{},{},{},{},{},{},{},{:.3f},{:.2f},{:.4f},{:.4f},{:.5f},{:.5f},{:.5f},{:.5f},{},{:.0f},{:.0f},{},{},{},{:.2f},{:.3f},{:.3f},{:.0f}\n",
                        r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.failed, r.tokens, r.wall_s,
                        r.tokens_per_s, r.ttft_p50, r.ttft_p99, r.itl_p50, r.itl_p99, r.itl_prefill_p50,
                        r.itl_prefill_p99, r.peak_sessions, r.peak_kv_bytes, r.kv_memory_bytes, r.abstained,
-                       r.decode_steps, r.decode_step_tokens, r.decode_tokens_per_s);
+                       r.decode_steps, r.decode_step_tokens, r.decode_tokens_per_s, r.saturated_s,
+                       r.saturated_sessions, r.saturated_kv_bytes);
   }
   return out;
 }
@@ -246,7 +253,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                                                  static_cast<double>(probe.entry_bytes());
   Config fixed = cfg;
   fixed.serve.kv_memory_bytes = memory;
-  for (const Spec& s : specs) {
+  for (const Spec& s : o.memory_requests > 0 ? specs : std::vector<Spec>{}) {
     rows.push_back(run_load(model, fixed, id, "memory", s, o.memory_clients,
                             std::vector<std::string>(prompts.begin(), prompts.begin() + o.memory_requests), o.max_tokens));
   }
@@ -266,11 +273,14 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   md << "# dcp bench-serve: continuous batching and KV memory on loopback\n\n";
   md << fmt::format("```sh\n{}\n```\n\n", own_command_line());
   md << fmt::format("Checkpoint `{}` (d_model {}, {} layers, {} heads, {}), threads {}, scheduler {}, prefill chunk "
-                    "{} tokens ({} per step). {} UTC, {:.0f} s in all; 1-minute load average {:.2f} at the start, "
+                    "{} tokens{} ({} per step). {} UTC, {:.0f} s in all; 1-minute load average {:.2f} at the start, "
                     "{:.2f} at the end. BLAS: {}.\n\n",
                     checkpoint, cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads,
                     c10::toString(kv_cache_spec(model).dtype), cfg.serve.threads,
                     cfg.serve.scheduler, cfg.serve.chunk_tokens > 0 ? cfg.serve.chunk_tokens : cfg.kv.chunk_tokens,
+                    cfg.kv.chunk_pairs > 0
+                        ? fmt::format(" and at most {} query-key pairs (kv.chunk_pairs)", cfg.kv.chunk_pairs)
+                        : std::string(),
                     cfg.serve.prefill_chunks, utc_now("%Y-%m-%d %H:%M"), total_s, load_start, load_end,
                     blas_description());
   md << fmt::format("Prompts: {} to {} bytes cut from the held-out documents of `{}` (seed {}); every request streams "
@@ -300,27 +310,37 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   }
   if (latency_said) md << ".\n\n";
   if (mem_full) {
+    // Two measures of the sessions one budget holds: the peak (an extreme of the random mix of prompt lengths that
+    // happen to be in flight together) and the mean while requests waited for admission (the budget was full).
+    auto ratio = [](double a, double b) { return b > 0 && a >= 0 ? fmt::format("{:.2f}x", a / b) : std::string("-"); };
+    auto mean = [](double m) { return m >= 0 ? fmt::format("{:.2f}", m) : std::string("- (no request waited)"); };
     md << fmt::format("**Memory**: at serve.kv_memory_bytes = {:.0f} ({} clients, {} requests) the full cache held at "
-                      "most {} sessions at once;",
-                      memory, o.memory_clients, o.memory_requests, mem_full->peak_sessions);
+                      "most {} sessions at once, {} on average while requests waited for admission ({:.0f} s);",
+                      memory, o.memory_clients, o.memory_requests, mem_full->peak_sessions,
+                      mean(mem_full->saturated_sessions), mem_full->saturated_s);
     for (const auto& r : rows) {
       if (r.run != "memory" || r.policy == "full") continue;
-      md << fmt::format(" {} at {} held {} ({:.2f}x)", r.policy, r.budget, r.peak_sessions,
-                        mem_full->peak_sessions > 0 ? static_cast<double>(r.peak_sessions) / mem_full->peak_sessions : 0.0);
+      md << fmt::format(" {} at {} held at most {} ({}), {} on average while requests waited ({}, {:.0f} s)",
+                        r.policy, r.budget, r.peak_sessions,
+                        ratio(static_cast<double>(r.peak_sessions), static_cast<double>(mem_full->peak_sessions)),
+                        mean(r.saturated_sessions), ratio(r.saturated_sessions, mem_full->saturated_sessions), r.saturated_s);
       md << (&r == &rows.back() ? "." : ";");
     }
-    md << " (target: minimax at 0.25 >= 3x the full cache).\n\n";
+    md << " (target: minimax at 0.25 >= 3x the full cache's sessions).\n\n";
   }
   md << "| run | policy | budget | clients | requests | answered | tokens/s | decode tokens/s | TTFT p50 s | TTFT p99 s | "
-        "ITL p50 ms | ITL p99 ms | ITL p99 ms in prefills | peak sessions | peak KV MB | abstained |\n";
-  md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "ITL p50 ms | ITL p99 ms | ITL p99 ms in prefills | peak sessions | peak KV MB | sessions while saturated | KV MB "
+        "while saturated | abstained |\n";
+  md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : rows) {
-    md << fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {} | {:.3f} | {:.3f} | {:.2f} | {:.2f} | {} | {} | {:.1f} | {} |\n",
+    md << fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {} | {:.3f} | {:.3f} | {:.2f} | {:.2f} | {} | {} | {:.1f} | {} | {} | {} |\n",
                       r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.tokens_per_s,
                       r.decode_tokens_per_s > 0 ? fmt::format("{:.1f}", r.decode_tokens_per_s) : "-", r.ttft_p50,
                       r.ttft_p99, 1e3 * r.itl_p50, 1e3 * r.itl_p99,
                       r.itl_prefill_p99 > 0 ? fmt::format("{:.2f}", 1e3 * r.itl_prefill_p99) : "-", r.peak_sessions,
-                      r.peak_kv_bytes / 1e6, r.abstained);
+                      r.peak_kv_bytes / 1e6,
+                      r.saturated_sessions >= 0 ? fmt::format("{:.2f}", r.saturated_sessions) : "-",
+                      r.saturated_kv_bytes >= 0 ? fmt::format("{:.1f}", r.saturated_kv_bytes / 1e6) : "-", r.abstained);
   }
   if (!o.out.empty()) {
     std::filesystem::create_directories(std::filesystem::path(o.out).parent_path().empty()
@@ -329,16 +349,23 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
     const std::string csv_path = o.out + ".csv", png = o.out + ".png";
     write_text(csv_path, csv(rows));
     if (o.plot && gnuplot_available()) {
-      const std::string script = fmt::format(
-          "set terminal pngcairo size 1100,450 font ',10'\nset output '{}'\nset datafile separator ','\n"
-          "set multiplot layout 1,2\nset title 'throughput, full cache'\nset xlabel 'concurrent clients'\n"
+      const bool memory_runs = mem_full != nullptr;
+      std::string script = fmt::format(
+          "set terminal pngcairo size {},450 font ',10'\nset output '{}'\nset datafile separator ','\n"
+          "set multiplot layout 1,{}\nset title 'throughput, full cache'\nset xlabel 'concurrent clients'\n"
           "set ylabel 'tokens/s'\nset logscale x 2\nset grid\n"
-          "plot '{}' using ($4):(stringcolumn(1) ne 'memory' ? $10 : 1/0) with linespoints lw 2 title 'tokens/s'\n"
-          "unset logscale x\nset title 'sessions held at {:.0f} KV bytes'\nset xlabel ''\nset ylabel 'peak sessions'\n"
-          "set style data histograms\nset style fill solid 0.6\nset boxwidth 0.8\nset xtics rotate by -30\n"
-          "plot '< grep ^memory {}' using 17:xtic(sprintf('%s@%s', stringcolumn(2), stringcolumn(3))) title 'peak sessions'\n"
-          "unset multiplot\n",
-          png, csv_path, memory, csv_path);
+          "plot '{}' using ($4):(stringcolumn(1) ne 'memory' ? $10 : 1/0) with linespoints lw 2 title 'tokens/s'\n",
+          memory_runs ? 1100 : 600, png, memory_runs ? 2 : 1, csv_path);
+      if (memory_runs) {
+        script += fmt::format(
+            "unset logscale x\nset title 'sessions held at {:.0f} KV bytes'\nset xlabel ''\nset ylabel 'sessions'\n"
+            "set style data histograms\nset yrange [0:*]\nset style fill solid 0.6\nset boxwidth 0.8\n"
+            "set xtics rotate by -30\n"
+            "plot '< grep ^memory {}' using 17:xtic(sprintf('%s@%s', stringcolumn(2), stringcolumn(3))) title 'peak', "
+            "'' using 25 title 'mean while requests waited'\n",
+            memory, csv_path);
+      }
+      script += "unset multiplot\n";
       run_gnuplot(script, o.out + ".gnuplot", o.out + ".gnuplot.log");
       md << fmt::format("\n![throughput and sessions]({})\n", std::filesystem::path(png).filename().string());
     }

@@ -21,7 +21,7 @@ struct ServeBenchOptions {
   /// serve.kv_memory_bytes = memory_bytes (0: what `memory_full_sessions` full caches of the mean prompt need).
   std::vector<std::string> policies{"full", "window@0.25", "window@0.5", "minimax@0.25", "minimax@0.5"};
   int64_t memory_clients = 32;
-  int64_t memory_requests = 32;
+  int64_t memory_requests = 32;  ///< 0 = no memory runs (throughput and latency only)
   double memory_bytes = 0;
   int64_t memory_full_sessions = 4;
   uint64_t seed = 1;
@@ -44,6 +44,9 @@ struct ServeBenchRow {
   int64_t peak_sessions = 0;     ///< most sessions active at once (sampled from /metrics every 20 ms)
   double peak_kv_bytes = 0;      ///< most KV bytes held at once (KvCache::bytes, sampled likewise)
   double kv_memory_bytes = 0;
+  /// While requests waited in the queue (dcp_saturated_* of /metrics at the end of the run): those seconds, and the
+  /// mean sessions and KV bytes the server held over them (-1 when no request ever waited).
+  double saturated_s = 0, saturated_sessions = -1, saturated_kv_bytes = -1;
   int64_t abstained = 0;         ///< requests whose minimax policy kept some head exact
   /// The server's scheduler iterations that ran no prefill chunk (dcp_decode_step_* of /metrics at the end of the
   /// run): their number, the tokens they decoded, and those tokens per second of those iterations (decode

@@ -95,6 +95,7 @@ void visit(C& c, F&& f) {
   f("eval.max_tokens", c.eval.max_tokens, IntRule{0});
   f("dist.timeout_s", c.dist.timeout_s, RealRule{0.1, 86400.0});
   f("kv.chunk_tokens", c.kv.chunk_tokens, IntRule{1, 1 << 24});
+  f("kv.chunk_pairs", c.kv.chunk_pairs, IntRule{0, int64_t{1} << 48});
   f("kv.policy", c.kv.policy, Choices{});  // checked by make_kv_policy where a cache is built (dcp generate)
   f("kv.budget", c.kv.budget, RealRule{0.0, 1e15});
   f("kv.max_rel_bpb", c.kv.max_rel_bpb, RealRule{0.0, 1.0});

@@ -485,6 +485,43 @@ TEST(DecodeSession, ChunkSizeDoesNotChangeTheResult) {
   }
 }
 
+// Hand-computed lengths: the largest c <= remaining and chunk_tokens with c (seen + c) <= chunk_pairs, at least 1.
+TEST(DecodeSession, PrefillChunkLengthBoundsTheChunksAttention) {
+  EXPECT_EQ(prefill_chunk_length(0, 1025, 512, 0), 512);     // no bound: tokens only
+  EXPECT_EQ(prefill_chunk_length(600, 5, 512, 0), 5);
+  EXPECT_EQ(prefill_chunk_length(0, 1025, 512, 262144), 512);  // 512 x 512 = 262144 exactly
+  EXPECT_EQ(prefill_chunk_length(512, 513, 512, 262144), 316);  // 316 x 828 = 261648; 317 x 829 = 262793
+  EXPECT_EQ(prefill_chunk_length(828, 197, 512, 262144), 197);  // 244 would fit: the prompt's end binds
+  EXPECT_EQ(prefill_chunk_length(8000, 1000, 512, 262144), 32);  // 32 x 8032 = 257024; 33 x 8033 = 265089
+  EXPECT_EQ(prefill_chunk_length(1000000, 5, 512, 100), 1);     // nothing fits: one token, as decoding
+  // Near the config's largest values, where the square root alone would round: 255 (2^40 + 255) <= 2^48 < 256 (...).
+  EXPECT_EQ(prefill_chunk_length(int64_t{1} << 40, 1000, 512, int64_t{1} << 48), 255);
+  EXPECT_THROW(prefill_chunk_length(-1, 5, 512, 0), std::invalid_argument);
+  EXPECT_THROW(prefill_chunk_length(0, 0, 512, 0), std::invalid_argument);
+  EXPECT_THROW(prefill_chunk_length(0, 5, 0, 0), std::invalid_argument);
+  EXPECT_THROW(prefill_chunk_length(0, 5, 512, -1), std::invalid_argument);
+}
+
+// A session bounded by chunk_pairs runs the shrinking chunks prefill_chunk_length gives (seen by the policy) and,
+// with nothing evicted, the same logits as the whole forward (the tolerance of ChunkSizeDoesNotChangeTheResult).
+TEST(DecodeSession, ChunkPairsShrinkTheChunksAndKeepTheResult) {
+  struct Steps : KvPolicy {
+    std::vector<int64_t> tokens;
+    void after_step(KvCache&, const KvStep& step) override { tokens.push_back(step.tokens); }
+  };
+  Transformer model = sharp_model(14);
+  const auto tokens = random_tokens(150, 15);
+  const torch::Tensor full = full_forward(model, tokens);
+  auto steps = std::make_shared<Steps>();
+  DecodeSession session(model, 64, steps, 2000);
+  EXPECT_EQ(session.chunk_pairs(), 2000);
+  const torch::Tensor logits = session.prefill(tokens);
+  // 44 (44^2 = 1936), 27 (27 x 71), 21 (21 x 92), 18 (18 x 110), 15 (15 x 125), 14 (14 x 139), then the 11 left.
+  EXPECT_EQ(steps->tokens, (std::vector<int64_t>{44, 27, 21, 18, 15, 14, 11}));
+  EXPECT_LE(max_abs_diff(logits, full), 5e-6);
+  EXPECT_THROW(DecodeSession(model, 64, nullptr, -1), std::invalid_argument);
+}
+
 TEST(DecodeSession, SavedCacheGivesTheSameNextLogits) {
   Transformer model = sharp_model(16);
   const auto tokens = random_tokens(90, 17);
@@ -605,4 +642,7 @@ TEST(KvConfig, ChunkTokensIsAConfigKey) {
   EXPECT_EQ(Config::load("", {}).kv.chunk_tokens, 512);
   EXPECT_EQ(Config::load("", {"--kv.chunk_tokens=64"}).kv.chunk_tokens, 64);
   EXPECT_THROW(Config::load("", {"--kv.chunk_tokens=0"}), ConfigError);
+  EXPECT_EQ(Config::load("", {}).kv.chunk_pairs, 0);
+  EXPECT_EQ(Config::load("", {"--kv.chunk_pairs=262144"}).kv.chunk_pairs, 262144);
+  EXPECT_THROW(Config::load("", {"--kv.chunk_pairs=-1"}), ConfigError);
 }

@@ -86,7 +86,8 @@ struct Running {
 
 // generate() with the request's seed, sampling, policy and budget on the same weights: what `dcp generate` prints.
 std::string reference(const std::string& prompt, int64_t max_tokens, double temperature, uint64_t seed,
-                      const std::string& policy = "full", double budget = 1, int64_t top_k = 0, double top_p = 1) {
+                      const std::string& policy = "full", double budget = 1, int64_t top_k = 0, double top_p = 1,
+                      int64_t chunk_pairs = 0) {
   Transformer model = tiny_model();
   GenerateOptions opt;
   opt.max_new_tokens = max_tokens;
@@ -96,6 +97,7 @@ std::string reference(const std::string& prompt, int64_t max_tokens, double temp
   opt.seed = seed;
   opt.context = kContext;
   opt.chunk_tokens = 16;
+  opt.chunk_pairs = chunk_pairs;
   opt.kv_policy = make_kv_policy_with_budget(policy, budget);
   return generate(model, prompt, opt);
 }
@@ -143,16 +145,20 @@ TEST(KvReservation, PeakEntriesFollowTheSchedule) {
   g.ratio = 0.25;
   g.protect = 68;
   g.interval = 64;
-  EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 4, g), 1408);
+  EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 0, 4, g), 1408);
   g.by_layer = false;
-  EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 4, g), 2560);
+  EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 0, 4, g), 2560);
   // Decoding past the budget over 2 layers: a 10-token prompt kept whole (under protect), then 200 tokens,
   // compressed every 64 to max(ceil(0.25 s), 68) = 68: the peak is as the first layer appends the 192nd token, over
   // 131 entries in each layer (68 + 63): 132 + 131.
   g.by_layer = true;
-  EXPECT_EQ(serve::kv_peak_entries(10, 201, 512, 2, g), 263);
+  EXPECT_EQ(serve::kv_peak_entries(10, 201, 512, 0, 2, g), 263);
   serve::KvGrowth full;
-  EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 4, full), 4 * (1025 + 128));
+  EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 0, 4, full), 4 * (1025 + 128));
+  EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 262144, 4, full), 4 * (1025 + 128));
+  // Chunks bounded by 262144 query-key pairs: 512, 316, 197 (prefill_chunk_length). The last chunk's peak is 3
+  // layers at keep(1025) = 257 plus one at keep(828) = 207 + 197: 1175, below the 1408 of two 512-token chunks.
+  EXPECT_EQ(serve::kv_peak_entries(1025, 1, 512, 262144, 4, g), 1175);
 }
 
 // The reservation is an upper bound of what a session's cache really holds, at every moment, for the policies and
@@ -165,9 +171,10 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
     for (double budget : {0.25, 0.5, 20.0}) {
       for (int64_t prompt : {1, 15, 16, 17, 100, 230}) {
         for (int64_t max_tokens : {1, 70}) {
-          SCOPED_TRACE(fmt::format("{}@{} prompt {} max_tokens {}", name, budget, prompt, max_tokens));
+         for (int64_t pairs : {0, 200}) {  // tokens only; chunks of 14 at first, single tokens from 100 on
+          SCOPED_TRACE(fmt::format("{}@{} prompt {} max_tokens {} chunk_pairs {}", name, budget, prompt, max_tokens, pairs));
           auto recorder = std::make_shared<PeakRecorder>(make_kv_policy_with_budget(name, budget));
-          DecodeSession session(model, chunk, recorder);
+          DecodeSession session(model, chunk, recorder, pairs);
           const std::vector<int64_t> tokens = dcp::test::random_tokens(prompt + max_tokens, 5 + prompt);
           session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + prompt));
           for (int64_t i = 0; i + 1 < max_tokens; ++i) session.decode(tokens[static_cast<size_t>(prompt + i)]);
@@ -176,10 +183,11 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
           g.ratio = budget <= 1 ? budget : 1;
           g.max_entries = budget <= 1 ? 0 : static_cast<int64_t>(budget);
           g.protect = 4 + 64;
-          const int64_t reserved = serve::kv_peak_entries(prompt, max_tokens, chunk, 3, g) * 4 *
+          const int64_t reserved = serve::kv_peak_entries(prompt, max_tokens, chunk, pairs, 3, g) * 4 *
                                    session.cache().entry_bytes();
           EXPECT_LE(recorder->peak, reserved);
           EXPECT_LE(session.cache().bytes(), reserved);
+         }
         }
       }
     }
@@ -232,6 +240,37 @@ TEST_F(ServeTest, CompletionEqualsGenerateWithTheSameSeedPolicyAndBudget) {
                                   {"kv_policy", "window"}, {"kv_budget", 0.25}}).json;
   EXPECT_LT(window["kv_cache"]["bytes"].get<int64_t>() * 2, full["kv_cache"]["bytes"].get<int64_t>());
   EXPECT_LT(window["kv_cache"]["reserved_bytes"].get<int64_t>(), full["kv_cache"]["reserved_bytes"].get<int64_t>());
+}
+
+// kv.chunk_pairs = 200 makes the server's prefill chunks 14, 5, 3, ... then single tokens (prefill_chunk_length):
+// dcp generate with the same bound writes the same bytes, compressed or not, alone or beside another session.
+TEST_F(ServeTest, CompletionEqualsGenerateWithChunksBoundedByAttentionPairs) {
+  Config cfg = tiny_config();
+  cfg.kv.chunk_pairs = 200;
+  Running s(cfg);
+  const std::string prompt = std::string(70, 'x') + "abc" + std::string(40, 'y');
+  std::vector<ClientReply> replies(2);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 2; ++i) {
+    clients.emplace_back([&, i] {
+      json body = {{"prompt", prompt}, {"max_tokens", 30}, {"temperature", 0.8}, {"seed", 7 + i}, {"return_bytes", true}};
+      if (i == 1) body.update({{"kv_policy", "window"}, {"kv_budget", 0.5}});
+      replies[i] = s.complete(body);
+    });
+  }
+  for (auto& t : clients) t.join();
+  ASSERT_EQ(replies[0].status, 200) << replies[0].body;
+  ASSERT_EQ(replies[1].status, 200) << replies[1].body;
+  EXPECT_EQ(bytes_of(replies[0].json), reference(prompt, 30, 0.8, 7, "full", 1, 0, 1, 200));
+  EXPECT_EQ(bytes_of(replies[1].json), reference(prompt, 30, 0.8, 8, "window", 0.5, 0, 1, 200));
+  // The server really ran the bounded chunks: one prefill chunk per step (serve.prefill_chunks 1), so at least
+  // two prompts' worth of them, more than the 2 x 8 steps of unbounded 16-token chunks.
+  int64_t chunks = 0;
+  for (int64_t seen = 0, n = 1 + static_cast<int64_t>(prompt.size()); seen < n; ++chunks) {
+    seen += prefill_chunk_length(seen, n - seen, 16, 200);
+  }
+  EXPECT_GT(chunks, 8);
+  EXPECT_GE(s.metric("dcp_scheduler_steps_total"), 2 * chunks);
 }
 
 TEST_F(ServeTest, StreamingSendsTheSameBytesAsServerSentEvents) {
@@ -383,6 +422,14 @@ TEST_F(ServeTest, AdmissionQueuesWhenTheKvBudgetIsFullAndRefusesBeyondTheQueue) 
   ASSERT_TRUE(s.wait_for([&] { return s.metric("dcp_kv_held_bytes") == 0; }));
   EXPECT_EQ(s.metric("dcp_kv_bytes"), 0);
   EXPECT_EQ(s.metric("dcp_sessions_active_peak"), 2);
+  // While requests waited, the budget held exactly its two sessions: the mean over those seconds is 2, and the KV
+  // bytes held then averaged at most the two reservations (a full cache grows to its reservation).
+  const double saturated = s.metric("dcp_saturated_seconds_total");
+  ASSERT_GT(saturated, 0) << s.metrics();
+  EXPECT_NEAR(s.metric("dcp_saturated_session_seconds_total") / saturated, 2.0, 1e-9) << s.metrics();
+  const double kv_mean = s.metric("dcp_saturated_kv_byte_seconds_total") / saturated;
+  EXPECT_GT(kv_mean, 0);
+  EXPECT_LE(kv_mean, 2.0 * per_session * (1 + 1e-9));
   // Three full sessions never fit; at budget 0.25 the same request reserves less and is served.
   const json big = {{"prompt", std::string(prompt, 'q')}, {"max_tokens", max_tokens}, {"temperature", 0}};
   Config small = cfg;
@@ -570,6 +617,8 @@ TEST_F(ServeTest, ModelsHealthMetricsAndThePage) {
   EXPECT_EQ(serve::metric(text, "dcp_completion_tokens_total"), 5);
   EXPECT_EQ(serve::metric(text, "dcp_time_to_first_token_seconds_count"), 1);
   EXPECT_EQ(serve::metric(text, "dcp_inter_token_latency_seconds_count"), 4);
+  EXPECT_EQ(serve::metric(text, "dcp_saturated_seconds_total"), 0);  // the one request never waited
+  EXPECT_EQ(serve::metric(text, "dcp_saturated_session_seconds_total"), 0);
   const auto page = serve::get("127.0.0.1", s.port, "/");
   EXPECT_EQ(page.first, 200);
   EXPECT_NE(page.second.find("<textarea id=\"prompt\""), std::string::npos);

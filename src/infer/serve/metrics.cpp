@@ -88,6 +88,9 @@ std::string Metrics::text(const SchedulerGauges& g) const {
   gauge(out, "dcp_decode_step_seconds_total", "counter", "Seconds those iterations took (forward, sampling, bookkeeping).", g.decode_step_seconds);
   gauge(out, "dcp_sessions_cancelled_total", "counter", "Sessions cancelled (client gone or shutdown).", static_cast<double>(g.cancelled));
   gauge(out, "dcp_sessions_over_reservation_total", "counter", "Sessions whose cache grew past their reservation.", static_cast<double>(g.over_reservation));
+  gauge(out, "dcp_saturated_seconds_total", "counter", "Seconds of scheduler iterations run while a request waited in the queue.", g.saturated_seconds);
+  gauge(out, "dcp_saturated_session_seconds_total", "counter", "Active sessions integrated over those seconds (divided by them: the mean sessions held while requests waited).", g.saturated_session_seconds);
+  gauge(out, "dcp_saturated_kv_byte_seconds_total", "counter", "KV bytes held (KvCache::bytes) integrated over those seconds.", g.saturated_kv_byte_seconds);
   histogram(out, "dcp_time_to_first_token_seconds", "From the request's arrival to its first generated token.", ttft_);
   histogram(out, "dcp_inter_token_latency_seconds", "Between two generated tokens of a session.", itl_);
   gauge(out, "process_resident_memory_bytes", "gauge", "Resident memory of the server process.", static_cast<double>(resident_bytes()));

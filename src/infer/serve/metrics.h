@@ -35,6 +35,11 @@ struct SchedulerGauges {
   double decode_step_seconds = 0;
   uint64_t cancelled = 0;         ///< sessions cancelled (client gone or shutdown)
   uint64_t over_reservation = 0;  ///< sessions whose cache grew past their reservation (minimax abstaining)
+  /// Saturated time: the scheduler iterations that ran while a request waited in the queue (for KV memory or a
+  /// batch slot). Their seconds, and the integrals over them of the sessions held (session-seconds) and of the KV
+  /// bytes held (KvCache::bytes, byte-seconds): saturated_session_seconds / saturated_seconds is the mean number of
+  /// sessions the server held while it could admit no more, a steadier measure of capacity than the peak.
+  double saturated_seconds = 0, saturated_session_seconds = 0, saturated_kv_byte_seconds = 0;
 };
 
 class Metrics {

@@ -50,8 +50,8 @@ Scheduler::~Scheduler() {
   if (thread_.joinable()) thread_.join();
 }
 
-int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t layers,
-                        const KvGrowth& g) {
+int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t chunk_pairs,
+                        int64_t layers, const KvGrowth& g) {
   if (!g.compresses) return layers * (prompt_tokens + max_tokens);
   auto keep = [&](int64_t seen) {
     int64_t cap = static_cast<int64_t>(std::ceil(g.ratio * static_cast<double>(seen)));
@@ -69,7 +69,7 @@ int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk
     held = after;
     seen += t;
   };
-  while (seen < prompt_tokens) step(std::min(chunk_tokens, prompt_tokens - seen), true);
+  while (seen < prompt_tokens) step(prefill_chunk_length(seen, prompt_tokens - seen, chunk_tokens, chunk_pairs), true);
   for (int64_t i = 0; i + 1 < max_tokens; ++i) step(1, (seen + 1) % g.interval == 0);
   return peak;
 }
@@ -91,7 +91,8 @@ int64_t Scheduler::reservation(const CompletionRequest& r, const KvPolicy& polic
     g.by_layer = policy.compresses_by_layer();
   }
   const int64_t prompt_tokens = 1 + static_cast<int64_t>(r.prompt.size());
-  return kv_peak_entries(prompt_tokens, r.max_tokens, opt_.chunk_tokens, spec_.layers, g) * spec_.kv_heads *
+  return kv_peak_entries(prompt_tokens, r.max_tokens, opt_.chunk_tokens, opt_.chunk_pairs, spec_.layers, g) *
+         spec_.kv_heads *
          entry_bytes_;
 }
 
@@ -199,7 +200,8 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
     if (s->prefilled < s->prompt.size()) {
       if (prefills >= opt_.prefill_chunks) continue;
       ++prefills;
-      const size_t t = std::min(s->prompt.size() - s->prefilled, static_cast<size_t>(opt_.chunk_tokens));
+      const auto t = static_cast<size_t>(
+          s->decode->next_chunk_length(static_cast<int64_t>(s->prompt.size() - s->prefilled)));
       tokens.emplace_back(s->prompt.begin() + static_cast<std::ptrdiff_t>(s->prefilled),
                           s->prompt.begin() + static_cast<std::ptrdiff_t>(s->prefilled + t));
       prefill.push_back(true);
@@ -314,6 +316,7 @@ void Scheduler::loop() {
   torch::NoGradGuard no_grad;
   model_->eval();
   bool trimmed = true;
+  bool waiting = false;  // a request was left in the queue by this iteration's admission
   std::vector<std::shared_ptr<Job>> fresh;
   while (true) {
     {
@@ -335,6 +338,7 @@ void Scheduler::loop() {
         queue_.pop_front();
       }
       fresh.swap(admitted_);
+      waiting = !queue_.empty();
       if (stopping_ && fresh.empty() && sessions_.empty()) break;
       if (fresh.empty() && sessions_.empty()) {
         gauges_.kv_bytes = gauges_.kv_capacity_bytes = 0;
@@ -349,8 +353,9 @@ void Scheduler::loop() {
       }
     }
     trimmed = false;
+    const Clock::time_point iteration_started = Clock::now();
     for (auto& j : fresh) {
-      auto decode = std::make_unique<DecodeSession>(model_, opt_.chunk_tokens, j->policy);
+      auto decode = std::make_unique<DecodeSession>(model_, opt_.chunk_tokens, j->policy, opt_.chunk_pairs);
       auto s = std::make_unique<Session>(j, std::move(decode));
       s->prompt.push_back(kBosToken);
       for (unsigned char c : j->request.prompt) s->prompt.push_back(c);
@@ -389,12 +394,14 @@ void Scheduler::loop() {
     }
     const StepStats stats = step(active);
     // Release what finished at once (the caches go with the sessions), and account what the others hold.
-    int64_t released = 0, released_count = 0, kv = 0, capacity = 0, grown = 0;
+    int64_t released = 0, released_count = 0, released_kv = 0, kv = 0, capacity = 0, grown = 0;
+    const auto held_sessions = static_cast<double>(sessions_.size());  // what this iteration held, finished ones too
     uint64_t over = 0;
     for (auto it = sessions_.begin(); it != sessions_.end();) {
       Session& s = **it;
       if (s.done) {
         released += s.hold;
+        released_kv += s.decode->cache().bytes();
         ++released_count;
         it = sessions_.erase(it);
         continue;
@@ -422,6 +429,12 @@ void Scheduler::loop() {
       gauges_.cancelled += cancelled;
       gauges_.over_reservation += over;
       if (stats.ran) ++gauges_.steps;
+      if (waiting) {
+        const double dt = std::chrono::duration<double>(Clock::now() - iteration_started).count();
+        gauges_.saturated_seconds += dt;
+        gauges_.saturated_session_seconds += dt * held_sessions;
+        gauges_.saturated_kv_byte_seconds += dt * static_cast<double>(kv + released_kv);
+      }
       if (stats.decode_only) {
         ++gauges_.decode_steps;
         gauges_.decode_step_tokens += static_cast<uint64_t>(stats.sessions);

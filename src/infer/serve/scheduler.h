@@ -59,20 +59,23 @@ struct KvGrowth {
 };
 
 /// The most cache entries, summed over the `layers` layers of one KV head, that a session holds at any moment:
-/// `prompt_tokens` (BOS included) prefilled in chunks of `chunk_tokens`, each followed by a compression, then
+/// `prompt_tokens` (BOS included) prefilled in chunks of prefill_chunk_length(seen, left, chunk_tokens,
+/// chunk_pairs) (dcp/infer.h), each followed by a compression, then
 /// max_tokens - 1 tokens decoded (the last byte drawn is never run), compressed when the next position is a
 /// multiple of the interval. A compression leaves min(s, max(ceil(ratio s) capped at max_entries, protect))
 /// entries per head after s tokens. The peak of a prefill chunk is the moment its last layer has appended it: by
 /// layer, the other layers are already compressed; else every layer holds the whole chunk. Policy full: every
-/// token, layers x (prompt_tokens + max_tokens) (what its cache reserves). All arguments >= 1 (max_tokens >= 1).
-int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t layers,
-                        const KvGrowth& growth);
+/// token, layers x (prompt_tokens + max_tokens) (what its cache reserves). All arguments >= 1 (max_tokens >= 1)
+/// but chunk_pairs >= 0.
+int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t chunk_pairs,
+                        int64_t layers, const KvGrowth& growth);
 
 struct SchedulerOptions {
   int64_t kv_memory_bytes = 1000000000;
   int64_t max_sessions = 64;
   int64_t max_queue = 64;
   int64_t chunk_tokens = 512;
+  int64_t chunk_pairs = 0;      ///< kv.chunk_pairs: the attention bound of a prefill chunk (0 = none)
   int64_t prefill_chunks = 1;
   bool batched = true;
   int64_t threads = 0;          ///< intra-op threads of the scheduler thread; 0 = leave LibTorch's

@@ -99,6 +99,7 @@ Server::Server(Transformer model, const Config& cfg, std::string model_id) : imp
   o.max_sessions = s.max_sessions;
   o.max_queue = s.max_queue;
   o.chunk_tokens = s.chunk_tokens > 0 ? s.chunk_tokens : cfg.kv.chunk_tokens;
+  o.chunk_pairs = cfg.kv.chunk_pairs;
   o.prefill_chunks = s.prefill_chunks;
   o.batched = s.scheduler == "batched";
   o.threads = s.threads;
