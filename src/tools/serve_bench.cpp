@@ -14,6 +14,7 @@
 
 #include "dcp/data.h"
 #include "dcp/infer.h"
+#include "dcp/kv_policies.h"
 #include "dcp/serve.h"
 #include "infer/serve/api.h"
 #include "infer/serve/client.h"
@@ -44,8 +45,18 @@ Spec parse_spec(const std::string& s) {
       throw ConfigError(fmt::format("--policies: '{}' is not NAME or NAME@BUDGET", s));
     }
   }
+  // What the server would refuse with a 400 is refused here, before any run (the server's own check).
+  try {
+    make_kv_policy_with_budget(r.policy, r.policy == "full" ? 1.0 : r.budget);
+  } catch (const std::exception& e) {
+    throw ConfigError(fmt::format("--policies: '{}': {}", s, e.what()));
+  }
   return r;
 }
+
+// A latency or time for the report: '-' where the run had none (the row holds -1).
+std::string ms_or_dash(double seconds) { return seconds >= 0 ? fmt::format("{:.2f}", 1e3 * seconds) : "-"; }
+std::string s_or_dash(double seconds) { return seconds >= 0 ? fmt::format("{:.3f}", seconds) : "-"; }
 
 // Prompts of [min, max] bytes cut from the held-out documents at seeded offsets, ending on a UTF-8 boundary.
 std::vector<std::string> make_prompts(const Config& cfg, const ServeBenchOptions& o, int64_t count) {
@@ -112,6 +123,7 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
   const auto t0 = clock::now();
   struct Done {
     double sent = 0, first = -1;              // seconds after t0
+    std::string failure;                      // why a request was not answered in full (status and message)
     std::vector<std::pair<double, double>> gaps;  // (start, end) of each inter-token gap, per byte
     int64_t bytes = 0;
     bool ok = false, abstained = false;
@@ -129,6 +141,11 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
         d.sent = std::chrono::duration<double>(clock::now() - t0).count();
         const serve::ClientReply r = serve::complete("127.0.0.1", port, body, 600);
         d.ok = r.status == 200 && r.done && !r.last.is_null();
+        if (!d.ok) {
+          std::string why = r.status == 0 ? r.error : r.body.substr(0, 300);
+          d.failure = fmt::format("HTTP {}: {}", r.status, why);
+          spdlog::warn("bench-serve: {} {}@{}: request {} failed: {}", run, spec.policy, spec.budget, i, d.failure);
+        }
         double prev = -1;
         for (size_t e = 0; e < r.events.size(); ++e) {
           const auto& ch = r.events[e].value("choices", nlohmann::json::array());
@@ -174,6 +191,7 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
     const Done& d = done[i];
     row.answered += d.ok ? 1 : 0;
     row.failed += d.ok ? 0 : 1;
+    if (!d.ok && row.first_failure.empty()) row.first_failure = d.failure;
     row.tokens += d.bytes;
     row.abstained += d.abstained ? 1 : 0;
     if (d.first >= 0) ttft.push_back(d.first - d.sent);
@@ -272,7 +290,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   std::ostringstream md;
   md << "# dcp bench-serve: continuous batching and KV memory on loopback\n\n";
   md << fmt::format("```sh\n{}\n```\n\n", own_command_line());
-  md << fmt::format("Checkpoint `{}` (d_model {}, {} layers, {} heads, {}), threads {}, scheduler {}, prefill chunk "
+  md << fmt::format("Checkpoint `{}` (d_model {}, {} layers, {} heads, {}), threads {} (serve.threads; 0 = every core), scheduler {}, prefill chunk "
                     "{} tokens{} ({} per step). {} UTC, {:.0f} s in all; 1-minute load average {:.2f} at the start, "
                     "{:.2f} at the end. BLAS: {}.\n\n",
                     checkpoint, cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads,
@@ -315,7 +333,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
     auto ratio = [](double a, double b) { return b > 0 && a >= 0 ? fmt::format("{:.2f}x", a / b) : std::string("-"); };
     auto mean = [](double m) { return m >= 0 ? fmt::format("{:.2f}", m) : std::string("- (no request waited)"); };
     md << fmt::format("**Memory**: at serve.kv_memory_bytes = {:.0f} ({} clients, {} requests) the full cache held at "
-                      "most {} sessions at once, {} on average while requests waited for admission ({:.0f} s);",
+                      "most {} session(s) at once, {} on average while requests waited for admission ({:.0f} s);",
                       memory, o.memory_clients, o.memory_requests, mem_full->peak_sessions,
                       mean(mem_full->saturated_sessions), mem_full->saturated_s);
     for (const auto& r : rows) {
@@ -333,15 +351,21 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
         "while saturated | abstained |\n";
   md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : rows) {
-    md << fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {} | {:.3f} | {:.3f} | {:.2f} | {:.2f} | {} | {} | {:.1f} | {} | {} | {} |\n",
+    md << fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} |\n",
                       r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.tokens_per_s,
-                      r.decode_tokens_per_s > 0 ? fmt::format("{:.1f}", r.decode_tokens_per_s) : "-", r.ttft_p50,
-                      r.ttft_p99, 1e3 * r.itl_p50, 1e3 * r.itl_p99,
-                      r.itl_prefill_p99 > 0 ? fmt::format("{:.2f}", 1e3 * r.itl_prefill_p99) : "-", r.peak_sessions,
+                      r.decode_tokens_per_s > 0 ? fmt::format("{:.1f}", r.decode_tokens_per_s) : "-",
+                      s_or_dash(r.ttft_p50), s_or_dash(r.ttft_p99), ms_or_dash(r.itl_p50), ms_or_dash(r.itl_p99),
+                      r.itl_prefill_p99 > 0 ? ms_or_dash(r.itl_prefill_p99) : "-", r.peak_sessions,
                       r.peak_kv_bytes / 1e6,
                       r.saturated_sessions >= 0 ? fmt::format("{:.2f}", r.saturated_sessions) : "-",
                       r.saturated_kv_bytes >= 0 ? fmt::format("{:.1f}", r.saturated_kv_bytes / 1e6) : "-", r.abstained);
   }
+  for (const auto& r : rows) {
+    if (r.failed == 0) continue;
+    md << fmt::format("\n**{} of {} requests of the {} run of {}@{} failed** (counted in no latency); the first: {}\n",
+                      r.failed, r.requests, r.run, r.policy, r.budget, r.first_failure);
+  }
+  if (o.memory_requests == 0) md << "\nNo memory runs (`--memory-requests 0`).\n";
   if (!o.out.empty()) {
     std::filesystem::create_directories(std::filesystem::path(o.out).parent_path().empty()
                                             ? std::filesystem::path(".")
@@ -351,7 +375,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
     if (o.plot && gnuplot_available()) {
       const bool memory_runs = mem_full != nullptr;
       std::string script = fmt::format(
-          "set terminal pngcairo size {},450 font ',10'\nset output '{}'\nset datafile separator ','\n"
+          "set terminal pngcairo noenhanced size {},450 font ',10'\nset output '{}'\nset datafile separator ','\n"
           "set multiplot layout 1,{}\nset title 'throughput, full cache'\nset xlabel 'concurrent clients'\n"
           "set ylabel 'tokens/s'\nset logscale x 2\nset grid\n"
           "plot '{}' using ($4):(stringcolumn(1) ne 'memory' ? $10 : 1/0) with linespoints lw 2 title 'tokens/s'\n",
@@ -360,7 +384,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
         script += fmt::format(
             "unset logscale x\nset title 'sessions held at {:.0f} KV bytes'\nset xlabel ''\nset ylabel 'sessions'\n"
             "set style data histograms\nset yrange [0:*]\nset style fill solid 0.6\nset boxwidth 0.8\n"
-            "set xtics rotate by -30\n"
+            "set xtics rotate by -30\nset key below\n"
             "plot '< grep ^memory {}' using 17:xtic(sprintf('%s@%s', stringcolumn(2), stringcolumn(3))) title 'peak', "
             "'' using 25 title 'mean while requests waited'\n",
             memory, csv_path);

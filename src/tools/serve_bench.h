@@ -35,6 +35,7 @@ struct ServeBenchRow {
   std::string policy;
   double budget = 1;
   int64_t clients = 0, requests = 0, answered = 0, failed = 0;
+  std::string first_failure;  ///< the first failed request's HTTP status and message ("" when none failed)
   int64_t tokens = 0;    ///< completion bytes received
   double wall_s = 0, tokens_per_s = 0;
   double ttft_p50 = 0, ttft_p99 = 0, itl_p50 = 0, itl_p99 = 0;  ///< seconds

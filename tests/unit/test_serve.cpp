@@ -25,6 +25,7 @@
 #include "infer/serve/api.h"
 #include "infer/serve/client.h"
 #include "infer/serve/scheduler.h"
+#include "tools/serve_bench.h"
 #include "unit/kv_test_model.h"
 
 using namespace dcp;
@@ -271,6 +272,23 @@ TEST_F(ServeTest, CompletionEqualsGenerateWithChunksBoundedByAttentionPairs) {
   }
   EXPECT_GT(chunks, 8);
   EXPECT_GE(s.metric("dcp_scheduler_steps_total"), 2 * chunks);
+}
+
+// dcp bench-serve refuses a policy spec the server would answer with 400 before any run starts (it used to run the
+// whole benchmark and report rows of nothing): an unknown name, a budget outside (0, 1] that is no whole number >= 2.
+TEST(ServeBench, APolicySpecTheServerWouldRefuseIsAConfigErrorBeforeAnyRun) {
+  Config cfg = tiny_config();
+  cfg.data.path = "/nonexistent/corpus";  // reached only if a run started: the error must come first
+  for (const std::string& spec : {"bogus@0.3", "window@1.5", "window@0", "window@x", "minimax@-1"}) {
+    ServeBenchOptions o;
+    o.policies = {spec};
+    try {
+      run_serve_bench(tiny_model(), cfg, "/nonexistent/checkpoint", o);
+      ADD_FAILURE() << spec << " was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(spec), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST_F(ServeTest, StreamingSendsTheSameBytesAsServerSentEvents) {

@@ -118,7 +118,7 @@ std::optional<ApiError> Scheduler::submit(const std::shared_ptr<Job>& job) {
     queue_.push_back(job);
   } else {
     return ApiError{503,
-                    fmt::format("the server is busy: {} sessions hold {} of {} KV bytes and {} requests wait "
+                    fmt::format("the server is busy: {} session(s) hold {} of {} KV bytes and {} request(s) wait "
                                 "(serve.max_queue); retry later",
                                 admitted_count_, held_bytes_, opt_.kv_memory_bytes, queue_.size()),
                     "server_error", "", "queue_full"};
