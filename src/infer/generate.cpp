@@ -10,9 +10,9 @@ std::string generate(Transformer& model, const std::string& prompt, const Genera
       opt.chunk_pairs < 0 ||
       !(opt.top_p > 0 && opt.top_p <= 1)) {
     throw std::invalid_argument(fmt::format(
-        "generate: max_new_tokens {}, temperature {}, top_k {} must be >= 0, top_p {} in (0, 1], context {} and "
-        "chunk_tokens {} >= 1",
-        opt.max_new_tokens, opt.temperature, opt.top_k, opt.top_p, opt.context, opt.chunk_tokens));
+        "generate: max_new_tokens {}, temperature {}, top_k {} and chunk_pairs {} must be >= 0, top_p {} in (0, 1], "
+        "context {} and chunk_tokens {} >= 1",
+        opt.max_new_tokens, opt.temperature, opt.top_k, opt.chunk_pairs, opt.top_p, opt.context, opt.chunk_tokens));
   }
   torch::NoGradGuard no_grad;
   model->eval();

@@ -271,9 +271,11 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                                                  static_cast<double>(probe.entry_bytes());
   Config fixed = cfg;
   fixed.serve.kv_memory_bytes = memory;
-  for (const Spec& s : o.memory_requests > 0 ? specs : std::vector<Spec>{}) {
-    rows.push_back(run_load(model, fixed, id, "memory", s, o.memory_clients,
-                            std::vector<std::string>(prompts.begin(), prompts.begin() + o.memory_requests), o.max_tokens));
+  if (o.memory_requests > 0) {
+    for (const Spec& s : specs) {
+      rows.push_back(run_load(model, fixed, id, "memory", s, o.memory_clients,
+                              std::vector<std::string>(prompts.begin(), prompts.begin() + o.memory_requests), o.max_tokens));
+    }
   }
   const double load_end = load_average_1min();
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -355,7 +357,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                       r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.tokens_per_s,
                       r.decode_tokens_per_s > 0 ? fmt::format("{:.1f}", r.decode_tokens_per_s) : "-",
                       s_or_dash(r.ttft_p50), s_or_dash(r.ttft_p99), ms_or_dash(r.itl_p50), ms_or_dash(r.itl_p99),
-                      r.itl_prefill_p99 > 0 ? ms_or_dash(r.itl_prefill_p99) : "-", r.peak_sessions,
+                      ms_or_dash(r.itl_prefill_p99), r.peak_sessions,
                       r.peak_kv_bytes / 1e6,
                       r.saturated_sessions >= 0 ? fmt::format("{:.2f}", r.saturated_sessions) : "-",
                       r.saturated_kv_bytes >= 0 ? fmt::format("{:.1f}", r.saturated_kv_bytes / 1e6) : "-", r.abstained);
