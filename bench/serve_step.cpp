@@ -1,0 +1,147 @@
+// The scheduler's decode step alone, without HTTP: S sessions of a randomly initialised model (speed does not
+// depend on the weights), each prefilled to its own cache length, then decoded (a) together by
+// DecodeSession::step_batch as dcp serve's batched scheduler runs a decode-only iteration (its operations on one
+// thread, the decode kernel on `--threads`), and (b) one after another, each alone in a step_batch of one session, as
+// the scheduler runs the sequential run of dcp bench-serve. Prints the median seconds per step and tokens/s of both and their ratio, and the
+// decode kernel's share (kv_decode_attention timed on the same caches). The profiling harness of docs/serve.md
+// "Scheduler"; the numbers of record come from dcp bench-serve.
+//
+//   build/bench/bench_serve_step --sessions 16 --min-length 1024 --max-length 8192 --steps 64 --threads 2
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dcp/infer.h"
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("dcp serve's batched decode step against the same sessions decoded one after another");
+  int64_t sessions = 16, min_length = 1024, max_length = 8192, steps = 64, threads = 2, d_model = 128, layers = 4,
+          heads = 4, chunk_tokens = 512;
+  std::string precision = "bf16";
+  bool skip_sequential = false;
+  app.add_option("--sessions", sessions, "concurrent sessions")->check(CLI::Range(1, 4096));
+  app.add_option("--min-length", min_length, "shortest cache, tokens")->check(CLI::Range(1, 1 << 24));
+  app.add_option("--max-length", max_length, "longest cache, tokens (lengths evenly spaced)")->check(CLI::Range(1, 1 << 24));
+  app.add_option("--steps", steps, "decode steps timed")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--threads", threads, "intra-op threads")->check(CLI::Range(1, 1024));
+  app.add_option("--d-model", d_model, "model width")->check(CLI::Range(8, 1 << 16));
+  app.add_option("--layers", layers, "layers")->check(CLI::Range(1, 1024));
+  app.add_option("--heads", heads, "heads")->check(CLI::Range(1, 1024));
+  app.add_option("--chunk-tokens", chunk_tokens, "prefill chunk")->check(CLI::Range(1, 1 << 24));
+  app.add_option("--precision", precision, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_flag("--skip-sequential", skip_sequential, "time the batched step only (for a profile)");
+  CLI11_PARSE(app, argc, argv);
+  if (max_length < min_length) {
+    fmt::print(stderr, "bench_serve_step: --max-length {} is below --min-length {}\n", max_length, min_length);
+    return 2;
+  }
+  torch::set_num_threads(static_cast<int>(threads));
+  torch::manual_seed(1);
+  dcp::ModelConfig mc;
+  mc.d_model = d_model;
+  mc.n_layers = layers;
+  mc.n_heads = heads;
+  mc.d_ff = 3 * d_model;
+  dcp::Transformer model(mc, dcp::AttentionConfig{}, precision == "bf16" ? dcp::Precision::kBf16 : dcp::Precision::kFp32);
+  model->eval();
+  torch::NoGradGuard no_grad;
+  std::mt19937_64 rng(7);
+  std::vector<std::unique_ptr<dcp::DecodeSession>> owned;
+  std::vector<dcp::DecodeSession*> all;
+  int64_t total_entries = 0;
+  for (int64_t s = 0; s < sessions; ++s) {
+    const int64_t length =
+        sessions == 1 ? max_length : min_length + (max_length - min_length) * s / std::max<int64_t>(sessions - 1, 1);
+    std::vector<int64_t> tokens{dcp::kBosToken};
+    for (int64_t i = 1; i < length; ++i) tokens.push_back(static_cast<int64_t>(32 + rng() % 95));
+    owned.push_back(std::make_unique<dcp::DecodeSession>(model, chunk_tokens));
+    owned.back()->prefill(tokens);
+    all.push_back(owned.back().get());
+    total_entries += length;
+  }
+  const int restore = at::get_num_threads();
+  std::vector<std::vector<int64_t>> next(static_cast<size_t>(sessions), std::vector<int64_t>{'a'});
+  const std::vector<bool> decode_only(static_cast<size_t>(sessions), false);
+  std::vector<double> batched;
+  for (int64_t step = -2; step < steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    omp_set_num_threads(1);  // as the scheduler: the step's operations on one thread, the kernel on `threads`
+    const std::vector<torch::Tensor> logits = dcp::DecodeSession::step_batch(all, next, decode_only, threads);
+    omp_set_num_threads(restore);
+    for (size_t i = 0; i < logits.size(); ++i) next[i][0] = 32 + logits[i][0].slice(0, 32, 127).argmax().item<int64_t>();
+    if (step >= 0) batched.push_back(seconds_since(t0));
+  }
+  const double b = median(batched);
+  fmt::print("model d_model {} layers {} heads {} {}, {} thread(s); {} sessions, caches {}..{} tokens ({} in all)\n",
+             d_model, layers, heads, precision, threads, sessions, min_length, max_length, total_entries);
+  fmt::print("batched:    {:.3f} ms per step of {} sessions, {:.1f} tokens/s\n", 1e3 * b, sessions,
+             static_cast<double>(sessions) / b);
+  {
+    // The decode kernel alone on the same caches, every layer, each path this CPU runs: its share of the step.
+    const dcp::KvCacheSpec spec = all[0]->cache().spec();
+    const int64_t hd = d_model / heads;
+    const auto opts = torch::TensorOptions().dtype(spec.dtype);
+    const torch::Tensor q = torch::randn({sessions, heads, hd}).to(opts), k = torch::randn({sessions, heads, hd}).to(opts),
+                        v = torch::randn({sessions, heads, hd}).to(opts);
+    std::vector<const dcp::KvCache*> caches;
+    for (const auto* s : all) caches.push_back(&s->cache());
+    for (auto path : {dcp::DecodeAttentionPath::kPortable, dcp::DecodeAttentionPath::kAvx512,
+                      dcp::DecodeAttentionPath::kAvx512Bf16}) {
+      try {
+        dcp::resolve_decode_attention_path(spec.dtype, path);
+      } catch (const std::invalid_argument&) {
+        continue;
+      }
+      std::vector<double> t;
+      for (int64_t rep = -1; rep < 8; ++rep) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int64_t layer = 0; layer < layers; ++layer) dcp::kv_decode_attention(q, k, v, caches, layer, 0, path, threads);
+        if (rep >= 0) t.push_back(seconds_since(t0));
+      }
+      const double m = median(t);
+      double bytes = 0;
+      for (const auto* s : all) bytes += static_cast<double>(s->cache().bytes());
+      fmt::print("kernel {:<11} {:.3f} ms per step (every layer), {:.1f} GB/s of cache read, {:.0f}% of the batched step\n",
+                 dcp::to_string(path), 1e3 * m, bytes / m / 1e9, 100 * m / b);
+    }
+  }
+  if (skip_sequential) return 0;
+  std::vector<double> sequential;
+  for (int64_t step = -1; step < std::max<int64_t>(steps / 4, 2); ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < all.size(); ++i) {
+      // One session per step, as the scheduler runs a lone session (bench-serve's sequential run).
+      omp_set_num_threads(1);
+      const std::vector<torch::Tensor> l =
+          dcp::DecodeSession::step_batch({all[i]}, {next[i]}, {false}, threads);
+      omp_set_num_threads(restore);
+      next[i][0] = 32 + l[0][0].slice(0, 32, 127).argmax().item<int64_t>();
+    }
+    if (step >= 0) sequential.push_back(seconds_since(t0));
+  }
+  const double q = median(sequential);
+  fmt::print("sequential: {:.3f} ms per round of {} sessions, {:.1f} tokens/s\n", 1e3 * q, sessions,
+             static_cast<double>(sessions) / q);
+  fmt::print("batched / sequential tokens/s: {:.2f}x\n", q / b);
+  return 0;
+}
