@@ -102,7 +102,7 @@ class MinimaxKvPolicy : public KvPolicy {
   void restart_if_new(const KvCache& cache);
   std::vector<Work> collect_blocks(const KvCache& cache, int64_t layer, int64_t& pool);
   void assess_head(Work& w, const KvObservations& obs, int64_t layer, int64_t position) const;
-  void allocate_budget(std::vector<Work>& work, int64_t pool, int threads) const;
+  void allocate_budget(std::vector<Work>& work, int64_t pool) const;
   void commit_layer(KvCache& cache, int64_t layer, std::vector<Work>& work);
 
   MinimaxOptions options_;
