@@ -70,32 +70,8 @@ double read_peak_gbs(int64_t bytes, int64_t threads) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  CLI::App app("dcp serve's batched decode step against the same sessions decoded one after another");
-  int64_t sessions = 16, min_length = 1024, max_length = 8192, steps = 64, threads = 2, d_model = 128, layers = 4,
-          heads = 4, chunk_tokens = 512;
-  std::string precision = "bf16";
-  bool skip_sequential = false;
-  app.add_option("--sessions", sessions, "concurrent sessions")->check(CLI::Range(1, 4096));
-  app.add_option("--min-length", min_length, "shortest cache, tokens")->check(CLI::Range(1, 1 << 24));
-  app.add_option("--max-length", max_length, "longest cache, tokens (lengths evenly spaced)")->check(CLI::Range(1, 1 << 24));
-  app.add_option("--steps", steps, "decode steps timed")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--threads", threads, "intra-op threads")->check(CLI::Range(1, 1024));
-  app.add_option("--d-model", d_model, "model width")->check(CLI::Range(8, 1 << 16));
-  app.add_option("--layers", layers, "layers")->check(CLI::Range(1, 1024));
-  app.add_option("--heads", heads, "heads")->check(CLI::Range(1, 1024));
-  app.add_option("--chunk-tokens", chunk_tokens, "prefill chunk")->check(CLI::Range(1, 1 << 24));
-  app.add_option("--precision", precision, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
-  app.add_flag("--skip-sequential", skip_sequential, "time the batched step only (for a profile)");
-  CLI11_PARSE(app, argc, argv);
-  if (max_length < min_length) {
-    fmt::print(stderr, "bench_serve_step: --max-length {} is below --min-length {}\n", max_length, min_length);
-    return 2;
-  }
-  if (d_model % heads != 0) {
-    fmt::print(stderr, "bench_serve_step: --d-model {} is not a multiple of --heads {}\n", d_model, heads);
-    return 2;
-  }
+int run(int64_t sessions, int64_t min_length, int64_t max_length, int64_t steps, int64_t threads, int64_t d_model,
+        int64_t layers, int64_t heads, int64_t chunk_tokens, const std::string& precision, bool skip_sequential) {
   torch::set_num_threads(static_cast<int>(threads));
   torch::manual_seed(1);
   dcp::ModelConfig mc;
@@ -109,7 +85,7 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(7);
   std::vector<std::unique_ptr<dcp::DecodeSession>> owned;
   std::vector<dcp::DecodeSession*> all;
-  int64_t total_entries = 0;
+  int64_t total_entries = 0, shortest = max_length;
   for (int64_t s = 0; s < sessions; ++s) {
     const int64_t length =
         sessions == 1 ? max_length : min_length + (max_length - min_length) * s / std::max<int64_t>(sessions - 1, 1);
@@ -119,6 +95,7 @@ int main(int argc, char** argv) {
     owned.back()->prefill(tokens);
     all.push_back(owned.back().get());
     total_entries += length;
+    shortest = std::min(shortest, length);
   }
   const int restore = at::get_num_threads();
   std::vector<std::vector<int64_t>> next(static_cast<size_t>(sessions), std::vector<int64_t>{'a'});
@@ -134,7 +111,7 @@ int main(int argc, char** argv) {
   }
   const double b = median(batched);
   fmt::print("model d_model {} layers {} heads {} {}, {} thread(s); {} sessions, caches {}..{} tokens ({} in all)\n",
-             d_model, layers, heads, precision, threads, sessions, min_length, max_length, total_entries);
+             d_model, layers, heads, precision, threads, sessions, shortest, max_length, total_entries);
   fmt::print("batched:    {:.3f} ms per step of {} sessions, {:.1f} tokens/s\n", 1e3 * b, sessions,
              static_cast<double>(sessions) / b);
   {
@@ -154,9 +131,13 @@ int main(int argc, char** argv) {
         for (int64_t h = 0; h < spec.kv_heads; ++h) cache_bytes += per_entry * static_cast<double>(s->cache().length(layer, h));
       }
     }
-    const double peak = read_peak_gbs(std::max<int64_t>(static_cast<int64_t>(4 * cache_bytes), int64_t{1} << 29), threads);
-    fmt::print("read peak  {:.1f} GB/s ({} threads streaming a buffer of 4x the caches, at least 512 MiB)\n", peak,
+    const double peak = read_peak_gbs(std::max<int64_t>(static_cast<int64_t>(4 * cache_bytes), int64_t{1} << 28), threads);
+    fmt::print("read peak  {:.1f} GB/s ({} threads streaming a buffer of 4x the caches, at least 256 MiB)\n", peak,
                threads);
+    if (cache_bytes < 64.0 * (1 << 20)) {
+      fmt::print("note: the caches hold {:.1f} MB, which the CPU's own caches may hold: the kernel's GB/s is then not "
+                 "a memory rate and may exceed the read peak\n", cache_bytes / 1e6);
+    }
     for (auto path : {dcp::DecodeAttentionPath::kPortable, dcp::DecodeAttentionPath::kAvx512,
                       dcp::DecodeAttentionPath::kAvx512Bf16}) {
       try {
@@ -195,4 +176,40 @@ int main(int argc, char** argv) {
              static_cast<double>(sessions) / q);
   fmt::print("batched / sequential tokens/s: {:.2f}x\n", q / b);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  CLI::App app("dcp serve's batched decode step against the same sessions decoded one after another");
+  int64_t sessions = 16, min_length = 1024, max_length = 8192, steps = 64, threads = 2, d_model = 128, layers = 4,
+          heads = 4, chunk_tokens = 512;
+  std::string precision = "bf16";
+  bool skip_sequential = false;
+  app.add_option("--sessions", sessions, "concurrent sessions")->check(CLI::Range(1, 4096));
+  app.add_option("--min-length", min_length, "shortest cache, tokens")->check(CLI::Range(1, 1 << 24));
+  app.add_option("--max-length", max_length, "longest cache, tokens (lengths evenly spaced)")->check(CLI::Range(1, 1 << 24));
+  app.add_option("--steps", steps, "decode steps timed")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--threads", threads, "intra-op threads")->check(CLI::Range(1, 1024));
+  app.add_option("--d-model", d_model, "model width")->check(CLI::Range(8, 1 << 16));
+  app.add_option("--layers", layers, "layers")->check(CLI::Range(1, 1024));
+  app.add_option("--heads", heads, "heads")->check(CLI::Range(1, 1024));
+  app.add_option("--chunk-tokens", chunk_tokens, "prefill chunk")->check(CLI::Range(1, 1 << 24));
+  app.add_option("--precision", precision, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_flag("--skip-sequential", skip_sequential, "time the batched step only (for a profile)");
+  CLI11_PARSE(app, argc, argv);
+  if (max_length < min_length) {
+    fmt::print(stderr, "bench_serve_step: --max-length {} is below --min-length {}\n", max_length, min_length);
+    return 2;
+  }
+  if (d_model % heads != 0 || (d_model / heads) % 2 != 0) {
+    fmt::print(stderr, "bench_serve_step: --d-model {} / --heads {} must be a whole, even head dim (rotary pairs its "
+               "columns)\n", d_model, heads);
+    return 2;
+  }
+  try {
+    return run(sessions, min_length, max_length, steps, threads, d_model, layers, heads, chunk_tokens, precision,
+               skip_sequential);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "bench_serve_step: {}\n", e.what());
+    return 1;
+  }
 }
