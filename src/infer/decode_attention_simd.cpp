@@ -38,7 +38,7 @@ DCP_AVX512 inline __mmask32 tail32(int64_t count, int64_t at) {
 
 // 32 bf16 columns [p, p + 32) where m has their bit: a plain load when all 32 are wanted, because the hardware
 // prefetchers of the AMD EPYC measured do not follow masked AVX-512 loads (kernels/simd.h; here the kernel read its
-// caches at 13.6 GB/s with masked loads: bench/bench_serve_step).
+// caches at 11.6-11.8 GB/s with masked loads and 29-30 GB/s with plain ones: bench/results/cpu2_202612_serve_step.md).
 DCP_AVX512 inline __m512i load32(const bf16* p, __mmask32 m) {
   return m == static_cast<__mmask32>(0xffffffffu) ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p);
 }
