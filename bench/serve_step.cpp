@@ -195,7 +195,12 @@ int main(int argc, char** argv) {
   app.add_option("--chunk-tokens", chunk_tokens, "prefill chunk")->check(CLI::Range(1, 1 << 24));
   app.add_option("--precision", precision, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_flag("--skip-sequential", skip_sequential, "time the batched step only (for a profile)");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help prints and exits 0; a bad option or value exits 2 with CLI11's message, as a bad range does below.
+    return app.exit(e) == 0 ? 0 : 2;
+  }
   if (max_length < min_length) {
     fmt::print(stderr, "bench_serve_step: --max-length {} is below --min-length {}\n", max_length, min_length);
     return 2;
