@@ -1,9 +1,10 @@
 // The scheduler's decode step alone, without HTTP: S sessions of a randomly initialised model (speed does not
 // depend on the weights), each prefilled to its own cache length, then decoded (a) together by
 // DecodeSession::step_batch as dcp serve's batched scheduler runs a decode-only iteration (its operations on one
-// thread, the decode kernel on `--threads`), and (b) one after another, each alone in a step_batch of one session, as
-// the scheduler runs the sequential run of dcp bench-serve. Prints the median seconds per step and tokens/s of both and their ratio, and the
-// decode kernel's share (kv_decode_attention timed on the same caches). The profiling harness of docs/serve.md
+// thread, the decode kernel on `--threads`), and (b) one after another, each alone in a step_batch of one session,
+// as the scheduler runs the sequential run of dcp bench-serve. Prints the median seconds per step and tokens/s of
+// both and their ratio, and the decode kernel alone (kv_decode_attention on the same caches, every path this CPU
+// has) in GB/s against a streaming read peak measured in the same run. The profiling harness of docs/serve.md
 // "Scheduler"; the numbers of record come from dcp bench-serve.
 //
 //   build/bench/bench_serve_step --sessions 16 --min-length 1024 --max-length 8192 --steps 64 --threads 2
@@ -21,13 +22,9 @@
 #include <vector>
 
 #include "dcp/infer.h"
+#include "util/stats.h"
 
 namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
@@ -109,7 +106,7 @@ int run(int64_t sessions, int64_t min_length, int64_t max_length, int64_t steps,
     for (size_t i = 0; i < logits.size(); ++i) next[i][0] = 32 + logits[i][0].slice(0, 32, 127).argmax().item<int64_t>();
     if (step >= 0) batched.push_back(seconds_since(t0));
   }
-  const double b = median(batched);
+  const double b = dcp::median(batched);
   fmt::print("model d_model {} layers {} heads {} {}, {} thread(s); {} sessions, caches {}..{} tokens ({} in all)\n",
              d_model, layers, heads, precision, threads, sessions, shortest, max_length, total_entries);
   fmt::print("batched:    {:.3f} ms per step of {} sessions, {:.1f} tokens/s\n", 1e3 * b, sessions,
@@ -151,7 +148,7 @@ int run(int64_t sessions, int64_t min_length, int64_t max_length, int64_t steps,
         for (int64_t layer = 0; layer < layers; ++layer) dcp::kv_decode_attention(q, k, v, caches, layer, 0, path, threads);
         if (rep >= 0) t.push_back(seconds_since(t0));
       }
-      const double m = median(t);
+      const double m = dcp::median(t);
       fmt::print("kernel {:<11} {:.3f} ms per step (every layer), {:.1f} GB/s of cache read ({:.0f}% of the read peak), "
                  "{:.0f}% of the batched step\n",
                  dcp::to_string(path), 1e3 * m, cache_bytes / m / 1e9, 100 * cache_bytes / m / 1e9 / peak, 100 * m / b);
@@ -171,7 +168,7 @@ int run(int64_t sessions, int64_t min_length, int64_t max_length, int64_t steps,
     }
     if (step >= 0) sequential.push_back(seconds_since(t0));
   }
-  const double q = median(sequential);
+  const double q = dcp::median(sequential);
   fmt::print("sequential: {:.3f} ms per round of {} sessions, {:.1f} tokens/s\n", 1e3 * q, sessions,
              static_cast<double>(sessions) / q);
   fmt::print("batched / sequential tokens/s: {:.2f}x\n", q / b);
