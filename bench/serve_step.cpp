@@ -98,6 +98,7 @@ int run(int64_t sessions, int64_t min_length, int64_t max_length, int64_t steps,
   std::vector<std::vector<int64_t>> next(static_cast<size_t>(sessions), std::vector<int64_t>{'a'});
   const std::vector<bool> decode_only(static_cast<size_t>(sessions), false);
   std::vector<double> batched;
+  fmt::print(stderr, "bench_serve_step: {} sessions prefilled; timing {} batched decode steps\n", sessions, steps);
   for (int64_t step = -2; step < steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     omp_set_num_threads(1);  // as the scheduler: the step's operations on one thread, the kernel on `threads`

@@ -18,6 +18,11 @@ void add_bench_serve_command(CLI::App& app) {
   sub->add_option("--min-prompt", o->min_prompt, "shortest prompt, bytes")->check(CLI::Range(1, 1 << 24));
   sub->add_option("--max-prompt", o->max_prompt, "longest prompt, bytes")->check(CLI::Range(1, 1 << 24));
   sub->add_option("--max-tokens", o->max_tokens, "completion bytes per request")->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--batching-sessions", o->batching_sessions,
+                  "batching runs: sessions sent at once, then one after another; 0 = no batching runs")
+      ->check(CLI::Range(0, 4096));
+  sub->add_option("--batching-tokens", o->batching_tokens, "completion bytes per request of the batching runs")
+      ->check(CLI::Range(1, 1 << 20));
   sub->add_option("--policies", o->policies, "memory runs: NAME or NAME@BUDGET")->delimiter(',');
   sub->add_option("--memory-clients", o->memory_clients, "clients of the memory runs")->check(CLI::Range(1, 4096));
   sub->add_option("--memory-requests", o->memory_requests, "requests per memory run; 0 = no memory runs")

@@ -113,13 +113,29 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
     for (int64_t h = 0; h < kv_heads; ++h) work += (c->length(layer, h) + 1) * (heads / kv_heads) * (d + dv);
   }
   const bool simd = path != DecodeAttentionPath::kPortable;
-  parallel_pairs(pairs, work < kSerialWork ? 1 : threads, [&](int64_t begin, int64_t end) {
+  const int64_t use = work < kSerialWork ? 1 : threads;
+  // Threads take the pairs longest cache first (Graham's LPT rule, "Bounds on multiprocessing timing anomalies",
+  // 1969): the last pairs taken are then the shortest, so the threads finish within about one short pair of each
+  // other; in the callers' order (the scheduler's sessions by arrival) the longest cache could come last and leave
+  // the other threads idle for its whole length. Every pair is computed alone, so its bits do not depend on the order.
+  std::vector<int64_t> order(static_cast<size_t>(pairs));
+  for (int64_t i = 0; i < pairs; ++i) order[static_cast<size_t>(i)] = i;
+  if (use > 1) {
+    std::vector<int64_t> length(static_cast<size_t>(pairs));
+    for (int64_t i = 0; i < pairs; ++i) {
+      length[static_cast<size_t>(i)] = caches[static_cast<size_t>(i / heads)]->length(layer, i % heads / (heads / kv_heads));
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return length[static_cast<size_t>(a)] > length[static_cast<size_t>(b)]; });
+  }
+  parallel_pairs(pairs, use, [&](int64_t begin, int64_t end) {
     // Per-thread scratch, kept between calls: qs the scaled query (d rounded up to 32: the AVX-512 paths read bf16
     // queries 32 columns at a time), acc the weighted values, scores one per entry.
     static thread_local std::vector<A> qs, acc, scores;
     qs.resize(static_cast<size_t>((d + 31) / 32 * 32));
     acc.resize(static_cast<size_t>(dv));
-    for (int64_t pair = begin; pair < end; ++pair) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t pair = order[static_cast<size_t>(i)];
       // Query head h reads KV head h / (heads / kv_heads) (grouped-query attention; equal counts without GQA).
       const int64_t s = pair / heads, h = pair % heads, kh = h / (heads / kv_heads);
       const KvHeadData hd = caches[static_cast<size_t>(s)]->data(layer, kh);

@@ -17,6 +17,11 @@ struct ServeBenchOptions {
   int64_t requests = 16;       ///< requests per run: max(requests, clients)
   int64_t min_prompt = 1024, max_prompt = 8192;  ///< prompt bytes, uniform, cut from held-out documents
   int64_t max_tokens = 128;    ///< completion bytes per request (greedy, so every request runs to max_tokens)
+  /// The batching runs (the target "batched decoding at 16 concurrent sessions"): `batching_sessions` clients send
+  /// one request each at once, `batching_tokens` completion bytes each, so that all of them decode together once
+  /// every prompt is prefilled; then the same requests one after another (one client). 0 = no batching runs.
+  int64_t batching_sessions = 16;
+  int64_t batching_tokens = 1024;
   /// The memory runs: policy specs "NAME" or "NAME@BUDGET", each with `memory_clients` clients at
   /// serve.kv_memory_bytes = memory_bytes (0: what `memory_full_sessions` full caches of the mean prompt need).
   std::vector<std::string> policies{"full", "window@0.25", "window@0.5", "minimax@0.25", "minimax@0.5"};
@@ -31,7 +36,7 @@ struct ServeBenchOptions {
 
 /// One run's numbers.
 struct ServeBenchRow {
-  std::string run;       ///< throughput | sequential | memory
+  std::string run;       ///< throughput | sequential | memory | batching | batching-sequential
   std::string policy;
   double budget = 1;
   int64_t clients = 0, requests = 0, answered = 0, failed = 0;
@@ -54,6 +59,11 @@ struct ServeBenchRow {
   /// throughput without prefill; -1 when no such iteration ran).
   int64_t decode_steps = 0, decode_step_tokens = 0;
   double decode_tokens_per_s = -1;
+  /// The batching runs' decode rate as the clients saw it (-1 in other runs). Run "batching" (every request sent
+  /// at once): the seconds during which every session was decoding (from the last first byte to the first last
+  /// byte) and the bytes the clients received in them per second. Run "batching-sequential" (one client): the
+  /// seconds from each request's first byte to its last, summed, and the bytes after each first byte per second.
+  double window_s = -1, window_tokens_per_s = -1;
 };
 
 /// Runs the benchmark on `model` (cfg: the checkpoint's config with serve.* resolved) and writes the report;

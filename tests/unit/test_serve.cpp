@@ -8,10 +8,13 @@
 #include <httplib.h>
 
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -288,6 +291,60 @@ TEST(ServeBench, APolicySpecTheServerWouldRefuseIsAConfigErrorBeforeAnyRun) {
     } catch (const ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find(spec), std::string::npos) << e.what();
     }
+  }
+}
+
+// dcp bench-serve's batching runs on the tiny model: N requests sent at once, then the same N one after another;
+// each reports the decode rate the clients saw, and the sequential one's rate times its seconds is exactly the
+// bytes after each first byte (every request runs to max_tokens: greedy, no stop).
+TEST(ServeBench, BatchingRunsReportTheClientsDecodeRateAtNConcurrentSessions) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / fmt::format("dcp_bench_serve_{}", ::getpid());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  for (int i = 0; i < 24; ++i) {
+    std::string text;
+    for (int j = 0; text.size() < 400; ++j) text += fmt::format("line {} of document {}: the quick brown fox\n", j, i);
+    std::ofstream(dir / fmt::format("doc{}.txt", i)) << text;
+  }
+  Config cfg = tiny_config();
+  cfg.data.path = dir.string();
+  cfg.data.format = "text_dir";
+  cfg.data.heldout_fraction = 0.5;
+  ServeBenchOptions o;
+  o.clients = {1};
+  o.requests = 1;
+  o.min_prompt = 64;
+  o.max_prompt = 128;
+  o.max_tokens = 8;
+  o.memory_requests = 0;
+  o.batching_sessions = 3;
+  o.batching_tokens = 64;
+  o.plot = false;
+  const std::vector<ServeBenchRow> rows = run_serve_bench(tiny_model(), cfg, "/tmp/tiny/checkpoint", o);
+  fs::remove_all(dir);
+  const ServeBenchRow* batched = nullptr;
+  const ServeBenchRow* sequential = nullptr;
+  for (const auto& r : rows) {
+    if (r.run == "batching") batched = &r;
+    if (r.run == "batching-sequential") sequential = &r;
+  }
+  ASSERT_NE(batched, nullptr);
+  ASSERT_NE(sequential, nullptr);
+  EXPECT_EQ(batched->clients, 3);
+  EXPECT_EQ(sequential->clients, 1);
+  for (const ServeBenchRow* r : {batched, sequential}) {
+    EXPECT_EQ(r->requests, 3);
+    EXPECT_EQ(r->answered, 3) << r->first_failure;
+    EXPECT_EQ(r->tokens, 3 * 64);
+    EXPECT_GT(r->window_s, 0);
+    EXPECT_GT(r->window_tokens_per_s, 0);
+  }
+  EXPECT_NEAR(sequential->window_tokens_per_s * sequential->window_s, 3 * 63, 1e-6);
+  // The batched interval holds only bytes every session was decoding for: fewer than all after the first ones.
+  EXPECT_LE(batched->window_tokens_per_s * batched->window_s, 3 * 63 + 1e-6);
+  for (const auto& r : rows) {
+    if (r.run == "throughput" || r.run == "sequential") EXPECT_LT(r.window_s, 0) << r.run;
   }
 }
 
