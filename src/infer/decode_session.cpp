@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "dcp/infer.h"
+#include "model/weight_cast.h"
 
 namespace dcp {
 
@@ -81,6 +82,7 @@ torch::Tensor DecodeSession::run(const std::vector<int64_t>& tokens, bool prefil
     }
   }
   torch::NoGradGuard no_grad;
+  const CastWeightsScope keep_casts;  // the weights do not change while a session decodes: cast them once
   const int64_t total = static_cast<int64_t>(tokens.size());
   // A prompt's chunks then copy nothing (else storage would double about log2(prompt) times); one decoded token
   // leaves doubling to append.
@@ -227,6 +229,7 @@ std::vector<torch::Tensor> DecodeSession::step_batch(const std::vector<DecodeSes
     }
   }
   torch::NoGradGuard no_grad;
+  const CastWeightsScope keep_casts;
   std::vector<int64_t> flat, positions, cu{0};
   std::vector<BatchedKvCacheAttention::Segment> segments;
   std::vector<int64_t> firsts(n);

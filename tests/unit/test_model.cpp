@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "dcp/model.h"
+#include "model/weight_cast.h"
 
 using namespace dcp;
 
@@ -377,4 +378,68 @@ TEST(Gqa, KvHeadsMustDivideTheHeadsAndDefaultToThem) {
   flex.backend = "flexformer";
   cfg.n_kv_heads = 2;
   EXPECT_THROW(Transformer(cfg, flex), std::invalid_argument);
+}
+
+// weights_in (src/model/weight_cast.h): inside a CastWeightsScope with gradients off a cast is made once and given
+// again while the weights stay as they are; any change the version counter sees (an in-place update, new data)
+// makes a fresh one; with gradients on, or outside the scope, it casts every time inside autograd.
+TEST(WeightCast, KeptWhileTheWeightsStayAndRemadeWhenTheyChange) {
+  torch::manual_seed(3);
+  auto w = torch::randn({8, 4}), u = torch::randn({6, 4});
+  torch::NoGradGuard no_grad;
+  {
+    const CastWeightsScope scope;
+    const torch::Tensor a = weights_in({w}, torch::kBFloat16), b = weights_in({w}, torch::kBFloat16);
+    EXPECT_EQ(a.data_ptr(), b.data_ptr());                     // kept
+    EXPECT_TRUE(torch::equal(a, w.to(torch::kBFloat16)));      // the same bits as a cast
+    const torch::Tensor wu = weights_in({w, u}, torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(wu, torch::cat({w, u}).to(torch::kBFloat16)));
+    EXPECT_EQ(weights_in({w, u}, torch::kBFloat16).data_ptr(), wu.data_ptr());
+    EXPECT_EQ(weights_in({w}, torch::kFloat).data_ptr(), w.data_ptr());  // no cast needed: the weight itself
+    w.add_(1.0);                                                // an optimizer step, in place
+    const torch::Tensor c = weights_in({w}, torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(c, w.to(torch::kBFloat16)));
+    EXPECT_FALSE(torch::equal(c, a));
+    u.mul_(2.0);                                                // the second part of a concatenation
+    EXPECT_TRUE(torch::equal(weights_in({w, u}, torch::kBFloat16), torch::cat({w, u}).to(torch::kBFloat16)));
+    w.set_data(torch::randn({8, 4}));                           // new storage (as a checkpoint load may give)
+    EXPECT_TRUE(torch::equal(weights_in({w}, torch::kBFloat16), w.to(torch::kBFloat16)));
+  }
+  // Outside a scope: a fresh cast every call.
+  EXPECT_NE(weights_in({w}, torch::kBFloat16).data_ptr(), weights_in({w}, torch::kBFloat16).data_ptr());
+}
+
+TEST(WeightCast, GradientsStillReachTheFp32WeightsInsideAScope) {
+  auto w = torch::randn({5, 3}).requires_grad_(true);
+  const CastWeightsScope scope;
+  const torch::Tensor x = torch::randn({2, 3}).to(torch::kBFloat16);
+  torch::linear(x, weights_in({w}, torch::kBFloat16)).to(torch::kFloat).sum().backward();
+  ASSERT_TRUE(w.grad().defined());
+  EXPECT_GT(w.grad().abs().sum().item<double>(), 0);
+}
+
+// A bf16 model's logits under the scope equal those without it, before and after its weights change in place, and
+// the casts go with the model.
+TEST(WeightCast, ModelLogitsEqualUncachedOnesAndTheCastsGoWithTheModel) {
+  torch::manual_seed(11);
+  const size_t before = kept_weight_casts();
+  {
+    Transformer model(tiny_config(), AttentionConfig{}, Precision::kBf16);
+    const PackedBatch batch = random_batch({7, 3});
+    torch::NoGradGuard no_grad;
+    for (int round = 0; round < 2; ++round) {
+      const torch::Tensor plain = model->forward(batch);
+      torch::Tensor kept, again;
+      {
+        const CastWeightsScope scope;
+        kept = model->forward(batch);
+        again = model->forward(batch);
+      }
+      EXPECT_TRUE(torch::equal(kept, plain)) << "round " << round;
+      EXPECT_TRUE(torch::equal(again, plain)) << "round " << round;
+      for (auto& p : model->parameters()) p.mul_(1.25);  // every weight changes in place
+    }
+    EXPECT_GT(kept_weight_casts(), before);
+  }
+  EXPECT_EQ(kept_weight_casts(), before);
 }
