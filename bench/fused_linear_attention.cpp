@@ -23,16 +23,12 @@
 #include <vector>
 
 #include "dcp/linear_attention.h"
+#include "util/stats.h"
 
 namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace
@@ -113,7 +109,7 @@ int main(int argc, char** argv) {
   const double P = trig ? (pair ? 2.0 * m : static_cast<double>(m)) : 0.0;
   const double a = static_cast<double>(heads * length) *
                    (2 * C * F + 2 * C * D + 4 * F * D + 4 * P * static_cast<double>(head_dim));
-  const double tf = median(fwd), tb = median(bwd);
+  const double tf = dcp::median(fwd), tb = dcp::median(bwd);
   fmt::print("{} {} L {} heads {} head_dim {} m {} chunk {} path {} threads {}: forward {:.2f} ms ({:.1f} GFLOP/s), "
              "backward {:.2f} ms ({:.1f} GFLOP/s), total {:.2f} ms ({:.1f} GFLOP/s credited)\n",
              map_name, dtype_name, length, heads, head_dim, trig ? m : 0, chunk, path_name, threads, tf * 1e3,

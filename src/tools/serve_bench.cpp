@@ -56,8 +56,12 @@ Spec parse_spec(const std::string& s) {
 }
 
 // A latency or time for the report: '-' where the run had none (the row holds -1).
-std::string ms_or_dash(double seconds) { return seconds >= 0 ? fmt::format("{:.2f}", 1e3 * seconds) : "-"; }
-std::string s_or_dash(double seconds) { return seconds >= 0 ? fmt::format("{:.3f}", seconds) : "-"; }
+// A number for the report with `decimals` digits after `scale`, or '-' where the run had none (rows hold -1).
+std::string or_dash(double value, int decimals, double scale = 1.0) {
+  return value >= 0 ? fmt::format("{:.{}f}", scale * value, decimals) : std::string("-");
+}
+std::string ms_or_dash(double seconds) { return or_dash(seconds, 2, 1e3); }
+std::string s_or_dash(double seconds) { return or_dash(seconds, 3); }
 
 // Prompts of [min, max] bytes cut from the held-out documents at seeded offsets, ending on a UTF-8 boundary.
 std::vector<std::string> make_prompts(const Config& cfg, const ServeBenchOptions& o, int64_t count) {
@@ -361,8 +365,8 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                       o.batching_sessions, o.batching_sessions, o.batching_tokens,
                       batching->window_s > 0 ? "from the last first byte to the first last byte" : "no such interval",
                       std::max(batching->window_s, 0.0),
-                      batching->window_tokens_per_s > 0 ? fmt::format("{:.1f}", batching->window_tokens_per_s) : "-",
-                      batching_seq->window_tokens_per_s > 0 ? fmt::format("{:.1f}", batching_seq->window_tokens_per_s) : "-",
+                      or_dash(batching->window_tokens_per_s, 1),
+                      or_dash(batching_seq->window_tokens_per_s, 1),
                       o.batching_sessions, std::max(batching_seq->window_s, 0.0),
                       both ? fmt::format("{:.2f}x", batching->window_tokens_per_s / batching_seq->window_tokens_per_s)
                            : std::string("- (a run had no decoding interval or a failed request)"));
@@ -414,12 +418,12 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   for (const auto& r : rows) {
     md << fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} |\n",
                       r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.tokens_per_s,
-                      r.decode_tokens_per_s > 0 ? fmt::format("{:.1f}", r.decode_tokens_per_s) : "-",
+                      or_dash(r.decode_tokens_per_s, 1),
                       s_or_dash(r.ttft_p50), s_or_dash(r.ttft_p99), ms_or_dash(r.itl_p50), ms_or_dash(r.itl_p99),
                       ms_or_dash(r.itl_prefill_p99), r.peak_sessions,
                       r.peak_kv_bytes / 1e6,
-                      r.saturated_sessions >= 0 ? fmt::format("{:.2f}", r.saturated_sessions) : "-",
-                      r.saturated_kv_bytes >= 0 ? fmt::format("{:.1f}", r.saturated_kv_bytes / 1e6) : "-", r.abstained);
+                      or_dash(r.saturated_sessions, 2),
+                      or_dash(r.saturated_kv_bytes, 1, 1e-6), r.abstained);
   }
   for (const auto& r : rows) {
     if (r.failed == 0) continue;

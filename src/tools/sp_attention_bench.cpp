@@ -15,15 +15,10 @@
 #include "dcp/sequence_parallel.h"
 #include "tools/bench_common.h"
 #include "util/clock.h"
+#include "util/stats.h"
 
 namespace dcp {
 namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // The slowest rank's value.
 double slowest(double seconds, const Communicator& world) {
