@@ -21,8 +21,9 @@ void add_bench_serve_command(CLI::App& app) {
   sub->add_option("--batching-sessions", o->batching_sessions,
                   "batching runs: sessions sent at once, then one after another; 0 = no batching runs")
       ->check(CLI::Range(0, 4096));
-  sub->add_option("--batching-tokens", o->batching_tokens, "completion bytes per request of the batching runs")
-      ->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--batching-tokens", o->batching_tokens,
+                  "completion bytes per request of the batching runs (>= 2: a decode rate needs a byte after the first)")
+      ->check(CLI::Range(2, 1 << 20));
   sub->add_option("--policies", o->policies, "memory runs: NAME or NAME@BUDGET")->delimiter(',');
   sub->add_option("--memory-clients", o->memory_clients, "clients of the memory runs")->check(CLI::Range(1, 4096));
   sub->add_option("--memory-requests", o->memory_requests, "requests per memory run; 0 = no memory runs")

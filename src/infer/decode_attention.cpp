@@ -134,8 +134,8 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
     static thread_local std::vector<A> qs, acc, scores;
     qs.resize(static_cast<size_t>((d + 31) / 32 * 32));
     acc.resize(static_cast<size_t>(dv));
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t pair = order[static_cast<size_t>(i)];
+    for (int64_t taken = begin; taken < end; ++taken) {
+      const int64_t pair = order[static_cast<size_t>(taken)];
       // Query head h reads KV head h / (heads / kv_heads) (grouped-query attention; equal counts without GQA).
       const int64_t s = pair / heads, h = pair % heads, kh = h / (heads / kv_heads);
       const KvHeadData hd = caches[static_cast<size_t>(s)]->data(layer, kh);

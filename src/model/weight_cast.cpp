@@ -2,6 +2,8 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
+#include <iterator>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -37,6 +39,22 @@ bool same(const Part& p, const torch::Tensor& t) {
   return live.get() == t.unsafeGetTensorImpl() && p.data == t.data_ptr() && p.version == t._version();
 }
 
+// Drops every entry whose sources died (their casts with them) and the keys left empty. Called with mu held.
+void purge() {
+  for (auto it = kept().begin(); it != kept().end();) {
+    auto& v = it->second;
+    v.erase(std::remove_if(v.begin(), v.end(),
+                           [](const Kept& k) {
+                             for (const Part& p : k.parts) {
+                               if (p.source.expired()) return true;
+                             }
+                             return false;
+                           }),
+            v.end());
+    it = v.empty() ? kept().erase(it) : std::next(it);
+  }
+}
+
 torch::Tensor cast_now(std::initializer_list<torch::Tensor> parts, torch::ScalarType dtype) {
   if (parts.size() == 1) return parts.begin()->to(dtype);
   return torch::cat(std::vector<torch::Tensor>(parts)).to(dtype);
@@ -69,31 +87,15 @@ torch::Tensor weights_in(std::initializer_list<torch::Tensor> parts, torch::Scal
                             [&](const Kept& k) { return k.dtype == dtype && k.parts.size() == parts.size(); }),
              slot.end());
   slot.push_back(fresh);
-  for (auto it = kept().begin(); it != kept().end();) {
-    auto& v = it->second;
-    v.erase(std::remove_if(v.begin(), v.end(),
-                           [](const Kept& k) {
-                             for (const Part& p : k.parts) {
-                               if (p.source.expired()) return true;
-                             }
-                             return false;
-                           }),
-            v.end());
-    it = v.empty() ? kept().erase(it) : std::next(it);
-  }
+  purge();  // slot holds `fresh`, whose sources are alive: it stays
   return fresh.cast;
 }
 
 size_t kept_weight_casts() {
   std::lock_guard<std::mutex> lock(mu);
+  purge();
   size_t n = 0;
-  for (const auto& [key, v] : kept()) {
-    for (const Kept& k : v) {
-      bool alive = true;
-      for (const Part& p : k.parts) alive = alive && !p.source.expired();
-      n += alive ? 1 : 0;
-    }
-  }
+  for (const auto& [key, v] : kept()) n += v.size();
   return n;
 }
 

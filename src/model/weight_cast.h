@@ -25,11 +25,13 @@ class CastWeightsScope {
 /// CastWeightsScope with gradient mode off, the result is kept, keyed by the parts, and returned again while every
 /// part is the same live tensor with the same data pointer and version counter (every in-place change, an optimizer
 /// step or a checkpoint load, bumps the counter; a write to the memory that bypasses it would not be seen, which is
-/// why only decoding opens the scope). Elsewhere it casts every time, inside autograd. Thread-safe. Throws what
-/// torch::cat / Tensor::to throw (parts of other widths or devices).
+/// why only decoding opens the scope). Elsewhere it casts every time, inside autograd. A kept cast holds memory
+/// (for an fp32 model, the concatenated gate and up weights once more); one whose weight died is released at the
+/// next weights_in that makes a cast, or at kept_weight_casts. Thread-safe. Throws what torch::cat / Tensor::to
+/// throw (parts of other widths or devices).
 torch::Tensor weights_in(std::initializer_list<torch::Tensor> parts, torch::ScalarType dtype);
 
-/// The number of casts weights_in keeps now (their source tensors alive); for tests.
+/// Releases the casts whose weights died and returns how many it keeps; for tests.
 size_t kept_weight_casts();
 
 }  // namespace dcp

@@ -130,7 +130,7 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
     double sent = 0, first = -1;              // seconds after t0
     std::string failure;                      // why a request was not answered in full (status and message)
     std::vector<std::pair<double, double>> gaps;  // (start, end) of each inter-token gap, per byte
-    int64_t bytes = 0;
+    int64_t bytes = 0, first_bytes = 0;       // all received, and those of the first event
     bool ok = false, abstained = false;
   };
   std::vector<Done> done(prompts.size());
@@ -162,6 +162,7 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
           const double at = d.sent + r.event_s[e];
           if (d.first < 0) {
             d.first = at;  // bytes after the first in the first event: no gap (counted in d.bytes)
+            d.first_bytes = static_cast<int64_t>(n);
           } else {
             const auto k = static_cast<double>(n);
             for (size_t b = 0; b < n; ++b) d.gaps.emplace_back(prev + (at - prev) * b / k, prev + (at - prev) * (b + 1) / k);
@@ -235,8 +236,9 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
       int64_t bytes = 0;
       for (const Done& d : done) {
         if (d.first < 0) continue;
+        // As in the batching run: the bytes that arrived after the first event, over the time since it.
         seconds += (d.gaps.empty() ? d.first : d.gaps.back().second) - d.first;
-        bytes += d.bytes - 1;
+        bytes += d.bytes - d.first_bytes;
       }
       if (row.answered == row.requests && seconds > 0) {
         row.window_s = seconds;

@@ -62,7 +62,8 @@ struct ServeBenchRow {
   /// The batching runs' decode rate as the clients saw it (-1 in other runs). Run "batching" (every request sent
   /// at once): the seconds during which every session was decoding (from the last first byte to the first last
   /// byte) and the bytes the clients received in them per second. Run "batching-sequential" (one client): the
-  /// seconds from each request's first byte to its last, summed, and the bytes after each first byte per second.
+  /// seconds from each request's first byte to its last, summed, and the bytes that arrived after each request's
+  /// first event per second.
   double window_s = -1, window_tokens_per_s = -1;
 };
 
