@@ -360,16 +360,19 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                     o.min_prompt, o.max_prompt, cfg.data.path, o.seed, o.max_tokens, cfg.data.max_seq_len);
   if (batching && batching_seq) {
     const bool both = batching->window_tokens_per_s > 0 && batching_seq->window_tokens_per_s > 0;
-    md << fmt::format("**Batching at {} concurrent sessions** ({} clients send one request each at once, {} bytes "
-                      "each; the bytes the clients received while every session was decoding, {} over {:.2f} s): "
-                      "{} tokens/s against {} for the same {} requests one after another (the bytes after each first "
-                      "byte over the seconds from first to last byte, {:.2f} s in all): **{}** (target >= 3x at 16).\n\n",
-                      o.batching_sessions, o.batching_sessions, o.batching_tokens,
-                      batching->window_s > 0 ? "from the last first byte to the first last byte" : "no such interval",
-                      std::max(batching->window_s, 0.0),
-                      or_dash(batching->window_tokens_per_s, 1),
-                      or_dash(batching_seq->window_tokens_per_s, 1),
-                      o.batching_sessions, std::max(batching_seq->window_s, 0.0),
+    const int64_t n = o.batching_sessions;
+    const std::string interval =
+        batching->window_s > 0
+            ? fmt::format("from the last first byte to the first last byte, {:.3f} s", batching->window_s)
+            : std::string("no interval in which every session decoded: longer completions (--batching-tokens) give one");
+    md << fmt::format("**Batching at {} concurrent session{}** ({} client{} send one request each at once, completions "
+                      "of {} bytes, prompts the first {} of those above; the bytes the clients received while every "
+                      "session was decoding, {}): {} tokens/s against {} for the same {} request{} one after another "
+                      "(the bytes after each first event over the seconds from it to the last byte, {:.3f} s in all): "
+                      "**{}** (the target, >= 3x, is stated at 16 sessions).\n\n",
+                      n, n == 1 ? "" : "s", n, n == 1 ? "" : "s", o.batching_tokens, n, interval,
+                      or_dash(batching->window_tokens_per_s, 1), or_dash(batching_seq->window_tokens_per_s, 1), n,
+                      n == 1 ? "" : "s", std::max(batching_seq->window_s, 0.0),
                       both ? fmt::format("{:.2f}x", batching->window_tokens_per_s / batching_seq->window_tokens_per_s)
                            : std::string("- (a run had no decoding interval or a failed request)"));
   }
@@ -433,6 +436,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                       r.failed, r.requests, r.run, r.policy, r.budget, r.first_failure);
   }
   if (o.memory_requests == 0) md << "\nNo memory runs (`--memory-requests 0`).\n";
+  if (o.batching_sessions == 0) md << "\nNo batching runs (`--batching-sessions 0`).\n";
   if (!o.out.empty()) {
     std::filesystem::create_directories(std::filesystem::path(o.out).parent_path().empty()
                                             ? std::filesystem::path(".")
@@ -461,7 +465,8 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
       md << fmt::format("\n![throughput and sessions]({})\n", std::filesystem::path(png).filename().string());
     }
     write_text(o.out + ".md", md.str());
-    fmt::print("bench-serve: wrote {}.md, {}, {}\n", o.out, csv_path, png);
+    fmt::print("bench-serve: wrote {}.md, {}{}\n", o.out, csv_path,
+               std::filesystem::exists(png) && o.plot ? ", " + png : std::string(" (no plot)"));
   }
   fmt::print("{}", md.str());
   return rows;
