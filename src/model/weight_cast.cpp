@@ -26,8 +26,9 @@ struct Kept {
 };
 
 std::mutex mu;
-// Keyed by the first part's TensorImpl and the dtype; a stale entry is replaced, an entry whose first source died
-// is dropped at the next insertion (the cast would otherwise outlive its model).
+// Keyed by the first part's TensorImpl (one entry per dtype and part count); a stale entry is replaced, and purge()
+// drops the entries whose sources died, at each insertion and at kept_weight_casts (else a cast would outlive its
+// model).
 std::unordered_map<const c10::TensorImpl*, std::vector<Kept>>& kept() {
   static auto* m = new std::unordered_map<const c10::TensorImpl*, std::vector<Kept>>();
   return *m;
