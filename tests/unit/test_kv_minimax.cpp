@@ -206,6 +206,44 @@ TEST(KvSummary, Fp32GramMatchesItsFp64Twin) {
   EXPECT_NEAR(fast.relative_error(10), std::sqrt(exact.error()[10] / exact.output_energy()), 1e-3);
 }
 
+TEST(KvSummary, BlockedPathMatchesItsPlainTwin) {
+  // KvSummaryMethod::kBlocked (left-looking for n / 8 = 50 steps, then the Schur complement updated by rank-32
+  // products, taken entries dropped from it on the way) against kPlain (one left-looking column per step), on the
+  // same Gram: n = 400 entries, a path of 200 steps, five rank-32 updates after the switch.
+  torch::manual_seed(47);
+  const int64_t n_view = 480;
+  KvHeadView view{torch::randn({n_view, 16}, torch::kDouble) * 1.5, torch::randn({n_view, 16}, torch::kDouble),
+                  torch::zeros({n_view}), torch::arange(n_view, torch::kInt64)};
+  const torch::Tensor q = torch::randn({192, 16}, torch::kDouble);
+  const torch::Tensor pos =
+      torch::cat({torch::arange(n_view - 64, n_view, torch::kInt64), torch::full({128}, kKvFutureQuery)});
+  const torch::Tensor block = torch::arange(40, 440, torch::kInt64);
+  for (const torch::ScalarType dtype : {torch::kDouble, torch::kFloat}) {
+    // The same fp64 Gram either way (fp32 or fp64 products): the methods differ in rounding of O(1e-16)
+    // relative per operation, so the paths take the same entries and the error curves agree to 1e-10 of the
+    // first error over 200 steps.
+    KvBlockSummary blocked(view, q, 0.25, block, pos, dtype, KvSummaryMethod::kBlocked);
+    KvBlockSummary plain(view, q, 0.25, block, pos, dtype, KvSummaryMethod::kPlain);
+    KvBlockSummary automatic(view, q, 0.25, block, pos, dtype);  // 400 x 200 columns < 4 MiB: left-looking
+    blocked.extend(200);
+    plain.extend(200);
+    automatic.extend(200);
+    ASSERT_EQ(blocked.order().size(), 200u);
+    EXPECT_EQ(blocked.order(), plain.order());
+    EXPECT_EQ(automatic.order(), plain.order());
+    EXPECT_EQ(automatic.error(), plain.error());
+    const double scale = plain.error()[0];
+    for (size_t k = 0; k <= 200; ++k) EXPECT_NEAR(blocked.error()[k], plain.error()[k], 1e-10 * scale) << k;
+    EXPECT_NEAR(blocked.fit(200, false).error, plain.fit(200, false).error, 1e-10 * scale);
+    // A path continued in pieces (the allocation grows it one entry at a time) is the path grown at once.
+    KvBlockSummary pieces(view, q, 0.25, block, pos, dtype, KvSummaryMethod::kBlocked);
+    for (int64_t k = 1; k <= 200; k += 7) pieces.extend(k);
+    pieces.extend(200);
+    EXPECT_EQ(pieces.order(), blocked.order());
+    EXPECT_EQ(pieces.error(), blocked.error());
+  }
+}
+
 TEST(KvSummary, ProbabilitiesGivenOnceAreTheSameSummary) {
   // minimax computes the reference queries' attention once (its estimate) and hands it to the summary: the same
   // Gram, path, errors and weights bit for bit as the summary that computes it itself.
@@ -288,6 +326,34 @@ TEST(KvSummary, ActiveSetNnlsIsExactAndMatchesItsCoordinateDescentTwin) {
     }
   }
   EXPECT_GT(zeros, 0);  // the constraint binds: the test can tell NNLS from least squares
+  // Large problems, where the factor of the passive set is updated (an index added or removed in O(k^2)) rather
+  // than factorised afresh: the KKT conditions, which certify the optimum of this convex problem, at m = 300 and
+  // 600, full and deficient rank, with a third to a half of the weights at 0.
+  for (int trial = 0; trial < 4; ++trial) {
+    torch::manual_seed(200 + trial);
+    const int64_t m = trial < 2 ? 300 : 600, rows = trial % 2 == 0 ? 2 * m : m / 3;
+    const torch::Tensor a = torch::randn({rows, m}, torch::kDouble) * torch::rand({1, m}, torch::kDouble);
+    const torch::Tensor gt = torch::matmul(a.t(), a).contiguous();
+    const torch::Tensor ct = torch::matmul(a.t(), a.sum(1) + torch::randn({rows, 2 * m}, torch::kDouble).sum(1)).contiguous();
+    const std::vector<double> g(gt.data_ptr<double>(), gt.data_ptr<double>() + m * m);
+    const std::vector<double> c(ct.data_ptr<double>(), ct.data_ptr<double>() + m);
+    const std::vector<double> w = kv_nnls(g, c);
+    double max_c = 0;
+    for (double x : c) max_c = std::max(max_c, std::abs(x));
+    int64_t at_zero = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      double d = c[static_cast<size_t>(i)];
+      for (int64_t j = 0; j < m; ++j) d -= g[static_cast<size_t>(i * m + j)] * w[static_cast<size_t>(j)];
+      ASSERT_GE(w[static_cast<size_t>(i)], 0.0);
+      if (w[static_cast<size_t>(i)] > 0) {
+        EXPECT_LT(std::abs(d), 1e-7 * max_c) << trial << " " << i;
+      } else {
+        EXPECT_LE(d, 1e-7 * max_c) << trial << " " << i;
+        ++at_zero;
+      }
+    }
+    EXPECT_GT(at_zero, m / 10) << trial;
+  }
 }
 
 TEST(KvSummary, SpectralTailIsFlatForLookupAndSmallForClusters) {

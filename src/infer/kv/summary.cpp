@@ -32,7 +32,8 @@ torch::Tensor kv_head_probs(const KvHeadView& view, const torch::Tensor& queries
 
 KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& queries, double scale,
                                const torch::Tensor& block, const torch::Tensor& query_positions,
-                               torch::ScalarType dtype) {
+                               torch::ScalarType dtype, KvSummaryMethod method)
+    : method_(method) {
   if (queries.dim() != 2 || queries.size(0) < 1 || queries.size(1) != view.keys.size(1) || !(scale > 0) ||
       block.dim() != 1 || block.numel() < 1 || block.scalar_type() != torch::kInt64 ||
       (query_positions.defined() && (query_positions.dim() != 1 || query_positions.numel() != queries.size(0))) ||
@@ -52,7 +53,8 @@ KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& quer
 }
 
 KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block,
-                               torch::ScalarType dtype) {
+                               torch::ScalarType dtype, KvSummaryMethod method)
+    : method_(method) {
   if (probs.dim() != 2 || probs.size(0) < 1 || probs.size(1) != view.length() || probs.scalar_type() != dtype ||
       block.dim() != 1 || block.numel() < 1 || block.scalar_type() != torch::kInt64 ||
       (dtype != torch::kFloat && dtype != torch::kDouble)) {
@@ -78,21 +80,42 @@ void KvBlockSummary::init(const KvHeadView& view, const torch::Tensor& p, const 
   const torch::Tensor o = torch::matmul(p, v);  // [Q, dv]
   probs_ = p.index_select(1, block).contiguous();  // [Q, n]
   block_values_ = v.index_select(0, block).contiguous();
-  const torch::Tensor u = torch::matmul(o, block_values_.t());  // u_qi = o_q . v_i
-  const torch::Tensor o2 = (o * o).sum(1);                      // [Q]
+  const torch::Tensor u = torch::matmul(o, block_values_.t()).contiguous();  // u_qi = o_q . v_i
+  const torch::Tensor o2 = (o * o).sum(1);                                     // [Q]
   output_energy_ = o2.mean().item<double>();
   const torch::Tensor dist2 =
       ((block_values_ * block_values_).sum(1).unsqueeze(0) - 2 * u + o2.unsqueeze(1)).clamp_min(0);
   const double mass = probs_.sum().item<double>();
   const double gamma2 = mass > 0 ? (probs_ * dist2).sum().item<double>() / mass : 1.0;
-  gram_.resize(n * n);
+  form_gram(u, o2 + gamma2, dtype);
   c_.assign(n, 0.0);
+  remaining_.resize(n);
+  total_ = 0;
+  max_diag_ = 0;
+  for (size_t i = 0; i < n; ++i) {
+    double sum = 0;
+    const double* row = gram_.data() + i * n;
+    for (size_t j = 0; j < n; ++j) sum += row[j];
+    c_[i] = sum;
+    total_ += sum;
+    remaining_[i] = row[i];
+    max_diag_ = std::max(max_diag_, row[i]);
+  }
+  error_ = {std::max(total_, 0.0)};
+  residual_ = c_;
+  available_.assign(n, 1);
+}
+
+void KvBlockSummary::form_gram(const torch::Tensor& u, const torch::Tensor& s, torch::ScalarType dtype) {
+  const auto n = static_cast<size_t>(n_);
+  const double queries = static_cast<double>(probs_.size(0));
+  gram_.resize(n * n);
   if (dtype == torch::kDouble) {
     // The reference twin: G_ij = mean_q p_qi p_qj [(v_i - o_q).(v_j - o_q) + gamma^2], expanded so that only
     // [Q, n] products appear.
     const torch::Tensor m = torch::matmul((probs_ * u).t(), probs_);
     torch::Tensor gram = (torch::matmul(probs_.t(), probs_) * torch::matmul(block_values_, block_values_.t()) - m -
-                          m.t() + torch::matmul(probs_.t(), probs_ * (o2 + gamma2).unsqueeze(1))) /
+                          m.t() + torch::matmul(probs_.t(), probs_ * s.unsqueeze(1))) /
                          queries;
     gram = (0.5 * (gram + gram.t())).contiguous();
     gram_.assign(gram.data_ptr<double>(), gram.data_ptr<double>() + n * n);
@@ -100,7 +123,7 @@ void KvBlockSummary::init(const KvHeadView& view, const torch::Tensor& p, const 
     // The fast path: p_qi p_qj (s_q - u_qi - u_qj) = b_qi p_qj + p_qi b_qj with b_qi = p_qi (s_q / 2 - u_qi),
     // so G = (P^T P o V V^T + B^T P + (B^T P)^T) / Q: one [2n, Q] x [Q, n] matmul and V V^T, then one pass over
     // the upper triangle (each entry formed once, mirrored: G is symmetric by construction).
-    const torch::Tensor b = probs_ * (0.5 * (o2 + gamma2).unsqueeze(1) - u);
+    const torch::Tensor b = probs_ * (0.5 * s.unsqueeze(1) - u);
     const torch::Tensor pp_bp = torch::matmul(torch::cat({probs_, b}, 1).t(), probs_).contiguous();  // [2n, n]
     const torch::Tensor vv = torch::matmul(block_values_, block_values_.t()).contiguous();         // [n, n]
     const float* pp = pp_bp.data_ptr<float>();
@@ -118,19 +141,6 @@ void KvBlockSummary::init(const KvHeadView& view, const torch::Tensor& p, const 
       }
     }
   }
-  total_ = 0;
-  for (size_t i = 0; i < n; ++i) {
-    double sum = 0;
-    const double* row = gram_.data() + i * n;
-    for (size_t j = 0; j < n; ++j) sum += row[j];
-    c_[i] = sum;
-    total_ += sum;
-  }
-  error_ = {std::max(total_, 0.0)};
-  residual_ = c_;
-  remaining_.resize(n);
-  for (size_t i = 0; i < n; ++i) remaining_[i] = gram_[i * n + i];
-  available_.assign(n, 1);
 }
 
 double KvBlockSummary::relative_error(int64_t k) const {
@@ -140,26 +150,26 @@ double KvBlockSummary::relative_error(int64_t k) const {
   return output_energy_ > 0 ? std::sqrt(error_[static_cast<size_t>(k)] / output_energy_) : 0.0;
 }
 
+namespace {
+constexpr int64_t kBlock = 32;  // steps per rank-k update of the Schur complement (KvSummaryMethod::kBlocked, kAuto)
+}  // namespace
+
 void KvBlockSummary::extend(int64_t atoms) {
   atoms = std::min(atoms, n_);
   if (static_cast<int64_t>(order_.size()) >= atoms || exhausted_) return;
   const auto n = static_cast<size_t>(n_);
-  double max_diag = 0;
-  for (size_t i = 0; i < n; ++i) max_diag = std::max(max_diag, gram_[i * n + i]);
   // An entry whose column is (numerically) in the span of the chosen ones adds nothing: its remaining norm is
   // below this share of the largest column's.
-  const double exhausted = 1e-12 * std::max(max_diag, std::numeric_limits<double>::min());
-  if (!chol_.defined() || chol_.size(0) < atoms) {
-    // Room for the request (at least double the old), the rows so far copied over.
-    const int64_t rows = std::min(n_, std::max<int64_t>(atoms, chol_.defined() ? 2 * chol_.size(0) : 16));
-    torch::Tensor grown = torch::empty({rows, n_}, torch::kDouble);
-    const auto steps = static_cast<int64_t>(order_.size());
-    if (steps > 0) grown.narrow(0, 0, steps).copy_(chol_.narrow(0, 0, steps));
-    chol_ = grown;
-  }
+  const double exhausted = 1e-12 * std::max(max_diag_, std::numeric_limits<double>::min());
+  // Left-looking while the path is short, then blocked right-looking (KvSummaryMethod): kAuto once the columns
+  // so far hold 4 MiB (2^19 fp64 values: beyond the caches, where each step's matrix-vector product is
+  // memory-bound) and n / 8 steps; kBlocked from max(32, n / 8) steps on whatever the size; kPlain never.
+  const int64_t switch_at = method_ == KvSummaryMethod::kPlain     ? std::numeric_limits<int64_t>::max()
+                            : method_ == KvSummaryMethod::kBlocked ? std::max<int64_t>(kBlock, n_ / 8)
+                                                                   : std::max<int64_t>(n_ / 8, ((int64_t{1} << 19) + n_ - 1) / n_);
   double* residual = residual_.data();
   double* remaining = remaining_.data();
-  torch::Tensor f = torch::empty({chol_.size(0)}, torch::kDouble);  // the chosen columns' values at the pivot
+  torch::Tensor f;  // the chosen columns' values at the pivot (left-looking)
   while (static_cast<int64_t>(order_.size()) < atoms) {
     // The entry that lowers the residual most: gain r_i^2 / remaining_i among usable entries (first on ties).
     size_t best = n;
@@ -179,28 +189,113 @@ void KvBlockSummary::extend(int64_t atoms) {
     const auto step = static_cast<int64_t>(order_.size());
     const double pivot = std::sqrt(remaining[best]);
     const double alpha = residual[best] / pivot;
-    double* base = chol_.data_ptr<double>();
-    double* column = base + static_cast<size_t>(step) * n;
-    const double* row = gram_.data() + best * n;  // G is symmetric: row best = column best
-    // column = G[:, best] - sum_s L_s L_s[best]: one matrix-vector product over the columns taken so far.
-    std::copy(row, row + n, column);
-    if (step > 0) {
-      double* fs = f.data_ptr<double>();
-      for (int64_t s = 0; s < step; ++s) fs[s] = base[static_cast<size_t>(s) * n + best];
-      torch::Tensor out = chol_[step];
-      out.addmv_(chol_.narrow(0, 0, step).t(), f.narrow(0, 0, step), 1.0, -1.0);
-    }
     const double inv = 1.0 / pivot;
-    for (size_t i = 0; i < n; ++i) {
-      column[i] *= inv;
-      residual[i] -= alpha * column[i];
-      remaining[i] -= column[i] * column[i];
+    if (!blocked_ && step >= switch_at) start_blocked();
+    if (blocked_) {
+      // The Schur complement's row of the pivot less the block's pending columns at the pivot: the new column
+      // over the entries R covers, stored as the block's next pending column.
+      const auto na = static_cast<int64_t>(active_.size());
+      const int64_t at = active_at_[best];
+      double* pend = pending_.data_ptr<double>();
+      double* col = pend + pending_count_ * na;
+      const double* row = schur_.data_ptr<double>() + at * na;
+      std::copy(row, row + na, col);
+      for (int64_t s = 0; s < pending_count_; ++s) {
+        const double* ls = pend + s * na;
+        const double fs = ls[at];
+        if (fs == 0) continue;
+        for (int64_t t = 0; t < na; ++t) col[t] -= fs * ls[t];
+      }
+      for (int64_t t = 0; t < na; ++t) {
+        col[t] *= inv;
+        const auto i = static_cast<size_t>(active_[static_cast<size_t>(t)]);
+        residual[i] -= alpha * col[t];
+        remaining[i] -= col[t] * col[t];
+      }
+      ++pending_count_;
+    } else {
+      if (!chol_.defined() || chol_.size(0) <= step) {
+        // Room for the request (at least double the old), the rows so far copied over.
+        const int64_t rows = std::min(
+            n_, std::max<int64_t>({atoms, step + 1, chol_.defined() ? 2 * chol_.size(0) : 16}));
+        torch::Tensor grown = torch::empty({rows, n_}, torch::kDouble);
+        if (step > 0) grown.narrow(0, 0, step).copy_(chol_.narrow(0, 0, step));
+        chol_ = grown;
+      }
+      if (!f.defined() || f.size(0) < chol_.size(0)) f = torch::empty({chol_.size(0)}, torch::kDouble);
+      double* base = chol_.data_ptr<double>();
+      double* column = base + static_cast<size_t>(step) * n;
+      // column = G[:, best] - sum_s L_s L_s[best]: one matrix-vector product over the columns taken so far.
+      const double* g = gram_.data() + best * n;  // G is symmetric: row best = column best
+      std::copy(g, g + n, column);
+      if (step > 0) {
+        double* fs = f.data_ptr<double>();
+        for (int64_t s = 0; s < step; ++s) fs[s] = base[static_cast<size_t>(s) * n + best];
+        torch::Tensor out = chol_[step];
+        out.addmv_(chol_.narrow(0, 0, step).t(), f.narrow(0, 0, step), 1.0, -1.0);
+      }
+      for (size_t i = 0; i < n; ++i) {
+        column[i] *= inv;
+        residual[i] -= alpha * column[i];
+        remaining[i] -= column[i] * column[i];
+      }
     }
     available_[best] = 0;
     order_.push_back(static_cast<int64_t>(best));
     error_.push_back(std::max(error_.back() - alpha * alpha, 0.0));
+    if (blocked_ && pending_count_ == kBlock) flush_block();
   }
   if (static_cast<int64_t>(order_.size()) == n_) exhausted_ = true;
+}
+
+void KvBlockSummary::start_blocked() {
+  const auto steps = static_cast<int64_t>(order_.size());
+  active_.clear();
+  active_at_.assign(static_cast<size_t>(n_), -1);
+  for (int64_t i = 0; i < n_; ++i) {
+    if (!available_[static_cast<size_t>(i)]) continue;
+    active_at_[static_cast<size_t>(i)] = static_cast<int64_t>(active_.size());
+    active_.push_back(i);
+  }
+  const auto na = static_cast<int64_t>(active_.size());
+  const torch::Tensor idx = torch::from_blob(active_.data(), {na}, torch::kInt64);
+  const torch::Tensor gram = torch::from_blob(gram_.data(), {n_, n_}, torch::kDouble);
+  torch::Tensor schur = gram.index_select(0, idx).index_select(1, idx).contiguous();
+  if (steps > 0) {
+    const torch::Tensor l = chol_.narrow(0, 0, steps).index_select(1, idx);  // [steps, na]
+    schur.addmm_(l.t(), l, 1.0, -1.0);
+  }
+  schur_ = schur;
+  pending_ = torch::empty({kBlock, std::max<int64_t>(na, 1)}, torch::kDouble);
+  pending_count_ = 0;
+  chol_ = torch::Tensor();
+  blocked_ = true;
+}
+
+void KvBlockSummary::flush_block() {
+  const auto na = static_cast<int64_t>(active_.size());
+  if (pending_count_ > 0 && na > 0) {
+    const torch::Tensor l = pending_.narrow(0, 0, pending_count_).narrow(1, 0, na);
+    schur_.addmm_(l.t(), l, 1.0, -1.0);  // one rank-k update (BLAS-3)
+  }
+  pending_count_ = 0;
+  // Entries taken leave R once they are at least 1/16 of it (copying R costs less than updating their rows).
+  std::vector<int64_t> keep;
+  keep.reserve(active_.size());
+  for (int64_t t = 0; t < na; ++t) {
+    if (available_[static_cast<size_t>(active_[static_cast<size_t>(t)])]) keep.push_back(t);
+  }
+  const auto kept = static_cast<int64_t>(keep.size());
+  if (na - kept < std::max<int64_t>(1, na / 16)) return;
+  const torch::Tensor idx = torch::from_blob(keep.data(), {kept}, torch::kInt64);
+  schur_ = schur_.index_select(0, idx).index_select(1, idx).contiguous();
+  std::vector<int64_t> active;
+  active.reserve(keep.size());
+  for (int64_t t : keep) active.push_back(active_[static_cast<size_t>(t)]);
+  active_.swap(active);
+  std::fill(active_at_.begin(), active_at_.end(), -1);
+  for (int64_t t = 0; t < kept; ++t) active_at_[static_cast<size_t>(active_[static_cast<size_t>(t)])] = t;
+  pending_ = torch::empty({kBlock, std::max<int64_t>(kept, 1)}, torch::kDouble);
 }
 
 KvBlockSummary::Fit KvBlockSummary::fit(int64_t atoms, bool refit_values) const {
@@ -272,38 +367,149 @@ void check_nnls(const char* who, const std::vector<double>& g, const std::vector
   }
 }
 
-// Solves (G_SS + ridge I) z_S = c_S for the indices `set` (LAPACK's Cholesky through ATen); z is 0 elsewhere. The
-// ridge (1e-12 x max diag G) keeps G_SS positive definite when columns are (numerically) dependent.
-void solve_on(const std::vector<double>& g, const std::vector<double>& c, const std::vector<size_t>& set,
-              double ridge, std::vector<double>& z) {
-  const size_t m = c.size(), k = set.size();
-  std::fill(z.begin(), z.end(), 0.0);
-  if (k == 0) return;
-  const auto kk = static_cast<int64_t>(k);
-  torch::Tensor a = torch::empty({kk, kk}, torch::kDouble), b = torch::empty({kk, 1}, torch::kDouble);
-  double* pa = a.data_ptr<double>();
-  double* pb = b.data_ptr<double>();
-  for (size_t i = 0; i < k; ++i) {
-    const double* row = g.data() + set[i] * m;
-    for (size_t j = 0; j < k; ++j) pa[i * k + j] = row[set[j]];
-    pa[i * k + i] += ridge;
-    pb[i] = c[set[i]];
-  }
-  // Rounding can leave a rank-deficient G_SS a hair indefinite; then the ridge grows a thousandfold until the
-  // factorisation holds (at most 1e-3 x max diag: far below any weight's effect).
-  auto [l, info] = torch::linalg_cholesky_ex(a);
-  for (double extra = ridge * 1e3; info.item<int64_t>() != 0 && extra < 1e9 * ridge; extra *= 1e3) {
-    std::tie(l, info) = torch::linalg_cholesky_ex(a + extra * torch::eye(kk, torch::kDouble));
-  }
-  const torch::Tensor x = torch::cholesky_solve(b, l).contiguous();
-  const double* px = x.data_ptr<double>();
-  for (size_t i = 0; i < k; ++i) z[set[i]] = px[i];
-}
-
 double ridge_of(const std::vector<double>& g, size_t m) {
   double max_diag = 0;
   for (size_t a = 0; a < m; ++a) max_diag = std::max(max_diag, g[a * m + a]);
   return 1e-12 * max_diag + 1e-300;
+}
+
+// The Cholesky factor U (upper triangular, U^T U = G_PP + ridge I) of the passive set P, an ordered list of
+// indices, kept under the active-set method's changes: an index appended costs one forward substitution and an
+// index removed one rank-1 update of the trailing factor (Golub and Van Loan, Matrix Computations, 4th ed.,
+// 6.5.4, "updating and downdating"), O(k^2) each, where a fresh factorisation costs O(k^3). The ridge
+// (1e-12 x max diag G) keeps G_PP positive definite when columns are (numerically) dependent; where a
+// factorisation or an append fails anyway, the set is factorised afresh with the ridge grown a thousandfold
+// until it holds (at most 1e-3 x max diag: far below any weight's effect).
+class PassiveFactor {
+ public:
+  PassiveFactor(const std::vector<double>& g, size_t m, double ridge) : g_(g), m_(m), ridge_(ridge), used_(ridge), u_(m * m) {}
+  const std::vector<size_t>& set() const { return set_; }
+
+  void reset(std::vector<size_t> set) {
+    set_ = std::move(set);
+    used_ = ridge_;
+    const size_t k = set_.size();
+    if (k == 0) return;
+    const auto kk = static_cast<int64_t>(k);
+    torch::Tensor a = torch::empty({kk, kk}, torch::kDouble);
+    double* pa = a.data_ptr<double>();
+    for (size_t i = 0; i < k; ++i) {
+      const double* row = g_.data() + set_[i] * m_;
+      for (size_t j = 0; j < k; ++j) pa[i * k + j] = row[set_[j]];
+      pa[i * k + i] += ridge_;
+    }
+    auto [l, info] = torch::linalg_cholesky_ex(a);
+    for (double extra = ridge_ * 1e3; info.item<int64_t>() != 0 && extra < 1e9 * ridge_; extra *= 1e3) {
+      std::tie(l, info) = torch::linalg_cholesky_ex(a + extra * torch::eye(kk, torch::kDouble));
+      used_ = ridge_ + extra;
+    }
+    const torch::Tensor lc = l.contiguous();
+    const double* pl = lc.data_ptr<double>();
+    for (size_t i = 0; i < k; ++i) {
+      for (size_t j = i; j < k; ++j) at(i, j) = pl[j * k + i];  // U = L^T
+    }
+  }
+
+  // Index a joins the end of the set: U's new column l solves U^T l = G_Pa, its diagonal sqrt(G_aa + ridge - l.l).
+  void append(size_t a) {
+    const size_t k = set_.size();
+    std::vector<double> l(k);
+    for (size_t i = 0; i < k; ++i) l[i] = g_[set_[i] * m_ + a];
+    forward(l);
+    double d2 = g_[a * m_ + a] + used_;
+    for (double x : l) d2 -= x * x;
+    if (!(d2 > 1e-14 * (g_[a * m_ + a] + used_))) {  // (numerically) in the span of the set: factorise afresh
+      std::vector<size_t> set = set_;
+      set.push_back(a);
+      reset(std::move(set));
+      return;
+    }
+    for (size_t i = 0; i < k; ++i) at(i, k) = l[i];
+    at(k, k) = std::sqrt(d2);
+    set_.push_back(a);
+  }
+
+  // The set's entry at position p leaves: G_PP without row and column p is U11^T U11 beside the trailing block
+  // U33^T U33 + x^T x with x = U's row p right of the diagonal; a rank-1 update of U33, then U's row and column
+  // p are taken out.
+  void remove(size_t p) {
+    const size_t k = set_.size();
+    std::vector<double> x(k, 0.0);
+    for (size_t j = p + 1; j < k; ++j) x[j] = at(p, j);
+    for (size_t t = p + 1; t < k; ++t) {
+      const double d = at(t, t);
+      const double r = std::hypot(d, x[t]);
+      const double cs = r / d, sn = x[t] / d;
+      at(t, t) = r;
+      double* row = u_.data() + t * m_;
+      for (size_t i = t + 1; i < k; ++i) {
+        row[i] = (row[i] + sn * x[i]) / cs;
+        x[i] = cs * x[i] - sn * row[i];
+      }
+    }
+    for (size_t i = 0; i < p; ++i) {
+      double* row = u_.data() + i * m_;
+      for (size_t j = p + 1; j < k; ++j) row[j - 1] = row[j];
+    }
+    for (size_t i = p + 1; i < k; ++i) {
+      const double* from = u_.data() + i * m_;
+      double* to = u_.data() + (i - 1) * m_;
+      for (size_t j = i; j < k; ++j) to[j - 1] = from[j];
+    }
+    set_.erase(set_.begin() + static_cast<std::ptrdiff_t>(p));
+  }
+
+  // z_P = (G_PP + ridge I)^-1 c_P, 0 elsewhere.
+  void solve(const std::vector<double>& c, std::vector<double>& z) const {
+    std::fill(z.begin(), z.end(), 0.0);
+    const size_t k = set_.size();
+    std::vector<double> y(k);
+    for (size_t i = 0; i < k; ++i) y[i] = c[set_[i]];
+    forward(y);
+    for (size_t i = k; i-- > 0;) {  // U z = y
+      const double* row = u_.data() + i * m_;
+      double sum = y[i];
+      for (size_t j = i + 1; j < k; ++j) sum -= row[j] * y[j];
+      y[i] = sum / row[i];
+    }
+    for (size_t i = 0; i < k; ++i) z[set_[i]] = y[i];
+  }
+
+ private:
+  double& at(size_t i, size_t j) { return u_[i * m_ + j]; }
+  // x <- U^-T x (U^T lower triangular), row by row of U.
+  void forward(std::vector<double>& x) const {
+    const size_t k = x.size();
+    for (size_t j = 0; j < k; ++j) {
+      const double* row = u_.data() + j * m_;
+      x[j] /= row[j];
+      const double xj = x[j];
+      for (size_t i = j + 1; i < k; ++i) x[i] -= row[i] * xj;
+    }
+  }
+
+  const std::vector<double>& g_;
+  size_t m_;
+  double ridge_, used_;
+  std::vector<double> u_;  // [m, m] row-major; the leading k x k upper triangle is U
+  std::vector<size_t> set_;
+};
+
+// Takes the positions whose index `drop` marks out of the factor: one by one from the last (each O(k^2)) when
+// few leave, else one fresh factorisation of what stays.
+template <typename Drop>
+void remove_where(PassiveFactor& f, Drop drop) {
+  const std::vector<size_t> set = f.set();
+  std::vector<size_t> stay, gone;
+  for (size_t p = 0; p < set.size(); ++p) (drop(set[p]) ? gone : stay).push_back(p);
+  if (gone.empty()) return;
+  if (gone.size() * 8 > set.size()) {
+    std::vector<size_t> kept;
+    for (size_t p : stay) kept.push_back(set[p]);
+    f.reset(std::move(kept));
+    return;
+  }
+  for (size_t i = gone.size(); i-- > 0;) f.remove(gone[i]);
 }
 
 }  // namespace
@@ -314,15 +520,18 @@ std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<doub
   if (m == 0) return {};
   const double ridge = ridge_of(g, m);
   std::vector<double> w(m), z(m);
-  std::vector<size_t> set(m);
-  for (size_t a = 0; a < m; ++a) set[a] = a;
+  PassiveFactor factor(g, m, ridge);
+  std::vector<size_t> all(m);
+  for (size_t a = 0; a < m; ++a) all[a] = a;
   // Warm start: the least-squares weights clipped at 0; the positive ones are the passive set.
-  solve_on(g, c, set, ridge, w);
+  factor.reset(all);
+  factor.solve(c, w);
   std::vector<char> passive(m, 0);
   for (size_t a = 0; a < m; ++a) {
     w[a] = std::max(w[a], 0.0);
     passive[a] = w[a] > 0;
   }
+  remove_where(factor, [&](size_t a) { return !passive[a]; });
   double max_c = 0;
   for (double x : c) max_c = std::max(max_c, std::abs(x));
   const double tol = 1e-12 * max_c;
@@ -332,14 +541,10 @@ std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<doub
     // Inner loop: the unconstrained optimum on the passive set; where it leaves the feasible set, move from w
     // towards it as far as feasibility allows and drop the weights that reach 0.
     for (;;) {
-      set.clear();
-      for (size_t a = 0; a < m; ++a) {
-        if (passive[a]) set.push_back(a);
-      }
-      solve_on(g, c, set, ridge, z);
+      factor.solve(c, z);
       double alpha = 1;
       size_t stop = m;
-      for (size_t a : set) {
+      for (size_t a : factor.set()) {
         if (z[a] > 0) continue;
         const double step = w[a] / (w[a] - z[a]);  // w_a >= 0 > z_a - w_a: in [0, 1)
         if (stop == m || step < alpha) {
@@ -351,13 +556,14 @@ std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<doub
         w = z;
         break;
       }
-      for (size_t a : set) {
+      for (size_t a : factor.set()) {
         w[a] += alpha * (z[a] - w[a]);
         if (a == stop || w[a] <= 0) {
           w[a] = 0;
           passive[a] = 0;
         }
       }
+      remove_where(factor, [&](size_t a) { return !passive[a]; });
       if (++changes > limit) break;
     }
     // Outer loop: the zero weight with the steepest descent direction (c - G w)_a joins the passive set.
@@ -374,6 +580,7 @@ std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<doub
     }
     if (best == m) break;
     passive[best] = 1;
+    factor.append(best);
     ++changes;
   }
   for (double& x : w) x = std::max(x, 0.0);

@@ -29,6 +29,27 @@ constexpr int64_t kKvFutureQuery = std::numeric_limits<int64_t>::max();
 torch::Tensor kv_head_probs(const KvHeadView& view, const torch::Tensor& queries, double scale,
                             const torch::Tensor& query_positions = {}, torch::ScalarType dtype = torch::kDouble);
 
+/// How a KvBlockSummary grows its greedy path (a pivoted Cholesky of the block's Gram G). Every method takes the
+/// same entries up to rounding (near-ties may swap) with the same error curve to rounding; the tests compare them
+/// (test_kv_minimax.cpp, KvSummary.BlockedPathMatchesItsPlainTwin).
+enum class KvSummaryMethod {
+  /// Left-looking while the path is short, blocked right-looking once its columns would hold 4 MiB (2^19 fp64
+  /// values: beyond the caches, where the left-looking step's matrix-vector product is memory-bound) and n / 8
+  /// steps are taken. The default.
+  kAuto,
+  /// Blocked right-looking from max(32, n / 8) steps on, whatever the size (the tests force it on small blocks).
+  /// The Schur complement R = G - L L^T over the entries not yet taken is kept as a matrix (fp64); each step's
+  /// column is the pivot's row of R less the current block's pending columns at the pivot, and every 32 steps
+  /// one rank-32 update (a BLAS-3 matrix product) folds the block into R, as LAPACK's blocked pivoted Cholesky
+  /// (dpstrf; C. Lucas, "LAPACK-style codes for level 2 and 3 pivoted Cholesky factorizations", LAPACK Working
+  /// Note 161, 2004) with the greedy's own pivot rule. R drops the taken entries once they are 1/16 of it.
+  /// Per step ~2 n^2 flops at matrix-product speed, where left-looking reads every column so far (k n).
+  kBlocked,
+  /// The reference twin: left-looking, each step's column G[:, j] - sum_s L_s L_s[j] one matrix-vector product
+  /// (BLAS dgemv through ATen) with the columns taken so far.
+  kPlain,
+};
+
 /// One head's summary problem for a block of its entries. With reference queries q_1..q_Q (rows of `queries`)
 /// and p_q = softmax(scale q.K^T + bias) over the entries of the head that q sees (causal by position, so masses
 /// are relative to the head's total, spec section 2: errors count relative to D(q)), o_q = p_q V, a summary
@@ -42,22 +63,23 @@ torch::Tensor kv_head_probs(const KvHeadView& view, const torch::Tensor& queries
 /// path) with b_qi = p_qi (s_q / 2 - o_q.v_i), s_q = ||o_q||^2 + gamma^2, G = (P^T P o V V^T + B^T P + P^T B) / Q:
 /// one [2n, Q] x [Q, n] matmul ([P | B]^T P) and V V^T, then one pass that symmetrises, scales and widens to
 /// fp64 and sums the rows. In fp64 (kDouble) the reference twin the tests compare it with: the plain expansion,
-/// three [n, Q] x [Q, n] matmuls and elementwise tensor ops. The greedy path and the weight fit then run in fp64
-/// on G.
+/// three [n, Q] x [Q, n] matmuls and elementwise tensor ops. The greedy path (KvSummaryMethod) and the weight fit
+/// then run in fp64 on G.
 class KvBlockSummary {
  public:
   /// view: the head; queries [Q, head_dim] (after rotary, unscaled, any floating dtype, Q >= 1); scale > 0 the
   /// softmax scale; block [n] int64 distinct indices into the view (n >= 1); query_positions as kv_head_probs
-  /// (undefined: every query sees every entry); dtype kFloat or kDouble. Throws std::invalid_argument for shapes
-  /// that do not fit, an index out of range or another dtype.
+  /// (undefined: every query sees every entry); dtype kFloat or kDouble; method: KvSummaryMethod. Throws
+  /// std::invalid_argument for shapes that do not fit, an index out of range or another dtype.
   KvBlockSummary(const KvHeadView& view, const torch::Tensor& queries, double scale, const torch::Tensor& block,
-                 const torch::Tensor& query_positions = {}, torch::ScalarType dtype = torch::kFloat);
+                 const torch::Tensor& query_positions = {}, torch::ScalarType dtype = torch::kFloat,
+                 KvSummaryMethod method = KvSummaryMethod::kAuto);
   /// The same summary from the head's attention probabilities already computed by the caller: probs
   /// [Q >= 1, view.length()] = kv_head_probs(view, queries, scale, query_positions, dtype) (minimax computes them
   /// once for its compressibility estimate and the summary). Throws std::invalid_argument as above, and for
   /// probs of another shape or dtype.
   KvBlockSummary(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block,
-                 torch::ScalarType dtype = torch::kFloat);
+                 torch::ScalarType dtype = torch::kFloat, KvSummaryMethod method = KvSummaryMethod::kAuto);
 
   int64_t block_size() const { return n_; }
 
@@ -65,8 +87,7 @@ class KvBlockSummary {
   /// Cholesky of G: each step takes the entry whose addition lowers the residual most, among entries positively
   /// correlated with it, as spec 4.3 step 3 "greedy pivoted Cholesky / OMP on columns of [Phi V; Phi]").
   /// Extends the path to min(atoms, block_size()) entries (a longer request continues where the last stopped);
-  /// stops early when no entry lowers the residual. A step is O(n x steps): the new Cholesky column is one
-  /// matrix-vector product (BLAS dgemv through ATen) with the columns taken so far, then O(n) loops.
+  /// stops early when no entry lowers the residual. Cost: KvSummaryMethod.
   void extend(int64_t atoms);
   /// Block positions (indices into `block`) in the order the greedy path took them.
   const std::vector<int64_t>& order() const { return order_; }
@@ -97,12 +118,18 @@ class KvBlockSummary {
 
  private:
   void init(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block, torch::ScalarType dtype);
+  // gram_ from U = O V^T [Q, n] and s_q = ||o_q||^2 + gamma^2 [Q]: the fp32 fused products or the fp64 expansion.
+  void form_gram(const torch::Tensor& u, const torch::Tensor& s, torch::ScalarType dtype);
+  void start_blocked();                   // R = G - L L^T over the entries not yet taken
+  void flush_block();                     // R -= the pending block's columns; drops taken entries from R
 
   int64_t n_ = 0;
+  KvSummaryMethod method_ = KvSummaryMethod::kAuto;
   std::vector<double> gram_;  // [n, n] row-major, fp64
   std::vector<double> c_;     // G 1
   double total_ = 0;          // 1^T G 1
   double output_energy_ = 0;
+  double max_diag_ = 0;       // max_i G_ii
   torch::Tensor probs_, block_values_;  // [Q, n], [n, value_dim] in the summary dtype (for the value refit)
   // Greedy state (plain arrays: a step is O(n x steps) flops, far below a library call's overhead).
   std::vector<int64_t> order_;
@@ -111,6 +138,13 @@ class KvBlockSummary {
   std::vector<double> residual_, remaining_;  // [n]: correlation with the residual, column norm left
   std::vector<char> available_;     // [n]: not chosen yet
   bool exhausted_ = false;
+  // Blocked (right-looking) state: the Schur complement over `active_` entries, the block's pending columns.
+  bool blocked_ = false;
+  std::vector<int64_t> active_;     // block positions R covers
+  std::vector<int64_t> active_at_;  // [n]: an entry's position in active_, -1 if none
+  torch::Tensor schur_;             // [na, na] fp64
+  torch::Tensor pending_;           // [kBlock, na] fp64: the current block's scaled columns over active_
+  int64_t pending_count_ = 0;
 };
 
 /// Non-negative least squares in normal-equation form: argmin over w >= 0 of w^T G w - 2 c^T w, for G [m, m]
