@@ -454,6 +454,93 @@ TEST(KvMinimax, DecodeStaysWithinTheLayerBudget) {
   }
 }
 
+TEST(KvMinimax, HeadsRunInParallelAsEachWouldAloneOnOneThread) {
+  // after_layer assesses, grows and fits the heads of a layer one per intra-op thread, each head's library calls on
+  // its own thread alone: on the same cache and observations, the result on 2 threads must be the bits of 1 thread
+  // (fp32 and fp64 caches; a fixed budget with abstentions, and an error target). The model's own forward is not
+  // the same bits on 1 and 2 threads (ATen splits its reductions by thread), so this is checked on the policy.
+  const int64_t n = 600, d = 16, heads = 4, w = 48;
+  std::vector<torch::Tensor> ks, vs;
+  for (int64_t h = 0; h < heads; ++h) {
+    auto [k, v] = clustered(n, d, 3 + 4 * h, 4.0, 0.05 + 0.1 * static_cast<double>(h), 70 + static_cast<uint64_t>(h));
+    ks.push_back(k);
+    vs.push_back(v);
+  }
+  torch::manual_seed(77);
+  const torch::Tensor k = torch::cat(ks, 1), v = torch::cat(vs, 1), q = torch::randn({w, heads, d}, torch::kDouble) * 3;
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    for (const KvPolicyOptions& options : {KvPolicyOptions{{"budget", 0.1}, {"abstain_tail", 0.3}},
+                                           KvPolicyOptions{{"max_rel_error", 0.05}}}) {
+      std::vector<std::unique_ptr<KvCache>> caches;
+      std::vector<std::shared_ptr<KvPolicy>> policies;
+      const int restore = at::get_num_threads();
+      for (int threads : {1, 2}) {
+        at::set_num_threads(threads);
+        caches.push_back(std::make_unique<KvCache>(spec(heads, d, dtype)));
+        KvObservations obs(1, heads, KvObservationNeeds{w, false});
+        caches.back()->append(0, k.to(dtype), v.to(dtype), torch::arange(n, torch::kInt64));
+        obs.observe(0, q.to(dtype), torch::arange(n - w, n, torch::kInt64), *caches.back(), 0.25);
+        policies.push_back(make_kv_policy("minimax", options));
+        policies.back()->after_step(*caches.back(), KvStep{true, 0, n, &obs});
+      }
+      at::set_num_threads(restore);
+      const std::string what = std::string(c10::toString(dtype)) + (options.count("budget") ? " budget" : " target");
+      int64_t kept = 0;
+      for (int64_t h = 0; h < heads; ++h) {
+        const KvHeadView x = caches[0]->view(0, h), y = caches[1]->view(0, h);
+        kept += x.length();
+        EXPECT_TRUE(torch::equal(x.positions, y.positions)) << what << " head " << h;
+        EXPECT_TRUE(torch::equal(x.bias, y.bias)) << what << " head " << h;
+        EXPECT_TRUE(torch::equal(x.values, y.values)) << what << " head " << h;
+      }
+      EXPECT_LT(kept, heads * n) << what;  // it compressed: the heads' work ran
+      const auto& ra = std::dynamic_pointer_cast<MinimaxKvPolicy>(policies[0])->risks();
+      const auto& rb = std::dynamic_pointer_cast<MinimaxKvPolicy>(policies[1])->risks();
+      ASSERT_EQ(ra.size(), rb.size());
+      for (size_t i = 0; i < ra.size(); ++i) {
+        EXPECT_EQ(ra[i].error, rb[i].error) << what << " " << i;
+        EXPECT_EQ(ra[i].tail, rb[i].tail) << what << " " << i;
+        EXPECT_EQ(ra[i].abstained, rb[i].abstained) << what << " " << i;
+      }
+    }
+  }
+}
+
+TEST(KvMinimax, LongPathsAreTheSameBitsOnAnyThreadCount) {
+  // 1100 entries at budget 0.8: each head summarises a block of ~876 into ~650, a path past 2^19 / 876 = 599 steps, where it
+  // continues as the blocked right-looking Cholesky (rank-32 BLAS products, which on 2 BLAS threads round
+  // differently from 1; KvSummary.BlockedPathMatchesItsPlainTwin). minimax runs every head's library calls on
+  // its own thread (one head: on the calling thread with the library's threads set to 1), so the compression is
+  // the same bits on 1 and 2 threads.
+  const int64_t n = 1100, d = 16, heads = 1, w = 32;
+  std::vector<torch::Tensor> ks, vs;
+  for (int64_t h = 0; h < heads; ++h) {
+    auto [k, v] = clustered(n, d, 40 + 20 * h, 3.0, 0.3, 90 + static_cast<uint64_t>(h));
+    ks.push_back(k);
+    vs.push_back(v);
+  }
+  torch::manual_seed(91);
+  const torch::Tensor k = torch::cat(ks, 1), v = torch::cat(vs, 1), q = torch::randn({w, heads, d}, torch::kDouble) * 2;
+  std::vector<std::unique_ptr<KvCache>> caches;
+  const int restore = at::get_num_threads();
+  for (int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    caches.push_back(std::make_unique<KvCache>(spec(heads, d, torch::kFloat)));
+    KvObservations obs(1, heads, KvObservationNeeds{w, false});
+    caches.back()->append(0, k.to(torch::kFloat), v.to(torch::kFloat), torch::arange(n, torch::kInt64));
+    obs.observe(0, q.to(torch::kFloat), torch::arange(n - w, n, torch::kInt64), *caches.back(), 0.25);
+    make_kv_policy("minimax", {{"budget", 0.8}, {"abstain_tail", 2.0}})->after_step(*caches.back(), KvStep{true, 0, n, &obs});
+  }
+  at::set_num_threads(restore);
+  for (int64_t h = 0; h < heads; ++h) {
+    const KvHeadView x = caches[0]->view(0, h), y = caches[1]->view(0, h);
+    EXPECT_LT(x.length(), n) << h;  // compressed
+    EXPECT_GT(x.length(), 600) << h;  // a path past the blocked switch
+    EXPECT_TRUE(torch::equal(x.positions, y.positions)) << h;
+    EXPECT_TRUE(torch::equal(x.bias, y.bias)) << h;
+  }
+}
+
 TEST(KvMinimax, SummaryBeatsEvictionOnACompressibleHead) {
   const int64_t n = 400, d = 16;
   auto [k, v] = clustered(n, d, 6, 4.0, 0.05, 5);

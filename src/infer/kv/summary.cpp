@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <stdexcept>
@@ -16,6 +17,27 @@ namespace {
 std::vector<double> to_vector(const torch::Tensor& t) {
   const torch::Tensor c = t.to(torch::kDouble).contiguous();
   return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+}
+
+// column[i] = (((column[i] - f0 r0[i]) - f1 r1[i]) - f2 r2[i]) - f3 r3[i] with f_k = r_k[best], two entries per SSE2
+// instruction (baseline x86-64: packed and scalar double arithmetic round alike, so the result is the same bits as
+// the plain loop at the end, which handles an odd last entry).
+void subtract_rows(double* column, size_t n, const double* r0, const double* r1, const double* r2, const double* r3,
+                   size_t best) {
+  using v2d = double __attribute__((vector_size(16)));
+  const double f0 = r0[best], f1 = r1[best], f2 = r2[best], f3 = r3[best];
+  const v2d g0 = {f0, f0}, g1 = {f1, f1}, g2 = {f2, f2}, g3 = {f3, f3};
+  auto load = [](const double* p) {
+    v2d x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+  };
+  size_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    const v2d c = load(column + i) - g0 * load(r0 + i) - g1 * load(r1 + i) - g2 * load(r2 + i) - g3 * load(r3 + i);
+    std::memcpy(column + i, &c, sizeof c);
+  }
+  for (; i < n; ++i) column[i] = column[i] - f0 * r0[i] - f1 * r1[i] - f2 * r2[i] - f3 * r3[i];
 }
 
 }  // namespace
@@ -169,7 +191,6 @@ void KvBlockSummary::extend(int64_t atoms) {
                                                                    : std::max<int64_t>(n_ / 8, ((int64_t{1} << 19) + n_ - 1) / n_);
   double* residual = residual_.data();
   double* remaining = remaining_.data();
-  torch::Tensor f;  // the chosen columns' values at the pivot (left-looking)
   while (static_cast<int64_t>(order_.size()) < atoms) {
     // The entry that lowers the residual most: gain r_i^2 / remaining_i among usable entries (first on ties).
     size_t best = n;
@@ -222,17 +243,23 @@ void KvBlockSummary::extend(int64_t atoms) {
         if (step > 0) grown.narrow(0, 0, step).copy_(chol_.narrow(0, 0, step));
         chol_ = grown;
       }
-      if (!f.defined() || f.size(0) < chol_.size(0)) f = torch::empty({chol_.size(0)}, torch::kDouble);
       double* base = chol_.data_ptr<double>();
       double* column = base + static_cast<size_t>(step) * n;
-      // column = G[:, best] - sum_s L_s L_s[best]: one matrix-vector product over the columns taken so far.
       const double* g = gram_.data() + best * n;  // G is symmetric: row best = column best
+      // column = G[:, best] - sum_s L_s L_s[best], the columns taken so far subtracted in order, four rows per
+      // sweep over the column (((c - a0) - a1) - a2) - a3, as one at a time would): a loop on this thread rather
+      // than a BLAS dgemv, whose threaded form sums in another order on another number of threads, so that a path
+      // is the same bits whichever thread grows it (minimax grows its heads' paths in parallel).
       std::copy(g, g + n, column);
-      if (step > 0) {
-        double* fs = f.data_ptr<double>();
-        for (int64_t s = 0; s < step; ++s) fs[s] = base[static_cast<size_t>(s) * n + best];
-        torch::Tensor out = chol_[step];
-        out.addmv_(chol_.narrow(0, 0, step).t(), f.narrow(0, 0, step), 1.0, -1.0);
+      int64_t s = 0;
+      for (; s + 4 <= step; s += 4) {
+        const double* r0 = base + static_cast<size_t>(s) * n;
+        subtract_rows(column, n, r0, r0 + n, r0 + 2 * n, r0 + 3 * n, best);
+      }
+      for (; s < step; ++s) {
+        const double* r0 = base + static_cast<size_t>(s) * n;
+        const double f0 = r0[best];
+        for (size_t i = 0; i < n; ++i) column[i] -= f0 * r0[i];
       }
       for (size_t i = 0; i < n; ++i) {
         column[i] *= inv;

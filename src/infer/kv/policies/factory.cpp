@@ -57,8 +57,8 @@ class Options {
     b.max_tokens = integer("max_tokens", 0, 0);
     return b;
   }
-  bool flag(const std::string& key) {
-    const int64_t v = integer(key, 0, 0);
+  bool flag(const std::string& key, bool fallback = false) {
+    const int64_t v = integer(key, fallback ? 1 : 0, 0);
     if (v > 1) throw std::invalid_argument(fmt::format("make_kv_policy: {}: {} = {} must be 0 or 1", policy_, key, v));
     return v == 1;
   }
@@ -135,6 +135,7 @@ std::shared_ptr<KvPolicy> make_kv_policy(const std::string& name, const KvPolicy
     m.unit_weights = o.flag("unit_weights");
     m.max_rel_error = o.number("max_rel_error", m.max_rel_error, 0.0, 1e300);
     m.refit_values = o.flag("refit_values");
+    m.merge = o.flag("merge", m.merge);
     m.seed = static_cast<uint64_t>(o.integer("seed", 0, 0));
     o.finish();
     return std::make_shared<MinimaxKvPolicy>(m);

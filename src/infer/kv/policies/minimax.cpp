@@ -2,10 +2,16 @@
 // per-block abstention on incompressible blocks, error targets.
 #include "infer/kv/policies/minimax.h"
 
+#include <ATen/Parallel.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <optional>
 #include <queue>
 #include <stdexcept>
@@ -14,6 +20,61 @@
 
 namespace dcp {
 namespace {
+
+// While alive, the library calls (ATen, OpenBLAS) of this thread, and of the threads of parallel regions it opens,
+// run on their calling thread alone: a layer's compression then computes the same bits on any number of threads
+// (ATen splits its reductions, and BLAS its matrix-vector products, by thread count), its heads spread over the
+// threads by for_each_head instead.
+struct LibraryCallsOnOneThread {
+  int restore;
+  LibraryCallsOnOneThread() : restore(at::get_num_threads()) {
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+  }
+  ~LibraryCallsOnOneThread() {
+#ifdef _OPENMP
+    omp_set_num_threads(restore);
+#endif
+  }
+  LibraryCallsOnOneThread(const LibraryCallsOnOneThread&) = delete;
+  LibraryCallsOnOneThread& operator=(const LibraryCallsOnOneThread&) = delete;
+};
+
+// Runs body(i) for i in [0, count): one index at a time to whichever of `threads` threads is free (this file is
+// compiled with OpenMP, CMakeLists.txt), or in order on the calling thread for one thread or one index. The heads of
+// a layer are independent (each reads the cache and the observations, draws from its own generator and writes only
+// its own Work), and under LibraryCallsOnOneThread each head's calls run as they would alone, so the result does not
+// depend on `threads`. The first exception an index throws is rethrown once all stopped.
+template <class Body>
+void for_each_head(int threads, size_t count, const Body& body) {
+#ifdef _OPENMP
+  threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(threads, 1)), count));
+  if (threads > 1) {
+    std::exception_ptr error;
+    std::atomic<bool> failed{false};
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < static_cast<int64_t>(count); ++i) {
+      if (failed.load(std::memory_order_relaxed)) continue;
+      try {
+        torch::NoGradGuard no_grad;  // grad mode is per thread
+        body(static_cast<size_t>(i));
+      } catch (...) {
+#pragma omp critical(dcp_minimax_head_error)
+        {
+          if (!error) error = std::current_exception();
+        }
+        failed = true;
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+#else
+  (void)threads;
+#endif
+  for (size_t i = 0; i < count; ++i) body(i);
+}
 
 // Entries of a head whose positions lie in [start, end): their index range in the view (positions ascend).
 std::pair<int64_t, int64_t> index_range(const torch::Tensor& positions, int64_t start, int64_t end) {
@@ -209,7 +270,7 @@ std::vector<MinimaxKvPolicy::Work> MinimaxKvPolicy::collect_blocks(const KvCache
     int64_t share = 0;
     if (!target) {
       // Merge-reduce (spec 4.4): two summaries of the same level become one of the next, like a binary counter.
-      while (seg.size() >= 2 && seg[seg.size() - 1].level == seg[seg.size() - 2].level) {
+      while (options_.merge && seg.size() >= 2 && seg[seg.size() - 1].level == seg[seg.size() - 2].level) {
         const Segment top = seg.back();
         seg.pop_back();
         seg.back() = {seg.back().start, top.end, top.level + 1};
@@ -310,12 +371,14 @@ void MinimaxKvPolicy::assess_head(Work& w, const KvObservations& obs, int64_t la
 // as much as the pool holds (whole when it can: kept exact; with exceed_budget whole and outside the pool), then
 // the rest atom by atom to the head whose predicted error drops most; greedy paths grow only as far as the
 // allocation reaches.
-void MinimaxKvPolicy::allocate_budget(std::vector<Work>& work, int64_t pool) const {
+void MinimaxKvPolicy::allocate_budget(std::vector<Work>& work, int64_t pool, int threads) const {
   if (options_.max_rel_error > 0) {
-    for (Work& w : work) {
+    // Each block on its own: one head per thread.
+    for_each_head(threads, work.size(), [&](size_t i) {
+      Work& w = work[i];
       if (w.flagged) {
         w.exact = true;
-        continue;
+        return;
       }
       KvBlockSummary& s = w.ensure_summary();
       // The fewest atoms whose relative error meets the target: by the path's least-squares weights, then
@@ -329,7 +392,7 @@ void MinimaxKvPolicy::allocate_budget(std::vector<Work>& work, int64_t pool) con
         ++w.atoms;
       }
       if (w.atoms == w.size()) w.exact = true;
-    }
+    });
     return;
   }
   pool = std::max<int64_t>(pool, 0);
@@ -343,6 +406,12 @@ void MinimaxKvPolicy::allocate_budget(std::vector<Work>& work, int64_t pool) con
     }
     pool = std::max<int64_t>(pool, 0);
   }
+  // The greedy paths first grown in parallel to one entry past each head's fair share (about where the allocation
+  // below ends for most heads; a path is the same whether grown in one call or several, so this changes no result,
+  // only which thread computes it), then on demand.
+  for_each_head(threads, work.size(), [&](size_t i) {
+    if (!work[i].flagged) work[i].summary->extend(work[i].budget + 1);
+  });
   std::vector<size_t> flagged;
   for (size_t i = 0; i < work.size(); ++i) {
     Work& w = work[i];
@@ -454,8 +523,16 @@ void MinimaxKvPolicy::after_layer(KvCache& cache, int64_t layer, const KvStep& s
     throw std::invalid_argument(
         fmt::format("MinimaxKvPolicy: layer {}: no observed queries (needs window {})", layer, options_.window));
   }
-  for (Work& w : work) assess_head(w, *obs, layer, n);
-  allocate_budget(work, pool);
+  // The heads one per intra-op thread, every library call on its own thread: the same bits on any thread count.
+  const int threads = at::get_num_threads();
+  LibraryCallsOnOneThread one_each;
+  for_each_head(threads, work.size(), [&](size_t i) { assess_head(work[i], *obs, layer, n); });
+  allocate_budget(work, pool, threads);
+  // The weights of every summarised block (an NNLS each), one head per thread; commit_layer then only edits.
+  for_each_head(threads, work.size(), [&](size_t i) {
+    Work& w = work[i];
+    if (!w.exact && w.atoms > 0 && !w.fitted) w.fitted = w.ensure_summary().fit(w.atoms, options_.refit_values);
+  });
   commit_layer(cache, layer, work);
 }
 

@@ -50,6 +50,11 @@ struct MinimaxOptions {
   /// must be 1). 0: budget mode. `dcp kv-calibrate` maps a bits-per-byte target (kv.max_rel_bpb) to this.
   double max_rel_error = 0;
   bool refit_values = false;     ///< refit the kept values by least squares (synthetic values)
+  /// Binary-counter merges (spec 4.4): a new block joins the newest summary of its level and the union is
+  /// summarised again. false: a summary is final unless it holds more than its share of the budget (a budget
+  /// that stopped growing, max_tokens), so each entry is summarised once at a growing ratio budget. The greedy
+  /// path costs about n m^2 for a block of n entries keeping m, and a merged block spans up to half the history.
+  bool merge = true;
   uint64_t seed = 0;             ///< sampled queries and probes
 };
 
@@ -102,7 +107,7 @@ class MinimaxKvPolicy : public KvPolicy {
   void restart_if_new(const KvCache& cache);
   std::vector<Work> collect_blocks(const KvCache& cache, int64_t layer, int64_t& pool);
   void assess_head(Work& w, const KvObservations& obs, int64_t layer, int64_t position) const;
-  void allocate_budget(std::vector<Work>& work, int64_t pool) const;
+  void allocate_budget(std::vector<Work>& work, int64_t pool, int threads) const;
   void commit_layer(KvCache& cache, int64_t layer, std::vector<Work>& work);
 
   MinimaxOptions options_;
