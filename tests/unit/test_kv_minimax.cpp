@@ -353,7 +353,18 @@ TEST(KvSummary, ActiveSetNnlsIsExactAndMatchesItsCoordinateDescentTwin) {
       }
     }
     EXPECT_GT(at_zero, m / 10) << trial;
+    if (rows < m) continue;
+    // Started from G's own Cholesky factor (as the greedy path hands it over): the same optimum.
+    const torch::Tensor l = torch::linalg_cholesky(gt).contiguous();
+    std::vector<double> packed;
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j <= i; ++j) packed.push_back(l[i][j].item<double>());
+    }
+    const std::vector<double> from_factor = kv_nnls(g, c, packed);
+    const double f = nnls_objective(g, c, w), f_factor = nnls_objective(g, c, from_factor);
+    EXPECT_NEAR(f_factor, f, 1e-9 * std::abs(f)) << trial;
   }
+  EXPECT_NE(error_of([] { kv_nnls({1, 0, 0, 1}, {1, 1}, {1, 0}); }).find("m (m + 1) / 2 = 3 values"), std::string::npos);
 }
 
 TEST(KvSummary, SpectralTailIsFlatForLookupAndSmallForClusters) {

@@ -128,6 +128,7 @@ void KvBlockSummary::init(const KvHeadView& view, const torch::Tensor& p, const 
   available_.assign(n, 1);
 }
 
+
 void KvBlockSummary::form_gram(const torch::Tensor& u, const torch::Tensor& s, torch::ScalarType dtype) {
   const auto n = static_cast<size_t>(n_);
   const double queries = static_cast<double>(probs_.size(0));
@@ -212,6 +213,28 @@ void KvBlockSummary::extend(int64_t atoms) {
     const double alpha = residual[best] / pivot;
     const double inv = 1.0 / pivot;
     if (!blocked_ && step >= switch_at) start_blocked();
+    {
+      // Row `step` of the path's Cholesky factor (G over the path's entries, in path order): the earlier
+      // columns at the pivot, then the pivot. The weight fit starts from it instead of factorising G_SS again.
+      factor_.resize(factor_.size() + static_cast<size_t>(step) + 1);
+      double* frow = factor_.data() + static_cast<size_t>(step) * static_cast<size_t>(step + 1) / 2;
+      const double* left = chol_.defined() ? chol_.data_ptr<double>() : nullptr;
+      const int64_t from_left = blocked_ ? left_steps_ : step;
+      int64_t s = 0;
+      for (; s < from_left; ++s) frow[s] = left[static_cast<size_t>(s) * n + best];
+      for (const Flushed& b : flushed_) {
+        const int64_t at = b.at[best];
+        const int64_t width = b.rows.size(1);
+        const double* rows = b.rows.data_ptr<double>();
+        for (int64_t j = 0; j < b.rows.size(0); ++j) frow[s++] = rows[j * width + at];
+      }
+      if (blocked_) {
+        const auto na = static_cast<int64_t>(active_.size());
+        const double* pend = pending_.data_ptr<double>();
+        for (int64_t j = 0; j < pending_count_; ++j) frow[s++] = pend[j * na + active_at_[best]];
+      }
+      frow[step] = pivot;
+    }
     if (blocked_) {
       // The Schur complement's row of the pivot less the block's pending columns at the pivot: the new column
       // over the entries R covers, stored as the block's next pending column.
@@ -295,7 +318,7 @@ void KvBlockSummary::start_blocked() {
   schur_ = schur;
   pending_ = torch::empty({kBlock, std::max<int64_t>(na, 1)}, torch::kDouble);
   pending_count_ = 0;
-  chol_ = torch::Tensor();
+  left_steps_ = steps;  // chol_ keeps those columns: the factor's rows read them
   blocked_ = true;
 }
 
@@ -304,6 +327,7 @@ void KvBlockSummary::flush_block() {
   if (pending_count_ > 0 && na > 0) {
     const torch::Tensor l = pending_.narrow(0, 0, pending_count_).narrow(1, 0, na);
     schur_.addmm_(l.t(), l, 1.0, -1.0);  // one rank-k update (BLAS-3)
+    flushed_.push_back({l.clone(), active_at_});  // kept for the factor's rows of later steps
   }
   pending_count_ = 0;
   // Entries taken leave R once they are at least 1/16 of it (copying R costs less than updating their rows).
@@ -338,7 +362,9 @@ KvBlockSummary::Fit KvBlockSummary::fit(int64_t atoms, bool refit_values) const 
     c[a] = c_[static_cast<size_t>(sel[a])];
     for (size_t b = 0; b < m; ++b) g[a * m + b] = gram_[static_cast<size_t>(sel[a] * n_ + sel[b])];
   }
-  const std::vector<double> w = kv_nnls(g, c);
+  // The path's factor of G_SS (its leading m x m block: packed rows), so the fit starts without factorising.
+  const std::vector<double> factor(factor_.begin(), factor_.begin() + static_cast<std::ptrdiff_t>(m * (m + 1) / 2));
+  const std::vector<double> w = kv_nnls(g, c, factor);
   std::vector<double> gw(m, 0);
   for (size_t a = 0; a < m; ++a) {
     double sum = 0;
@@ -434,6 +460,17 @@ class PassiveFactor {
     const double* pl = lc.data_ptr<double>();
     for (size_t i = 0; i < k; ++i) {
       for (size_t j = i; j < k; ++j) at(i, j) = pl[j * k + i];  // U = L^T
+    }
+  }
+
+  // The set 0..m-1 with a factor given as L (lower triangular, packed by rows: row i holds L[i][0..i]): U = L^T.
+  void assign_lower_packed(const std::vector<double>& packed) {
+    set_.resize(m_);
+    used_ = ridge_;
+    for (size_t i = 0; i < m_; ++i) {
+      set_[i] = i;
+      const double* row = packed.data() + i * (i + 1) / 2;
+      for (size_t j = 0; j <= i; ++j) at(j, i) = row[j];
     }
   }
 
@@ -541,8 +578,13 @@ void remove_where(PassiveFactor& f, Drop drop) {
 
 }  // namespace
 
-std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<double>& c) {
+std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<double>& c,
+                            const std::vector<double>& given) {
   check_nnls("kv_nnls", g, c);
+  if (!given.empty() && given.size() != c.size() * (c.size() + 1) / 2) {
+    throw std::invalid_argument(fmt::format("kv_nnls: the factor must hold m (m + 1) / 2 = {} values for m = {}; got {}",
+                                            c.size() * (c.size() + 1) / 2, c.size(), given.size()));
+  }
   const size_t m = c.size();
   if (m == 0) return {};
   const double ridge = ridge_of(g, m);
@@ -551,7 +593,11 @@ std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<doub
   std::vector<size_t> all(m);
   for (size_t a = 0; a < m; ++a) all[a] = a;
   // Warm start: the least-squares weights clipped at 0; the positive ones are the passive set.
-  factor.reset(all);
+  if (given.empty()) {
+    factor.reset(all);
+  } else {
+    factor.assign_lower_packed(given);
+  }
   factor.solve(c, w);
   std::vector<char> passive(m, 0);
   for (size_t a = 0; a < m; ++a) {

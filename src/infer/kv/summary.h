@@ -145,17 +145,31 @@ class KvBlockSummary {
   torch::Tensor schur_;             // [na, na] fp64
   torch::Tensor pending_;           // [kBlock, na] fp64: the current block's scaled columns over active_
   int64_t pending_count_ = 0;
+  int64_t left_steps_ = 0;          // steps taken left-looking (their columns stay in chol_)
+  struct Flushed {
+    torch::Tensor rows;             // [<= 32, na] a folded block's columns over the entries R covered then
+    std::vector<int64_t> at;        // [n]: an entry's column in `rows` (-1: none)
+  };
+  std::vector<Flushed> flushed_;
+  std::vector<double> factor_;      // the path's Cholesky factor L (G over the path in path order), packed rows
 };
 
 /// Non-negative least squares in normal-equation form: argmin over w >= 0 of w^T G w - 2 c^T w, for G [m, m]
 /// (row-major, symmetric positive semi-definite, fp64) and c [m]: the active-set method of Lawson and Hanson
 /// (Solving Least Squares Problems, 1974, ch. 23) on the normal equations as in Bro and De Jong's "fast NNLS"
 /// (J. Chemometrics 1997), warm-started from the clipped least-squares solution (most weights of a summary are
-/// positive, so few active-set changes follow). Each passive-set solve is a Cholesky factorisation with the ridge
-/// 1e-12 x max diag(G) (the same as kv_nnls_reference's start). Stops when no zero weight has a descent direction
-/// (c - G w)_a > 1e-12 x max |c|, or after 4m + 16 set changes (the weights are then feasible, not certified).
-/// m = 0 gives {}. Throws std::invalid_argument when g has not m x m elements.
-std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<double>& c);
+/// positive, so few active-set changes follow). The passive set's Cholesky factor (with the ridge 1e-12 x max
+/// diag(G), the same as kv_nnls_reference's start) is factorised once and then updated as indices join (one
+/// forward substitution) or leave (a rank-1 update of the trailing factor), O(k^2) per change instead of a fresh
+/// O(k^3) factorisation (Golub and Van Loan, Matrix Computations, 6.5.4); where an update fails (a numerically
+/// dependent index) or an eighth of the set leaves at once, it is factorised afresh. `factor`, when given, is the
+/// Cholesky factor L of G itself (lower triangular, packed by rows: row i holds L[i][0..i], m (m + 1) / 2
+/// values; KvBlockSummary's greedy path has it): the start then costs no factorisation. Stops when no zero
+/// weight has a descent direction (c - G w)_a > 1e-12 x max |c|, or after 4m + 16 set changes (the weights are
+/// then feasible, not certified). m = 0 gives {}. Throws std::invalid_argument when g has not m x m elements or
+/// the factor not m (m + 1) / 2.
+std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<double>& c,
+                            const std::vector<double>& factor = {});
 
 /// The reference twin of kv_nnls: cyclic coordinate descent (each coordinate's exact minimiser in turn, the
 /// gradient kept up to date) from the clipped least-squares solution, until no weight moves by more than `tol`
