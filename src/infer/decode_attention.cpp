@@ -10,9 +10,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <exception>
 #include <limits>
 #include <stdexcept>
 #include <type_traits>
@@ -21,6 +19,7 @@
 #include "dcp/cpu_features.h"
 #include "dcp/infer.h"
 #include "infer/decode_attention_simd.h"
+#include "util/omp_for_each.h"
 
 namespace dcp {
 namespace {
@@ -78,27 +77,7 @@ constexpr int64_t kSerialWork = int64_t{1} << 20;
 // a pair throws is rethrown once every thread has stopped.
 template <class Body>
 void parallel_pairs(int64_t pairs, int64_t threads, const Body& body) {
-#ifdef _OPENMP
-  if (threads > 1 && pairs > 1) {
-    std::exception_ptr error;
-    std::atomic<bool> failed{false};
-#pragma omp parallel for num_threads(static_cast<int>(std::min(threads, pairs))) schedule(dynamic, 1)
-    for (int64_t pair = 0; pair < pairs; ++pair) {
-      if (failed.load(std::memory_order_relaxed)) continue;
-      try {
-        body(pair, pair + 1);
-      } catch (...) {
-#pragma omp critical(dcp_decode_attention_error)
-        {
-          if (!error) error = std::current_exception();
-        }
-        failed = true;
-      }
-    }
-    if (error) std::rethrow_exception(error);
-    return;
-  }
-#endif
+  if (omp_for_each(pairs, threads, [&](int64_t pair) { body(pair, pair + 1); })) return;
   body(0, pairs);
 }
 

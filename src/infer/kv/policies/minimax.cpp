@@ -9,14 +9,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <exception>
 #include <optional>
 #include <queue>
 #include <stdexcept>
 
 #include "infer/kv/summary.h"
+#include "util/omp_for_each.h"
 
 namespace dcp {
 namespace {
@@ -48,31 +47,11 @@ struct LibraryCallsOnOneThread {
 // depend on `threads`. The first exception an index throws is rethrown once all stopped.
 template <class Body>
 void for_each_head(int threads, size_t count, const Body& body) {
-#ifdef _OPENMP
-  threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(threads, 1)), count));
-  if (threads > 1) {
-    std::exception_ptr error;
-    std::atomic<bool> failed{false};
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t i = 0; i < static_cast<int64_t>(count); ++i) {
-      if (failed.load(std::memory_order_relaxed)) continue;
-      try {
-        torch::NoGradGuard no_grad;  // grad mode is per thread
-        body(static_cast<size_t>(i));
-      } catch (...) {
-#pragma omp critical(dcp_minimax_head_error)
-        {
-          if (!error) error = std::current_exception();
-        }
-        failed = true;
-      }
-    }
-    if (error) std::rethrow_exception(error);
-    return;
-  }
-#else
-  (void)threads;
-#endif
+  const bool ran = omp_for_each(static_cast<int64_t>(count), threads, [&](int64_t i) {
+    torch::NoGradGuard no_grad;  // grad mode is per thread
+    body(static_cast<size_t>(i));
+  });
+  if (ran) return;
   for (size_t i = 0; i < count; ++i) body(i);
 }
 
