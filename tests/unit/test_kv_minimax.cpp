@@ -209,7 +209,7 @@ TEST(KvSummary, Fp32GramMatchesItsFp64Twin) {
 TEST(KvSummary, BlockedPathMatchesItsPlainTwin) {
   // KvSummaryMethod::kBlocked (left-looking for n / 8 = 50 steps, then the Schur complement updated by rank-32
   // products, taken entries dropped from it on the way) against kPlain (one left-looking column per step), on the
-  // same Gram: n = 400 entries, a path of 200 steps, five rank-32 updates after the switch.
+  // same Gram: n = 400 entries, a path of 200 steps: four rank-32 updates after the switch and 22 columns pending.
   torch::manual_seed(47);
   const int64_t n_view = 480;
   KvHeadView view{torch::randn({n_view, 16}, torch::kDouble) * 1.5, torch::randn({n_view, 16}, torch::kDouble),
@@ -234,7 +234,15 @@ TEST(KvSummary, BlockedPathMatchesItsPlainTwin) {
     EXPECT_EQ(automatic.error(), plain.error());
     const double scale = plain.error()[0];
     for (size_t k = 0; k <= 200; ++k) EXPECT_NEAR(blocked.error()[k], plain.error()[k], 1e-10 * scale) << k;
-    EXPECT_NEAR(blocked.fit(200, false).error, plain.fit(200, false).error, 1e-10 * scale);
+    // The weight fits start from each path's own factor (the leading k x k block of what it recorded: from the
+    // left-looking columns, the folded blocks and the pending columns for kBlocked, from the columns alone for
+    // kPlain): the same weights at the switch, inside a block, after folds and at the end.
+    for (const int64_t k : {50, 83, 150, 200}) {
+      const KvBlockSummary::Fit fb = blocked.fit(k, false), fp = plain.fit(k, false);
+      EXPECT_NEAR(fb.error, fp.error, 1e-10 * scale) << k;
+      ASSERT_TRUE(torch::equal(fb.atoms, fp.atoms)) << k;
+      EXPECT_LT((fb.log_weight - fp.log_weight).abs().max().item<double>(), 1e-6) << k;
+    }
     // A path continued in pieces (the allocation grows it one entry at a time) is the path grown at once.
     KvBlockSummary pieces(view, q, 0.25, block, pos, dtype, KvSummaryMethod::kBlocked);
     for (int64_t k = 1; k <= 200; k += 7) pieces.extend(k);
@@ -361,6 +369,11 @@ TEST(KvSummary, ActiveSetNnlsIsExactAndMatchesItsCoordinateDescentTwin) {
     EXPECT_NEAR(f_factor, f, 1e-9 * std::abs(f)) << trial;
   }
   EXPECT_NE(error_of([] { kv_nnls({1, 0, 0, 1}, {1, 1}, {1, 0}); }).find("m (m + 1) / 2 = 3 values"), std::string::npos);
+  // Not a Gram matrix (indefinite), or not finite: refused, not solved with a broken factor.
+  EXPECT_NE(error_of([] { kv_nnls({1, 2, 2, 1}, {1, 1}); }).find("not positive semi-definite"), std::string::npos);
+  EXPECT_NE(error_of([] { kv_nnls({1, 0, 0, std::nan("")}, {1, 1}); }).find("G[3] = nan is not finite"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { kv_nnls({1, 0, 0, 1}, {1, INFINITY}); }).find("c[1] = inf is not finite"), std::string::npos);
 }
 
 TEST(KvSummary, SpectralTailIsFlatForLookupAndSmallForClusters) {
@@ -542,9 +555,45 @@ TEST(KvMinimax, LongPathsAreTheSameBitsOnAnyThreadCount) {
   for (int64_t h = 0; h < heads; ++h) {
     const KvHeadView x = caches[0]->view(0, h), y = caches[1]->view(0, h);
     EXPECT_LT(x.length(), n) << h;  // compressed
-    EXPECT_GT(x.length(), 600) << h;  // a path past the blocked switch
+    EXPECT_GT(x.length(), 4 + 220 + 599) << h;  // sinks, recent entries and > 599 kept: past the blocked switch
     EXPECT_TRUE(torch::equal(x.positions, y.positions)) << h;
     EXPECT_TRUE(torch::equal(x.bias, y.bias)) << h;
+  }
+}
+
+TEST(KvMinimax, WithoutMergesASummaryIsFinal) {
+  // Two prefill chunks of 512 at budget 0.25: the first compression summarises [4, 480) (sinks 4, the newest 32
+  // exact). With merge=0 the second leaves that summary as it was (it holds no more than its share) and summarises
+  // only [480, 960); with merges (the default) the two level-0 blocks merge and [4, 480) is summarised again.
+  const int64_t d = 16, w = 32;
+  auto [k, v] = clustered(1024, d, 24, 3.0, 0.3, 120);
+  torch::manual_seed(121);
+  const torch::Tensor q = torch::randn({1024, 1, d}, torch::kDouble) * 2;
+  for (const int merge : {0, 1}) {
+    KvCache cache(spec(1, d, torch::kFloat));
+    KvObservations obs(1, 1, KvObservationNeeds{w, false});
+    auto policy = make_kv_policy("minimax", {{"budget", 0.25}, {"merge", static_cast<double>(merge)}});
+    torch::Tensor first_positions, first_bias;
+    for (int64_t chunk = 0; chunk < 2; ++chunk) {
+      const int64_t from = chunk * 512;
+      cache.append(0, k.narrow(0, from, 512).to(torch::kFloat), v.narrow(0, from, 512).to(torch::kFloat),
+                   torch::arange(from, from + 512, torch::kInt64));
+      obs.observe(0, q.narrow(0, from + 512 - w, w).to(torch::kFloat),
+                  torch::arange(from + 512 - w, from + 512, torch::kInt64), cache, 0.25);
+      policy->after_step(cache, KvStep{true, from, 512, &obs});
+      const KvHeadView view = cache.view(0, 0);
+      const torch::Tensor summarised = (view.positions >= 4) & (view.positions < 480);
+      const torch::Tensor positions = view.positions.masked_select(summarised);
+      const torch::Tensor bias = view.bias.masked_select(summarised);
+      if (chunk == 0) {
+        ASSERT_LT(positions.numel(), 476);  // the first block was summarised
+        first_positions = positions;
+        first_bias = bias;
+        continue;
+      }
+      const bool same = torch::equal(positions, first_positions) && torch::equal(bias, first_bias);
+      EXPECT_EQ(same, merge == 0) << "merge=" << merge;
+    }
   }
 }
 
@@ -713,6 +762,7 @@ TEST(KvMinimax, OptionsAreChecked) {
                                        {"refit_values", 2, "refit_values = 2 must be 0 or 1"},
                                        {"exceed_budget", 2, "exceed_budget = 2 must be 0 or 1"},
                                        {"unit_weights", 3, "unit_weights = 3 must be 0 or 1"},
+                                       {"merge", 2, "merge = 2 must be 0 or 1"},
                                        {"max_rel_error", -0.1, "max_rel_error = -0.1 outside [0"},
                                        {"recent_tokens", -1, "recent_tokens = -1 outside [0"},
                                        {"max_tokens", -1, "max_tokens = -1 outside [0"},

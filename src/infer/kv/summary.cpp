@@ -418,6 +418,12 @@ void check_nnls(const char* who, const std::vector<double>& g, const std::vector
     throw std::invalid_argument(
         fmt::format("{}: G must have m x m = {} elements for c of m = {}; got {}", who, c.size() * c.size(), c.size(), g.size()));
   }
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (!std::isfinite(g[i])) throw std::invalid_argument(fmt::format("{}: G[{}] = {} is not finite", who, i, g[i]));
+  }
+  for (size_t i = 0; i < c.size(); ++i) {
+    if (!std::isfinite(c[i])) throw std::invalid_argument(fmt::format("{}: c[{}] = {} is not finite", who, i, c[i]));
+  }
 }
 
 double ridge_of(const std::vector<double>& g, size_t m) {
@@ -432,7 +438,9 @@ double ridge_of(const std::vector<double>& g, size_t m) {
 // 6.5.4, "updating and downdating"), O(k^2) each, where a fresh factorisation costs O(k^3). The ridge
 // (1e-12 x max diag G) keeps G_PP positive definite when columns are (numerically) dependent; where a
 // factorisation or an append fails anyway, the set is factorised afresh with the ridge grown a thousandfold
-// until it holds (at most 1e-3 x max diag: far below any weight's effect).
+// until it holds (at most 1e-3 x max diag: far below any weight's effect); a G that fails even then (not positive
+// semi-definite) is refused with std::invalid_argument. A factor handed over by the caller
+// (assign_lower_packed: the greedy path's, of G_PP itself) has no ridge on its rows; indices appended later get it.
 class PassiveFactor {
  public:
   PassiveFactor(const std::vector<double>& g, size_t m, double ridge) : g_(g), m_(m), ridge_(ridge), used_(ridge), u_(m * m) {}
@@ -452,9 +460,17 @@ class PassiveFactor {
       pa[i * k + i] += ridge_;
     }
     auto [l, info] = torch::linalg_cholesky_ex(a);
-    for (double extra = ridge_ * 1e3; info.item<int64_t>() != 0 && extra < 1e9 * ridge_; extra *= 1e3) {
+    double extra = ridge_;
+    for (int grow = 0; grow < 3 && info.item<int64_t>() != 0; ++grow) {  // 1e3, 1e6, 1e9 x the ridge
+      extra *= 1e3;
       std::tie(l, info) = torch::linalg_cholesky_ex(a + extra * torch::eye(kk, torch::kDouble));
       used_ = ridge_ + extra;
+    }
+    if (info.item<int64_t>() != 0) {
+      throw std::invalid_argument(fmt::format(
+          "kv_nnls: G restricted to {} indices is not positive semi-definite (Cholesky fails with a ridge of {:g}, "
+          "1e-3 x max diag G): not a Gram matrix",
+          k, used_));
     }
     const torch::Tensor lc = l.contiguous();
     const double* pl = lc.data_ptr<double>();

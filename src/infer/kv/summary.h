@@ -45,8 +45,8 @@ enum class KvSummaryMethod {
   /// Note 161, 2004) with the greedy's own pivot rule. R drops the taken entries once they are 1/16 of it.
   /// Per step ~2 n^2 flops at matrix-product speed, where left-looking reads every column so far (k n).
   kBlocked,
-  /// The reference twin: left-looking, each step's column G[:, j] - sum_s L_s L_s[j] one matrix-vector product
-  /// (BLAS dgemv through ATen) with the columns taken so far.
+  /// The reference twin: left-looking, each step's column G[:, j] - sum_s L_s L_s[j] over the columns taken so
+  /// far, an in-order loop on the calling thread (no BLAS: the same bits on any thread count).
   kPlain,
 };
 
@@ -166,15 +166,18 @@ class KvBlockSummary {
 /// Cholesky factor L of G itself (lower triangular, packed by rows: row i holds L[i][0..i], m (m + 1) / 2
 /// values; KvBlockSummary's greedy path has it): the start then costs no factorisation. Stops when no zero
 /// weight has a descent direction (c - G w)_a > 1e-12 x max |c|, or after 4m + 16 set changes (the weights are
-/// then feasible, not certified). m = 0 gives {}. Throws std::invalid_argument when g has not m x m elements or
-/// the factor not m (m + 1) / 2.
+/// then feasible, not certified). m = 0 gives {}. Throws std::invalid_argument when g has not m x m elements, the
+/// factor not m (m + 1) / 2, G or c holds a value that is not finite, or G is not positive semi-definite (its
+/// Cholesky fails with a ridge of 1e-3 x max diag G: not a Gram matrix). The given factor is of G without the ridge; indices appended later get it
+/// (a 1e-12-relative difference).
 std::vector<double> kv_nnls(const std::vector<double>& g, const std::vector<double>& c,
                             const std::vector<double>& factor = {});
 
 /// The reference twin of kv_nnls: cyclic coordinate descent (each coordinate's exact minimiser in turn, the
 /// gradient kept up to date) from the clipped least-squares solution, until no weight moves by more than `tol`
 /// in a sweep or after `sweeps` sweeps. Before issue 27's speed work this was the fit (500 sweeps, tol 1e-10),
-/// which stopped at the sweep limit on most summaries of a trained model. Same inputs and errors as kv_nnls.
+/// which stopped at the sweep limit on most summaries of a trained model. Same inputs as kv_nnls, and its shape and
+/// finiteness errors.
 std::vector<double> kv_nnls_reference(const std::vector<double>& g, const std::vector<double>& c, int sweeps,
                                       double tol);
 

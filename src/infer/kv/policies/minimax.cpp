@@ -23,7 +23,9 @@ namespace {
 // While alive, the library calls (ATen, OpenBLAS) of this thread, and of the threads of parallel regions it opens,
 // run on their calling thread alone: a layer's compression then computes the same bits on any number of threads
 // (ATen splits its reductions, and BLAS its matrix-vector products, by thread count), its heads spread over the
-// threads by for_each_head instead.
+// threads by for_each_head instead. omp_set_num_threads governs ATen and an OpenMP build of OpenBLAS (Debian's
+// libopenblas0-openmp, which libtorch uses here); a pthreads OpenBLAS or MKL would need their own thread setting
+// (KvMinimax.LongPathsAreTheSameBitsOnAnyThreadCount fails if the BLAS splits a product over threads).
 struct LibraryCallsOnOneThread {
   int restore;
   LibraryCallsOnOneThread() : restore(at::get_num_threads()) {
