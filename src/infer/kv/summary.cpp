@@ -218,16 +218,10 @@ void KvBlockSummary::extend(int64_t atoms) {
       // columns at the pivot, then the pivot. The weight fit starts from it instead of factorising G_SS again.
       factor_.resize(factor_.size() + static_cast<size_t>(step) + 1);
       double* frow = factor_.data() + static_cast<size_t>(step) * static_cast<size_t>(step + 1) / 2;
-      const double* left = chol_.defined() ? chol_.data_ptr<double>() : nullptr;
-      const int64_t from_left = blocked_ ? left_steps_ : step;
+      const double* stored = chol_.defined() ? chol_.data_ptr<double>() : nullptr;
+      const int64_t columns = blocked_ ? step - pending_count_ : step;  // in chol_; the rest pending
       int64_t s = 0;
-      for (; s < from_left; ++s) frow[s] = left[static_cast<size_t>(s) * n + best];
-      for (const Flushed& b : flushed_) {
-        const int64_t at = b.at[best];
-        const int64_t width = b.rows.size(1);
-        const double* rows = b.rows.data_ptr<double>();
-        for (int64_t j = 0; j < b.rows.size(0); ++j) frow[s++] = rows[j * width + at];
-      }
+      for (; s < columns; ++s) frow[s] = stored[static_cast<size_t>(s) * n + best];
       if (blocked_) {
         const auto na = static_cast<int64_t>(active_.size());
         const double* pend = pending_.data_ptr<double>();
@@ -258,14 +252,7 @@ void KvBlockSummary::extend(int64_t atoms) {
       }
       ++pending_count_;
     } else {
-      if (!chol_.defined() || chol_.size(0) <= step) {
-        // Room for the request (at least double the old), the rows so far copied over.
-        const int64_t rows = std::min(
-            n_, std::max<int64_t>({atoms, step + 1, chol_.defined() ? 2 * chol_.size(0) : 16}));
-        torch::Tensor grown = torch::empty({rows, n_}, torch::kDouble);
-        if (step > 0) grown.narrow(0, 0, step).copy_(chol_.narrow(0, 0, step));
-        chol_ = grown;
-      }
+      reserve_columns(step + 1, step, atoms);
       double* base = chol_.data_ptr<double>();
       double* column = base + static_cast<size_t>(step) * n;
       const double* g = gram_.data() + best * n;  // G is symmetric: row best = column best
@@ -298,6 +285,17 @@ void KvBlockSummary::extend(int64_t atoms) {
   if (static_cast<int64_t>(order_.size()) == n_) exhausted_ = true;
 }
 
+void KvBlockSummary::reserve_columns(int64_t rows, int64_t keep, int64_t hint) {
+  if (chol_.defined() && chol_.size(0) >= rows) return;
+  // Room for the request (at least double the old), the first `keep` rows copied over.
+  const int64_t old = chol_.defined() ? chol_.size(0) : 0;
+  const int64_t capacity = std::min(n_, std::max<int64_t>({hint, rows, 2 * old, 16}));
+  torch::Tensor grown = torch::empty({capacity, n_}, torch::kDouble);
+  keep = std::min(keep, old);
+  if (keep > 0) grown.narrow(0, 0, keep).copy_(chol_.narrow(0, 0, keep));
+  chol_ = grown;
+}
+
 void KvBlockSummary::start_blocked() {
   const auto steps = static_cast<int64_t>(order_.size());
   active_.clear();
@@ -318,7 +316,6 @@ void KvBlockSummary::start_blocked() {
   schur_ = schur;
   pending_ = torch::empty({kBlock, std::max<int64_t>(na, 1)}, torch::kDouble);
   pending_count_ = 0;
-  left_steps_ = steps;  // chol_ keeps those columns: the factor's rows read them
   blocked_ = true;
 }
 
@@ -327,7 +324,16 @@ void KvBlockSummary::flush_block() {
   if (pending_count_ > 0 && na > 0) {
     const torch::Tensor l = pending_.narrow(0, 0, pending_count_).narrow(1, 0, na);
     schur_.addmm_(l.t(), l, 1.0, -1.0);  // one rank-k update (BLAS-3)
-    flushed_.push_back({l.clone(), active_at_});  // kept for the factor's rows of later steps
+    // The block's columns join the left-looking ones in chol_ (over every entry; 0 at those R no longer
+    // covers, which are taken), where the factor's rows of later steps read them.
+    const auto first = static_cast<int64_t>(order_.size()) - pending_count_;
+    reserve_columns(first + pending_count_, first, 0);
+    for (int64_t j = 0; j < pending_count_; ++j) {
+      double* row = chol_.data_ptr<double>() + static_cast<size_t>(first + j) * static_cast<size_t>(n_);
+      const double* col = pending_.data_ptr<double>() + j * na;
+      std::fill(row, row + n_, 0.0);
+      for (int64_t t = 0; t < na; ++t) row[active_[static_cast<size_t>(t)]] = col[t];
+    }
   }
   pending_count_ = 0;
   // Entries taken leave R once they are at least 1/16 of it (copying R costs less than updating their rows).

@@ -120,6 +120,7 @@ class KvBlockSummary {
   void init(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block, torch::ScalarType dtype);
   // gram_ from U = O V^T [Q, n] and s_q = ||o_q||^2 + gamma^2 [Q]: the fp32 fused products or the fp64 expansion.
   void form_gram(const torch::Tensor& u, const torch::Tensor& s, torch::ScalarType dtype);
+  void reserve_columns(int64_t rows, int64_t keep, int64_t hint);  // chol_ >= rows rows, its first `keep` kept
   void start_blocked();                   // R = G - L L^T over the entries not yet taken
   void flush_block();                     // R -= the pending block's columns; drops taken entries from R
 
@@ -145,12 +146,6 @@ class KvBlockSummary {
   torch::Tensor schur_;             // [na, na] fp64
   torch::Tensor pending_;           // [kBlock, na] fp64: the current block's scaled columns over active_
   int64_t pending_count_ = 0;
-  int64_t left_steps_ = 0;          // steps taken left-looking (their columns stay in chol_)
-  struct Flushed {
-    torch::Tensor rows;             // [<= 32, na] a folded block's columns over the entries R covered then
-    std::vector<int64_t> at;        // [n]: an entry's column in `rows` (-1: none)
-  };
-  std::vector<Flushed> flushed_;
   std::vector<double> factor_;      // the path's Cholesky factor L (G over the path in path order), packed rows
 };
 

@@ -463,7 +463,7 @@ void MinimaxKvPolicy::commit_layer(KvCache& cache, int64_t layer, std::vector<Wo
     torch::Tensor values;
     KvBlockSummary::Fit fit;
     if (w.atoms > 0) {
-      fit = w.fitted ? *w.fitted : summary.fit(w.atoms, options_.refit_values);
+      fit = *w.fitted;  // after_layer fitted every block that keeps atoms and is not kept whole
       const torch::Tensor kept = w.block.index_select(0, fit.atoms);
       mask.index_fill_(0, kept, true);
       if (!options_.unit_weights) bias.index_add_(0, kept, fit.log_weight);
