@@ -139,6 +139,10 @@ class FlexformerDecoding : public AttentionWrapper {
   void reset();
   /// Layer `layer`'s carried state (undefined tensors before the first batch).
   const LinearAttentionState& state(int64_t layer) const;
+  /// Sets layer `layer`'s carried state (the next batch continues from it; RecurrentSession::step_batch stacks its
+  /// sessions' states here): s [n_seq, heads, F, Dv] and z [n_seq, heads, F] of one dtype, or both undefined (a
+  /// zero state). Throws std::invalid_argument for a layer outside [0, n_layers) or shapes that do not fit together.
+  void set_state(int64_t layer, LinearAttentionState state);
 
  private:
   // Mutable: forward is const in the AttentionWrapper interface, and carrying this state is its purpose.

@@ -13,6 +13,7 @@
 #include "dcp/kv_cache.h"
 #include "dcp/kv_observations.h"
 #include "dcp/kv_policy.h"
+#include "dcp/linear_attention.h"
 #include "dcp/model.h"
 
 namespace dcp {
@@ -175,6 +176,60 @@ class DecodeSession {
   std::shared_ptr<KvObservations> observations_;  // null unless the policy needs() something
 };
 
+/// One sequence decoded recurrently by a flexformer model: linear attention as a recurrent network (Katharopoulos
+/// et al. 2020, "Transformers are RNNs"), each layer carrying its state, S = sum phi(k) v^T and z = sum phi(k) per
+/// head (LinearAttentionState of one sequence: s [1, heads, F, Dv], z [1, heads, F], fp32 (fp64 for an fp64 model)),
+/// so a session holds the same bytes after 10 tokens as after 10,000 and needs no KV cache and no cache policy.
+/// A prompt runs in chunks of `chunk_tokens` (each continuing from the states the previous one left), then tokens
+/// one at a time; positions are absolute from 0, as in DecodeSession. Every step runs FlexformerDecoding: with
+/// attention.linear_impl fused the fused kernel (prefill chunks and one-token steps alike), with reference the
+/// chunked form for a chunk and the recurrent form for one token. The logits equal model->forward over the whole
+/// sequence up to floating-point rounding (tests/unit/test_recurrent_session.cpp). Runs without autograd.
+class RecurrentSession {
+ public:
+  /// Throws std::invalid_argument for chunk_tokens < 1 or a model whose blocks are not all FlexformerAttention.
+  explicit RecurrentSession(Transformer model, int64_t chunk_tokens = 512);
+
+  /// Runs `tokens` (ids in [0, kVocabSize), at least one) after what the states cover, in chunks; returns fp32
+  /// logits [tokens.size(), kVocabSize], row i predicting the token after tokens[i].
+  torch::Tensor prefill(const std::vector<int64_t>& tokens);
+  /// Runs one token; returns its fp32 logits [kVocabSize].
+  torch::Tensor decode(int64_t token);
+  /// Drops the states: the next token is at position 0 again.
+  void reset();
+
+  /// One step of several sessions of one model in a single forward (continuous batching, as
+  /// DecodeSession::step_batch): session i runs tokens[i] (1 to its chunk_tokens() tokens) after what its states
+  /// cover. The tokens of all sessions form one packed batch: each linear layer is one matmul over all of them;
+  /// each layer's attention is one call of the kernel over every session's segment, from the sessions' states
+  /// stacked ([n_sessions, heads, F, Dv]; zeros for a session's first step), which are split back afterwards.
+  /// Returns per session its fp32 logits [tokens[i].size(), kVocabSize], equal to its solo step's up to the
+  /// rounding of the matmuls and of the kernel's split of the work (tests/unit/test_recurrent_session.cpp measures
+  /// it). Throws std::invalid_argument for sessions of different models, a null session or one given twice, sizes
+  /// that differ, empty or too many tokens, a token outside the vocabulary.
+  static std::vector<torch::Tensor> step_batch(const std::vector<RecurrentSession*>& sessions,
+                                               const std::vector<std::vector<int64_t>>& tokens);
+
+  /// Bytes the states hold now (0 before the first token; then the same after every step).
+  int64_t state_bytes() const;
+  /// Tokens run since the last reset (the next token's position).
+  int64_t next_position() const { return position_; }
+  int64_t chunk_tokens() const { return chunk_tokens_; }
+  /// The length of the next prefill chunk when `remaining` (>= 1) prompt tokens are left: min(remaining,
+  /// chunk_tokens). Throws std::invalid_argument for remaining < 1.
+  int64_t next_chunk_length(int64_t remaining) const;
+
+ private:
+  Transformer model_;
+  int64_t chunk_tokens_;
+  int64_t position_ = 0;
+  std::vector<LinearAttentionState> states_;  // per layer; undefined before the first token
+};
+
+/// True when every block of `model` uses flexformer attention (it decodes with RecurrentSession), false when every
+/// block is softmax (DecodeSession). Throws std::invalid_argument for a model without layers or one that mixes them.
+bool decodes_recurrently(const Transformer& model);
+
 /// How a byte is drawn from a model's logits (generate, dcp serve).
 struct SamplingOptions {
   double temperature = 1.0;  ///< 0 = greedy (argmax)
@@ -211,7 +266,7 @@ struct GenerateOptions {
   double top_p = 1.0;         ///< 1 = no nucleus filtering (SamplingOptions::top_p)
   uint64_t seed = 0;
   int64_t context = 1024;     ///< tokens the model sees (the training max_seq_len)
-  int64_t chunk_tokens = 512; ///< softmax models: prefill chunk of the KV cache (kv.chunk_tokens)
+  int64_t chunk_tokens = 512; ///< prefill chunk (kv.chunk_tokens): of the KV cache, or of the recurrent states
   int64_t chunk_pairs = 0;    ///< softmax models: attention bound of a prefill chunk (kv.chunk_pairs; 0 = none)
   /// softmax models: the KV cache's compression policy (null = keep everything); flexformer models have none
   std::shared_ptr<KvPolicy> kv_policy;
@@ -223,7 +278,7 @@ struct GenerateOptions {
 /// the model emits it). The model sees the last `context` tokens (a window, positions 0.. inside it), as it was
 /// trained. Softmax models decode through a KV cache (DecodeSession: the window prefilled in chunks of
 /// chunk_tokens, then one token per step); flexformer models recurrently from per-layer states
-/// (FlexformerDecoding). When the window slides (the sequence is longer than `context`) positions restart at 0,
+/// (RecurrentSession: the window in chunks of chunk_tokens, then one token per step). When the window slides (the sequence is longer than `context`) positions restart at 0,
 /// so the cache or the states are rebuilt from the new window: the same computation as recomputing the window
 /// for every token (equal logits up to rounding; tests compare greedy outputs token for token), cheap per token
 /// until the window is full and a full window's prefill per token after that. Bytes are drawn by a ByteSampler

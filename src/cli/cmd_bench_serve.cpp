@@ -15,7 +15,7 @@ void add_bench_serve_command(CLI::App& app) {
   auto* sub = app.add_subcommand("bench-serve", "Load dcp serve on loopback: throughput, latency, sessions per KV memory");
   auto o = std::make_shared<ServeBenchOptions>();
   auto checkpoint = std::make_shared<std::string>();
-  sub->add_option("--checkpoint", *checkpoint, "checkpoint folder of a softmax model")->required();
+  sub->add_option("--checkpoint", *checkpoint, "checkpoint folder of a softmax or flexformer model")->required();
   sub->add_option("--out", o->out, "result files PREFIX.md, .csv, .png (e.g. bench/results/cpu2_serve)")->required();
   sub->add_option("--clients", o->clients, "concurrency levels of the throughput runs")->delimiter(',');
   sub->add_option("--requests", o->requests, "requests per throughput run (at least the clients)")->check(CLI::Range(1, 100000));
@@ -51,10 +51,6 @@ void add_bench_serve_command(CLI::App& app) {
       }
     }
     Config cfg = serve_config(*checkpoint, "", config_overrides(*sub));
-    if (cfg.attention.backend != "softmax") {
-      throw ConfigError(fmt::format("bench-serve: {} is attention.backend {}; dcp serve serves softmax checkpoints",
-                                    *checkpoint, cfg.attention.backend));
-    }
     Transformer model(cfg.model, cfg.attention, resolve_precision(cfg.train.precision).precision);
     load_checkpoint(*checkpoint, model, nullptr);
     run_serve_bench(model, cfg, *checkpoint, *o);

@@ -44,7 +44,7 @@ void add_serve_command(CLI::App& app) {
     int64_t port = -1, threads = -1;
   };
   auto o = std::make_shared<Options>();
-  sub->add_option("--checkpoint", o->checkpoint, "checkpoint folder (run_dir/checkpoint) of a softmax model")->required();
+  sub->add_option("--checkpoint", o->checkpoint, "checkpoint folder (run_dir/checkpoint) of a softmax or flexformer model")->required();
   sub->add_option("--config", o->config, "YAML file whose serve section is used (configs/, docs/serve.md)")
       ->check(CLI::ExistingFile);
   sub->add_option("--host", o->host, "address to bind (default serve.host, 127.0.0.1; 0.0.0.0 = every interface)");
@@ -73,11 +73,6 @@ void add_serve_command(CLI::App& app) {
     if (!o->host.empty()) cfg.serve.host = o->host;
     if (o->port >= 0) cfg.serve.port = o->port;
     if (o->threads >= 0) cfg.serve.threads = o->threads;
-    if (cfg.attention.backend != "softmax") {
-      throw ConfigError(fmt::format("dcp serve: {} is attention.backend {}; the server serves softmax checkpoints "
-                                    "(a KV cache per session; flexformer's recurrent decoding is not served yet)",
-                                    o->checkpoint, cfg.attention.backend));
-    }
     Transformer model(cfg.model, cfg.attention, resolve_precision(cfg.train.precision).precision);
     load_checkpoint(o->checkpoint, model, nullptr);
     std::filesystem::path dir = std::filesystem::path(o->checkpoint).lexically_normal();

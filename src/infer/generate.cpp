@@ -1,6 +1,5 @@
 #include <fmt/format.h>
 
-#include "dcp/flexformer.h"
 #include "dcp/infer.h"
 
 namespace dcp {
@@ -22,43 +21,31 @@ std::string generate(Transformer& model, const std::string& prompt, const Genera
   // Both decoders run only the tokens not yet seen: a softmax model from its KV cache, a flexformer model from
   // each layer's carried state. When the window slides, positions restart at 0, so cache or states are rebuilt
   // from the new window's tokens: the same logits as recomputing the window, cheap per token until then.
-  std::shared_ptr<FlexformerDecoding> recurrent;
+  std::unique_ptr<RecurrentSession> recurrent;
   std::unique_ptr<DecodeSession> session;
-  if (model->cfg.n_layers > 0 &&
-      dynamic_cast<const FlexformerAttention*>(model->blocks->ptr<BlockImpl>(0)->attention.get()) != nullptr) {
+  if (decodes_recurrently(model)) {
     if (opt.kv_policy) {
       throw std::invalid_argument("generate: a KV cache policy needs softmax attention (this model is flexformer)");
     }
-    recurrent = std::make_shared<FlexformerDecoding>(model->cfg.n_layers);
+    recurrent = std::make_unique<RecurrentSession>(model, opt.chunk_tokens);
   } else {
     session = std::make_unique<DecodeSession>(model, opt.chunk_tokens, opt.kv_policy, opt.chunk_pairs);
   }
-  int64_t cached_start = -1, cached = 0;  // window start the states were built for, and tokens they cover
+  int64_t cached_start = -1;  // the window start the cache or states were built for
   // Logits [kVocabSize] after tokens[start..end): from the cache or states where they cover tokens[start..end-1).
   auto next_logits = [&](int64_t start) -> torch::Tensor {
     const bool rebuild = start != cached_start;
     cached_start = start;
-    if (session) {
-      if (rebuild) {
-        session->reset();
-        return session->prefill(std::vector<int64_t>(tokens.begin() + start, tokens.end())).select(0, -1);
-      }
-      return session->decode(tokens.back());
-    }
     if (rebuild) {
+      const std::vector<int64_t> window(tokens.begin() + start, tokens.end());
+      if (session) {
+        session->reset();
+        return session->prefill(window).select(0, -1);
+      }
       recurrent->reset();
-      cached = 0;
+      return recurrent->prefill(window).select(0, -1);
     }
-    const int64_t first = cached;  // position (inside the window) of the first token to run
-    const int64_t n = static_cast<int64_t>(tokens.size()) - start - first;
-    PackedBatch batch;
-    batch.tokens = torch::tensor(std::vector<int64_t>(tokens.begin() + start + first, tokens.end()), torch::kInt64);
-    batch.targets = torch::zeros({n}, torch::kInt64);
-    batch.positions = torch::arange(first, first + n, torch::kInt64);
-    batch.cu_seqlens = torch::tensor({int64_t{0}, n}, torch::kInt64);
-    batch.attention = recurrent;
-    cached = first + n;
-    return model->forward(batch)[n - 1];
+    return session ? session->decode(tokens.back()) : recurrent->decode(tokens.back());
   };
   std::string out;
   const SamplingOptions sampling{opt.temperature, opt.top_k, opt.top_p};

@@ -243,6 +243,22 @@ const LinearAttentionState& FlexformerDecoding::state(int64_t layer) const {
   return states_[static_cast<size_t>(layer)];
 }
 
+void FlexformerDecoding::set_state(int64_t layer, LinearAttentionState st) {
+  state(layer);  // checks the layer
+  if (st.s.defined() != st.z.defined()) {
+    throw std::invalid_argument("FlexformerDecoding::set_state: layer " + std::to_string(layer) +
+                                ": s and z must both be defined or both undefined");
+  }
+  if (st.s.defined() && (st.s.dim() != 4 || st.z.dim() != 3 || st.s.size(0) != st.z.size(0) ||
+                         st.s.size(1) != st.z.size(1) || st.s.size(2) != st.z.size(2) ||
+                         st.s.scalar_type() != st.z.scalar_type())) {
+    throw std::invalid_argument("FlexformerDecoding::set_state: layer " + std::to_string(layer) + ": s " +
+                                c10::str(st.s.sizes()) + " and z " + c10::str(st.z.sizes()) +
+                                " must be [n_seq, heads, F, Dv] and [n_seq, heads, F] of one dtype");
+  }
+  states_[static_cast<size_t>(layer)] = std::move(st);
+}
+
 torch::Tensor FlexformerDecoding::forward(const AttentionBackend& inner, int64_t layer, const torch::Tensor& q,
                                           const torch::Tensor& k, const torch::Tensor& v,
                                           const torch::Tensor& cu_seqlens) const {

@@ -288,6 +288,15 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   const std::string id = std::filesystem::path(checkpoint).lexically_normal().parent_path().filename().string();
   std::vector<Spec> specs;
   for (const auto& s : o.policies) specs.push_back(parse_spec(s));
+  const bool recurrent = decodes_recurrently(model);
+  if (recurrent) {
+    for (const auto& s : specs) {
+      if (s.policy != "full") {
+        throw ConfigError(fmt::format("--policies: {}: {} is a flexformer checkpoint (recurrent states, no KV cache "
+                                      "to compress); use --policies full", s.policy, checkpoint));
+      }
+    }
+  }
   const double load_start = load_average_1min();
   const auto started = std::chrono::steady_clock::now();
   std::vector<ServeBenchRow> rows;
@@ -353,6 +362,13 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                         : std::string(),
                     cfg.serve.prefill_chunks, utc_now("%Y-%m-%d %H:%M"), total_s, load_start, load_end,
                     blas_description());
+  if (recurrent) {
+    md << fmt::format("A flexformer checkpoint (attention.feature_map {}, {} features): each session decodes from its "
+                      "recurrent states, the same bytes for every prompt (the rows' KV bytes are those states), so "
+                      "policy full is the only one; the memory runs' budget is what {} full softmax caches of the mean "
+                      "prompt of this model shape would need.\n\n",
+                      cfg.attention.feature_map, cfg.attention.num_features, o.memory_full_sessions);
+  }
   md << fmt::format("Prompts: {} to {} bytes cut from the held-out documents of `{}` (seed {}); every request streams "
                     "{} greedy bytes. The trained window is {} tokens: longer prompts make the model extrapolate its "
                     "positions, which changes what it writes, not what a step costs. Latencies are the clients' "
@@ -402,9 +418,10 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
     // happen to be in flight together) and the mean while requests waited for admission (the budget was full).
     auto ratio = [](double a, double b) { return b > 0 && a >= 0 ? fmt::format("{:.2f}x", a / b) : std::string("-"); };
     auto mean = [](double m) { return m >= 0 ? fmt::format("{:.2f}", m) : std::string("- (no request waited)"); };
-    md << fmt::format("**Memory**: at serve.kv_memory_bytes = {:.0f} ({} clients, {} requests) the full cache held at "
+    md << fmt::format("**Memory**: at serve.kv_memory_bytes = {:.0f} ({} clients, {} requests) {} held at "
                       "most {} session(s) at once, {} on average while requests waited for admission ({:.0f} s);",
-                      memory, o.memory_clients, o.memory_requests, mem_full->peak_sessions,
+                      memory, o.memory_clients, o.memory_requests,
+                      recurrent ? "flexformer's recurrent states" : "the full cache", mem_full->peak_sessions,
                       mean(mem_full->saturated_sessions), mem_full->saturated_s);
     for (const auto& r : rows) {
       if (r.run != "memory" || r.policy == "full") continue;
@@ -414,7 +431,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                         mean(r.saturated_sessions), ratio(r.saturated_sessions, mem_full->saturated_sessions), r.saturated_s);
       md << (&r == &rows.back() ? "." : ";");
     }
-    md << " (target: minimax at 0.25 >= 3x the full cache's sessions).\n\n";
+    md << (recurrent ? "\n\n" : " (target: minimax at 0.25 >= 3x the full cache's sessions).\n\n");
   }
   md << "| run | policy | budget | clients | requests | answered | tokens/s | decode tokens/s | TTFT p50 s | TTFT p99 s | "
         "ITL p50 ms | ITL p99 ms | ITL p99 ms in prefills | peak sessions | peak KV MB | sessions while saturated | KV MB "

@@ -68,10 +68,11 @@ std::string read(const fs::path& p) {
 }
 
 // `dcp serve` on port 0; returns the child and the port it wrote (0 if it did not within 30 s).
-std::pair<Child, int> start(const std::string& name, const std::vector<std::string>& extra = {}) {
+std::pair<Child, int> start(const std::string& name, const std::vector<std::string>& extra = {},
+                            const std::string& backend = "softmax") {
   const fs::path port_file = workdir() / (name + ".port");
   fs::remove(port_file);
-  std::vector<std::string> args{DCP_BINARY, "serve", "--checkpoint", checkpoint().string(), "--port", "0",
+  std::vector<std::string> args{DCP_BINARY, "serve", "--checkpoint", checkpoint(backend).string(), "--port", "0",
                                 "--threads", "1", "--port-file", port_file.string()};
   args.insert(args.end(), extra.begin(), extra.end());
   Child c = Child::spawn(args, {{"OMP_NUM_THREADS", "1"}}, (workdir() / (name + ".log")).string());
@@ -164,10 +165,13 @@ TEST(CliServe, UsageErrorsExitTwoNamingTheValue) {
     EXPECT_NE(child.log().find(c.expected), std::string::npos) << child.log();
     EXPECT_EQ(child.log().find("listening"), std::string::npos) << child.log();
   }
-  Child flex = Child::spawn({DCP_BINARY, "serve", "--checkpoint", checkpoint("flexformer").string()}, {},
-                            (workdir() / "flex.log").string());
+  // A flexformer checkpoint has no KV cache to compress: a default policy other than full is a usage error.
+  Child flex = Child::spawn({DCP_BINARY, "serve", "--checkpoint", checkpoint("flexformer").string(),
+                             "--serve.kv_policy=window", "--serve.kv_budget=0.5"},
+                            {}, (workdir() / "flex.log").string());
   EXPECT_EQ(exit_code(flex.wait(60)), 2) << flex.log();
-  EXPECT_NE(flex.log().find("serves softmax checkpoints"), std::string::npos) << flex.log();
+  EXPECT_NE(flex.log().find("serve.kv_policy window"), std::string::npos) << flex.log();
+  EXPECT_EQ(flex.log().find("listening"), std::string::npos) << flex.log();
   Child missing = Child::spawn({DCP_BINARY, "serve", "--checkpoint", (workdir() / "none").string()}, {},
                                (workdir() / "missing.log").string());
   EXPECT_EQ(exit_code(missing.wait(60)), 1) << missing.log();
@@ -192,4 +196,32 @@ TEST(CliServe, ThePageStreamsInHeadlessChromium) {
   EXPECT_EQ(exit_code(status), 0) << log;
   EXPECT_NE(log.find("page ok"), std::string::npos) << log;
   EXPECT_TRUE(fs::exists(shot));
+}
+
+// A flexformer checkpoint is served from recurrent states: a completion equals `dcp generate`'s bytes with the same
+// seed, the reply's kv_cache counts the states' bytes, a cache policy is a 400, and SIGTERM exits 0.
+TEST(CliServe, ServesAFlexformerCheckpointLikeDcpGenerate) {
+  auto [server, port] = start("flex_generate", {}, "flexformer");
+  ASSERT_GT(port, 0) << server.log();
+  const auto reply = dcp::serve::complete("127.0.0.1", port,
+                                          {{"prompt", "Tell me"}, {"max_tokens", 50}, {"temperature", 0.9},
+                                           {"seed", 42}, {"return_bytes", true}},
+                                          30);
+  ASSERT_EQ(reply.status, 200) << reply.body;
+  std::string served;
+  for (const auto& b : reply.json["choices"][0]["bytes"]) served.push_back(static_cast<char>(b.get<int>()));
+  EXPECT_EQ(reply.json["kv_cache"]["policy"], "full");
+  EXPECT_GT(reply.json["kv_cache"]["bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(reply.json["kv_cache"]["bytes"], reply.json["kv_cache"]["reserved_bytes"]);
+  Child gen = Child::spawn({DCP_BINARY, "generate", "--checkpoint", checkpoint("flexformer").string(), "--prompt",
+                            "Tell me", "--max-new-tokens", "50", "--temperature", "0.9", "--seed", "42"},
+                           {{"OMP_NUM_THREADS", "1"}}, (workdir() / "gen_flex.log").string());
+  ASSERT_EQ(exit_code(gen.wait(60)), 0) << gen.log();
+  EXPECT_EQ(gen.log(), "Tell me" + served + "\n");
+  const auto refused = dcp::serve::complete("127.0.0.1", port,
+                                            {{"prompt", "x"}, {"kv_policy", "minimax"}, {"kv_budget", 0.25}}, 30);
+  EXPECT_EQ(refused.status, 400) << refused.body;
+  EXPECT_EQ(refused.json["error"]["param"], "kv_policy") << refused.body;
+  kill(server.pid, SIGTERM);
+  EXPECT_EQ(exit_code(server.wait(30)), 0) << server.log();
 }

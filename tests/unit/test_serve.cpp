@@ -821,3 +821,101 @@ TEST_F(ServeTest, TwoThousandMixedRequestsLeaveNoKvBytesAndNoResidentGrowth) {
   std::cout << "resident memory after 200 requests " << warm / 1e6 << " MB, after 2200 " << end / 1e6 << " MB\n";
   EXPECT_LT(end, warm + 24.0 * (1 << 20)) << "warm " << warm << ", end " << end;
 }
+
+// A flexformer model is served from recurrent states (RecurrentSession): completions, whole and streamed, alone
+// and 8 at once under both schedulers, equal generate() with the same seed; each session reserves and holds its
+// states' bytes, the same for a 1-byte and a 73-byte prompt; cache policies, budgets and options are refused with
+// a 400 naming the field; memory admission counts the states (room for 2: the third waits).
+TEST_F(ServeTest, FlexformerModelsAreServedFromRecurrentStates) {
+  auto flex_model = [] {
+    torch::manual_seed(23);
+    AttentionConfig a;
+    a.backend = "flexformer";
+    a.num_features = 8;
+    a.chunk_size = 4;
+    Transformer model(dcp::test::kv_tiny_config(2), a, Precision::kFp32);
+    model->eval();
+    return model;
+  };
+  auto flex_reference = [&](const std::string& prompt, int64_t max_tokens, double temperature, uint64_t seed) {
+    Transformer model = flex_model();
+    GenerateOptions opt;
+    opt.max_new_tokens = max_tokens;
+    opt.temperature = temperature;
+    opt.seed = seed;
+    opt.context = kContext;
+    opt.chunk_tokens = 16;
+    return generate(model, prompt, opt);
+  };
+  // 2 layers x 4 heads x (2 x 8 + 1 features) x (16 + 1) fp32 values.
+  const int64_t state_bytes = 2 * 4 * 17 * 17 * 4;
+  for (const std::string scheduler : {"batched", "sequential"}) {
+    Config cfg = tiny_config();
+    cfg.attention.backend = "flexformer";
+    cfg.serve.scheduler = scheduler;
+    Running s(cfg, flex_model());
+    const int n = 8;
+    std::vector<json> bodies(n);
+    std::vector<ClientReply> replies(n);
+    for (int i = 0; i < n; ++i) {
+      bodies[i] = {{"prompt", i == 0 ? std::string("a") : std::string(70, static_cast<char>('a' + i)) + "abc"},
+                   {"max_tokens", 20 + 3 * i},
+                   {"temperature", i % 3 == 0 ? 0.0 : 0.9},
+                   {"seed", 200 + i},
+                   {"return_bytes", true},
+                   {"stream", i % 2 == 1}};
+    }
+    std::vector<std::thread> clients;
+    for (int i = 0; i < n; ++i) clients.emplace_back([&, i] { replies[i] = s.complete(bodies[i]); });
+    for (auto& t : clients) t.join();
+    for (int i = 0; i < n; ++i) {
+      ASSERT_EQ(replies[i].status, 200) << scheduler << " client " << i << ": " << replies[i].body.substr(0, 400);
+      const bool streamed = bodies[i]["stream"];
+      EXPECT_EQ(streamed ? replies[i].bytes : bytes_of(replies[i].json),
+                flex_reference(bodies[i]["prompt"], bodies[i]["max_tokens"], bodies[i]["temperature"], bodies[i]["seed"]))
+          << scheduler << " client " << i;
+      if (!streamed) {
+        const json& kv = replies[i].json["kv_cache"];
+        EXPECT_EQ(kv["policy"], "full");
+        EXPECT_EQ(kv["bytes"], state_bytes) << "client " << i;
+        EXPECT_EQ(kv["peak_bytes"], state_bytes);
+        EXPECT_EQ(kv["reserved_bytes"], state_bytes);
+        EXPECT_EQ(kv["abstained"], false);
+      }
+    }
+    ASSERT_TRUE(s.wait_for([&] { return s.metric("dcp_kv_held_bytes") == 0; })) << s.metrics();
+    EXPECT_EQ(s.metric("dcp_kv_bytes"), 0);
+    EXPECT_EQ(s.metric("dcp_requests_total", "status=\"200\""), n);
+  }
+  Config cfg = tiny_config();
+  cfg.attention.backend = "flexformer";
+  cfg.serve.kv_memory_bytes = 2.5 * state_bytes;
+  Running s(cfg, flex_model());
+  const json m = json::parse(serve::get("127.0.0.1", s.port, "/v1/models").second);
+  EXPECT_EQ(m["data"][0]["attention"], "flexformer");
+  EXPECT_EQ(m["data"][0]["kv_policies"], json::array({"full"}));
+  for (const auto& [body, param] : std::vector<std::pair<json, std::string>>{
+           {{{"prompt", "a"}, {"kv_policy", "window"}}, "kv_policy"},
+           {{{"prompt", "a"}, {"kv_policy", "minimax"}, {"kv_budget", 0.25}}, "kv_policy"},
+           {{{"prompt", "a"}, {"kv_budget", 0.5}}, "kv_budget"},
+           {{{"prompt", "a"}, {"kv_options", {{"window", 8}}}}, "kv_options"}}) {
+    const ClientReply r = s.complete(body);
+    EXPECT_EQ(r.status, 400) << body.dump();
+    EXPECT_EQ(r.json["error"]["param"], param) << r.body;
+    EXPECT_NE(r.json["error"]["message"].get<std::string>().find("flexformer"), std::string::npos) << r.body;
+  }
+  // Room for two sessions' states: three long requests at once, the third queued until one finishes.
+  std::vector<ClientReply> replies(3);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 3; ++i) {
+    clients.emplace_back([&, i] {
+      replies[i] = s.complete({{"prompt", "q"}, {"max_tokens", 300}, {"temperature", 0.8}, {"seed", i}});
+    });
+  }
+  ASSERT_TRUE(s.wait_for([&] { return s.metric("dcp_sessions_queued") == 1; })) << s.metrics();
+  EXPECT_EQ(s.metric("dcp_sessions_active"), 2);
+  EXPECT_EQ(s.metric("dcp_kv_held_bytes"), 2 * state_bytes);
+  for (auto& t : clients) t.join();
+  for (const auto& r : replies) EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_TRUE(s.wait_for([&] { return s.metric("dcp_kv_held_bytes") == 0; })) << s.metrics();
+}

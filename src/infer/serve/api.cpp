@@ -241,6 +241,22 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
       r.kv_options[item.key()] = *x;
     }
   }
+  if (limits.recurrent) {
+    // A flexformer model's session holds fixed-size recurrent states: nothing grows, so nothing is compressed.
+    const char* why = "this model (attention.backend flexformer) decodes from recurrent states of a fixed size per "
+                      "session and has no KV cache to compress";
+    if (r.kv_policy != "full") {
+      return bad("kv_policy", fmt::format("'kv_policy' {}: {}; use full or leave it out", r.kv_policy, why),
+                 "unsupported_policy");
+    }
+    if (has("kv_budget") && r.kv_budget != 1) {
+      return bad("kv_budget", fmt::format("'kv_budget' {}: {}; leave it out", r.kv_budget, why), "unsupported_policy");
+    }
+    if (!r.kv_options.empty()) {
+      return bad("kv_options", fmt::format("'kv_options' {}: {}; leave them out", r.kv_options.begin()->first, why),
+                 "unsupported_policy");
+    }
+  }
   try {
     make_kv_policy(r.kv_policy);
   } catch (const std::invalid_argument& e) {

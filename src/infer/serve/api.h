@@ -53,6 +53,9 @@ struct RequestLimits {
   std::string default_policy = "full";
   double default_budget = 1;
   std::string model_id;
+  /// A flexformer model: sessions decode from recurrent states, there is no KV cache to compress, and any
+  /// kv_policy but full (kv_budget, kv_options with it) is refused.
+  bool recurrent = false;
 };
 
 /// Parses and checks a /v1/completions body. Returns the request or the 400 (404 for another model) naming the
@@ -60,7 +63,8 @@ struct RequestLimits {
 /// outside [1, limits.max_tokens], temperature < 0 or not finite, top_p outside (0, 1], top_k outside [0, 256], a
 /// negative or fractional seed, a stop that is not a string or a list of at most 4 non-empty strings, an unknown
 /// kv_policy or a bad kv_budget / kv_options (make_kv_policy_with_budget's message), n or best_of other than 1,
-/// logprobs, suffix or logit_bias, a prompt plus max_tokens beyond limits.max_context.
+/// logprobs, suffix or logit_bias, a prompt plus max_tokens beyond limits.max_context; for a recurrent model
+/// (limits.recurrent) a kv_policy other than full, a kv_budget other than 1 or any kv_options.
 /// On success `policy` holds the request's policy, built.
 std::variant<CompletionRequest, ApiError> parse_completion_request(const std::string& body, const RequestLimits& limits,
                                                                    std::shared_ptr<KvPolicy>& policy);

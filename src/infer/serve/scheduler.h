@@ -84,7 +84,9 @@ struct SchedulerOptions {
 
 class Scheduler {
  public:
-  /// Starts the scheduler thread. The model must be a softmax model (DecodeSession's check).
+  /// Starts the scheduler thread. A softmax model's sessions decode through a KV cache each (DecodeSession), a
+  /// flexformer model's from recurrent states (RecurrentSession); throws std::invalid_argument for any other model
+  /// and a chunk size < 1.
   Scheduler(Transformer model, SchedulerOptions options, Metrics& metrics);
   /// Cancels everything and joins the thread.
   ~Scheduler();
@@ -92,7 +94,8 @@ class Scheduler {
   Scheduler& operator=(const Scheduler&) = delete;
 
   /// KV bytes a request reserves: the most its cache will hold at once under its policy's budget and schedule,
-  /// kv_peak_entries x kv_heads x entry bytes (docs/serve.md "Memory"); `policy` is the request's.
+  /// kv_peak_entries x kv_heads x entry bytes (docs/serve.md "Memory"); `policy` is the request's. A flexformer
+  /// model's request reserves its recurrent states' bytes, the same for every prompt and max_tokens.
   int64_t reservation(const CompletionRequest& request, const KvPolicy& policy) const;
   /// Admits or queues `job` (its reserved_bytes set here); returns the error to answer instead: 400 when it
   /// can never fit serve.kv_memory_bytes, 503 (Retry-After) when the queue is full or the server is draining.
@@ -102,6 +105,10 @@ class Scheduler {
   void drain();
   /// Cancels every admitted and queued session (finish_reason cancelled, error `why`).
   void cancel_all(const ApiError& why);
+  /// True when the model decodes from recurrent states (flexformer), false when through KV caches (softmax).
+  bool recurrent() const { return recurrent_; }
+  /// The bytes of one flexformer session's states (0 for a softmax model).
+  int64_t state_bytes() const { return state_bytes_; }
   /// True when no session is active or queued.
   bool idle() const;
   SchedulerGauges gauges() const;
@@ -124,7 +131,9 @@ class Scheduler {
   SchedulerOptions opt_;
   Metrics& metrics_;
   KvCacheSpec spec_;
-  int64_t entry_bytes_ = 0;
+  int64_t entry_bytes_ = 0;   // softmax: one cache entry of one KV head
+  bool recurrent_ = false;    // flexformer: sessions are RecurrentSessions
+  int64_t state_bytes_ = 0;   // flexformer: one session's states
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -89,6 +89,16 @@ Server::Server(Transformer model, const Config& cfg, std::string model_id) : imp
   if (m.limits.default_policy == "full") m.limits.default_budget = 1;
   m.limits.model_id = m.model_id;
   try {
+    m.limits.recurrent = decodes_recurrently(model);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(fmt::format("dcp serve: {}", e.what()));
+  }
+  if (m.limits.recurrent && m.limits.default_policy != "full") {
+    throw ConfigError(fmt::format("serve.kv_policy {}: this model (attention.backend flexformer) decodes from recurrent "
+                                  "states and has no KV cache to compress; set serve.kv_policy=full",
+                                  m.limits.default_policy));
+  }
+  try {
     make_kv_policy_with_budget(m.limits.default_policy, m.limits.default_budget);
   } catch (const std::invalid_argument& e) {
     throw ConfigError(fmt::format("serve.kv_policy {} / serve.kv_budget {}: {}", m.limits.default_policy,
@@ -105,7 +115,8 @@ Server::Server(Transformer model, const Config& cfg, std::string model_id) : imp
   o.threads = s.threads;
   o.retry_after_s = s.retry_after_s;
   m.scheduler = std::make_unique<serve::Scheduler>(std::move(model), o, m.metrics);
-  m.page = serve::page_html(kv_policy_names(), m.limits.default_policy, m.limits.default_budget, m.model_id);
+  m.page = serve::page_html(m.limits.recurrent ? std::vector<std::string>{"full"} : kv_policy_names(),
+                            m.limits.default_policy, m.limits.default_budget, m.model_id);
   m.routes();
 }
 
@@ -264,7 +275,9 @@ void Server::Impl::routes() {
   http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     nlohmann::json model = {{"id", model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "dcp"},
                             {"max_context", limits.max_context}, {"kv_policy", limits.default_policy},
-                            {"kv_budget", limits.default_budget}, {"kv_policies", kv_policy_names()},
+                            {"kv_budget", limits.default_budget},
+                            {"kv_policies", limits.recurrent ? std::vector<std::string>{"full"} : kv_policy_names()},
+                            {"attention", limits.recurrent ? "flexformer" : "softmax"},
                             {"kv_memory_bytes", cfg.serve.kv_memory_bytes}};
     res.set_content(dump({{"object", "list"}, {"data", nlohmann::json::array({model})}}), "application/json");
   });
