@@ -191,7 +191,8 @@ class RecurrentSession {
   explicit RecurrentSession(Transformer model, int64_t chunk_tokens = 512);
 
   /// Runs `tokens` (ids in [0, kVocabSize), at least one) after what the states cover, in chunks; returns fp32
-  /// logits [tokens.size(), kVocabSize], row i predicting the token after tokens[i].
+  /// logits [tokens.size(), kVocabSize], row i predicting the token after tokens[i]. Each chunk is one step_batch
+  /// (a chunk that throws leaves the states as the chunks before it left them; reset() starts over).
   torch::Tensor prefill(const std::vector<int64_t>& tokens);
   /// Runs one token; returns its fp32 logits [kVocabSize].
   torch::Tensor decode(int64_t token);
@@ -205,8 +206,10 @@ class RecurrentSession {
   /// stacked ([n_sessions, heads, F, Dv]; zeros for a session's first step), which are split back afterwards.
   /// Returns per session its fp32 logits [tokens[i].size(), kVocabSize], equal to its solo step's up to the
   /// rounding of the matmuls and of the kernel's split of the work (tests/unit/test_recurrent_session.cpp measures
-  /// it). Throws std::invalid_argument for sessions of different models, a null session or one given twice, sizes
-  /// that differ, empty or too many tokens, a token outside the vocabulary.
+  /// it). While it runs, the states are held up to about four times over (the stack, the kernel's copy, the final
+  /// stack, the sessions' new rows). Throws std::invalid_argument for sessions of different models, a null session
+  /// or one given twice, sizes that differ, empty or too many tokens, a token outside the vocabulary; a step that
+  /// throws (also from the forward) leaves every session as it was.
   static std::vector<torch::Tensor> step_batch(const std::vector<RecurrentSession*>& sessions,
                                                const std::vector<std::vector<int64_t>>& tokens);
 

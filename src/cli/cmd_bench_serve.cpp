@@ -3,6 +3,7 @@
 
 #include "cli/commands.h"
 #include "dcp/checkpoint.h"
+#include "dcp/infer.h"
 #include "tools/serve_bench.h"
 
 namespace dcp {
@@ -29,7 +30,10 @@ void add_bench_serve_command(CLI::App& app) {
                   "completion bytes per request of the batching runs (>= 2; short ones may leave no interval in which "
                   "every session decodes, and no rate)")
       ->check(CLI::Range(2, 1 << 20));
-  sub->add_option("--policies", o->policies, "memory runs: NAME or NAME@BUDGET")->delimiter(',');
+  auto* policies = sub->add_option("--policies", o->policies,
+                                   "memory runs: NAME or NAME@BUDGET (default: full and window, minimax at 0.25 and 0.5; "
+                                   "full alone for a flexformer checkpoint)")
+                       ->delimiter(',');
   sub->add_option("--memory-clients", o->memory_clients, "clients of the memory runs")->check(CLI::Range(int64_t{1}, kMostClients));
   sub->add_option("--memory-requests", o->memory_requests, "requests per memory run; 0 = no memory runs")
       ->check(CLI::Range(0, 100000));
@@ -40,7 +44,7 @@ void add_bench_serve_command(CLI::App& app) {
   sub->add_flag("!--no-plot", o->plot, "skip the PNG");
   sub->allow_extras();
   sub->footer("serve.* and kv.* keys can be overridden as --section.key=value (e.g. --serve.chunk_tokens=64).");
-  sub->callback([sub, o, checkpoint] {
+  sub->callback([sub, o, checkpoint, policies] {
     if (o->min_prompt > o->max_prompt) {
       throw ConfigError(fmt::format("--min-prompt {} is above --max-prompt {}", o->min_prompt, o->max_prompt));
     }
@@ -53,6 +57,8 @@ void add_bench_serve_command(CLI::App& app) {
     Config cfg = serve_config(*checkpoint, "", config_overrides(*sub));
     Transformer model(cfg.model, cfg.attention, resolve_precision(cfg.train.precision).precision);
     load_checkpoint(*checkpoint, model, nullptr);
+    // A flexformer checkpoint has nothing to compress: its memory runs default to policy full alone.
+    if (policies->count() == 0 && decodes_recurrently(model)) o->policies = {"full"};
     run_serve_bench(model, cfg, *checkpoint, *o);
   });
 }

@@ -72,7 +72,8 @@ void add_generate_command(CLI::App& app) {
       ->check(finite_number_validator("", 0, false, 1));
   auto chunk_tokens = std::make_shared<int64_t>(0);
   sub->add_option("--kv.chunk_tokens,--chunk-tokens", *chunk_tokens,
-                  "softmax models: prefill chunk of the KV cache, tokens (default: the checkpoint's kv.chunk_tokens)")
+                  "prefill chunk, tokens: of the KV cache (softmax) or the recurrent states (flexformer) (default: the "
+                  "checkpoint's kv.chunk_tokens)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   auto chunk_pairs = std::make_shared<int64_t>(-1);
   sub->add_option("--kv.chunk_pairs", *chunk_pairs,

@@ -154,16 +154,21 @@ std::vector<torch::Tensor> RecurrentSession::step_batch(const std::vector<Recurr
   batch.cu_seqlens = torch::tensor(cu, torch::kInt64);
   batch.attention = decoding;
   const torch::Tensor logits = model->forward(batch);
-  std::vector<torch::Tensor> out(n);
+  // Every session's new states first (each owns its rows: a view would keep the whole stack alive and its bytes
+  // uncounted), then committed all at once: a step that throws leaves every session as it was.
+  std::vector<std::vector<LinearAttentionState>> next(n, std::vector<LinearAttentionState>(static_cast<size_t>(layers)));
   for (size_t i = 0; i < n; ++i) {
-    RecurrentSession& s = *sessions[i];
     for (int64_t l = 0; l < layers; ++l) {
       const LinearAttentionState& st = decoding->state(l);
-      // Each session owns its rows (a view would keep the whole stack alive and its bytes uncounted).
-      s.states_[static_cast<size_t>(l)] =
+      next[i][static_cast<size_t>(l)] =
           n == 1 ? st : LinearAttentionState{st.s.narrow(0, static_cast<int64_t>(i), 1).clone(),
                                              st.z.narrow(0, static_cast<int64_t>(i), 1).clone()};
     }
+  }
+  std::vector<torch::Tensor> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    RecurrentSession& s = *sessions[i];
+    s.states_.swap(next[i]);
     s.position_ += static_cast<int64_t>(tokens[i].size());
     out[i] = logits.narrow(0, cu[i], cu[i + 1] - cu[i]);
   }

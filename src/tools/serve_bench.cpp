@@ -289,7 +289,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   std::vector<Spec> specs;
   for (const auto& s : o.policies) specs.push_back(parse_spec(s));
   const bool recurrent = decodes_recurrently(model);
-  if (recurrent) {
+  if (recurrent && o.memory_requests > 0) {
     for (const auto& s : specs) {
       if (s.policy != "full") {
         throw ConfigError(fmt::format("--policies: {}: {} is a flexformer checkpoint (recurrent states, no KV cache "
@@ -365,9 +365,12 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   if (recurrent) {
     md << fmt::format("A flexformer checkpoint (attention.feature_map {}, {} features): each session decodes from its "
                       "recurrent states, the same bytes for every prompt (the rows' KV bytes are those states), so "
-                      "policy full is the only one; the memory runs' budget is what {} full softmax caches of the mean "
-                      "prompt of this model shape would need.\n\n",
-                      cfg.attention.feature_map, cfg.attention.num_features, o.memory_full_sessions);
+                      "policy full is the only one{}.\n\n",
+                      cfg.attention.feature_map, cfg.attention.num_features,
+                      o.memory_requests > 0
+                          ? fmt::format("; the memory runs' budget is what {} full softmax caches of the mean prompt of "
+                                        "this model shape would need", o.memory_full_sessions)
+                          : std::string());
   }
   md << fmt::format("Prompts: {} to {} bytes cut from the held-out documents of `{}` (seed {}); every request streams "
                     "{} greedy bytes. The trained window is {} tokens: longer prompts make the model extrapolate its "

@@ -172,6 +172,15 @@ TEST(CliServe, UsageErrorsExitTwoNamingTheValue) {
   EXPECT_EQ(exit_code(flex.wait(60)), 2) << flex.log();
   EXPECT_NE(flex.log().find("serve.kv_policy window"), std::string::npos) << flex.log();
   EXPECT_EQ(flex.log().find("listening"), std::string::npos) << flex.log();
+  // The checkpoint's own kv.policy is named as such; a KV memory below one session's states admits nothing.
+  for (const auto& [arg, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"--kv.policy=minimax", "kv.policy minimax"}, {"--serve.kv_memory_bytes=10000", "serve.kv_memory_bytes"}}) {
+    Child c = Child::spawn({DCP_BINARY, "serve", "--checkpoint", checkpoint("flexformer").string(), "--port", "0", arg},
+                           {}, (workdir() / "flex_arg.log").string());
+    EXPECT_EQ(exit_code(c.wait(60)), 2) << arg << ": " << c.log();
+    EXPECT_NE(c.log().find(expected), std::string::npos) << arg << ": " << c.log();
+    EXPECT_EQ(c.log().find("listening"), std::string::npos) << c.log();
+  }
   Child missing = Child::spawn({DCP_BINARY, "serve", "--checkpoint", (workdir() / "none").string()}, {},
                                (workdir() / "missing.log").string());
   EXPECT_EQ(exit_code(missing.wait(60)), 1) << missing.log();

@@ -68,8 +68,9 @@ double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
 // terms in another order (the prefill's chunk boundaries, one-token steps), so in fp32 they differ by rounding,
 // measured 1.2e-7 to 1.5e-7; 1e-5 leaves ~70x room. In bf16 every layer's output is rounded to 8 bits of mantissa
 // and a different summation order can move a logit by one bf16 step (2^-9 at magnitude ~0.5: measured 0.00195);
-// 0.01 allows a few. What they must tell apart: the same last 50 tokens from states that lack the first 200 tokens
-// differ by ~0.027 (checked below in fp32, where the margin is wide).
+// 0.01 allows a few. What they must tell apart: the same last 50 tokens decoded after only the 50 before them
+// (the first 200 tokens lost, positions from 0 instead of 200) differ by ~0.027 (checked below in fp32, where the
+// margin is wide).
 TEST(RecurrentSession, ChunkedPrefillThenTokensEqualTheFullForward) {
   struct Case {
     std::string impl, feature_map;

@@ -294,6 +294,32 @@ TEST(ServeBench, APolicySpecTheServerWouldRefuseIsAConfigErrorBeforeAnyRun) {
   }
 }
 
+// A flexformer checkpoint has no cache policy but full: bench-serve refuses another one for its memory runs before
+// any run, and does not look at the policies when there are no memory runs.
+TEST(ServeBench, AFlexformerCheckpointsMemoryRunsTakePolicyFullAlone) {
+  Config cfg = tiny_config();
+  cfg.data.path = "/nonexistent/corpus";  // reached only if a run started
+  cfg.attention.backend = "flexformer";
+  cfg.attention.num_features = 8;
+  Transformer model(cfg.model, cfg.attention, Precision::kFp32);
+  ServeBenchOptions o;
+  o.policies = {"full", "window@0.25"};
+  try {
+    run_serve_bench(model, cfg, "/nonexistent/checkpoint", o);
+    ADD_FAILURE() << "window@0.25 was accepted for a flexformer checkpoint";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("--policies full"), std::string::npos) << e.what();
+  }
+  // Without memory runs the policies are not used: the run goes on to the prompts, whose corpus does not exist.
+  o.memory_requests = 0;
+  try {
+    run_serve_bench(model, cfg, "/nonexistent/checkpoint", o);
+    ADD_FAILURE() << "no error from a corpus that does not exist";
+  } catch (const std::exception& e) {
+    EXPECT_EQ(std::string(e.what()).find("--policies"), std::string::npos) << e.what();
+  }
+}
+
 // dcp bench-serve's batching runs on the tiny model: N requests sent at once, then the same N one after another;
 // each reports the decode rate the clients saw over an interval that holds a whole number of the bytes (every
 // request runs to max_tokens: greedy, no stop).
@@ -894,6 +920,10 @@ TEST_F(ServeTest, FlexformerModelsAreServedFromRecurrentStates) {
   const json m = json::parse(serve::get("127.0.0.1", s.port, "/v1/models").second);
   EXPECT_EQ(m["data"][0]["attention"], "flexformer");
   EXPECT_EQ(m["data"][0]["kv_policies"], json::array({"full"}));
+  const std::string page = serve::get("127.0.0.1", s.port, "/").second;
+  EXPECT_NE(page.find("recurrent states held"), std::string::npos);
+  EXPECT_NE(page.find("<option value=\"full\" selected>"), std::string::npos);
+  EXPECT_EQ(page.find("<option value=\"window\""), std::string::npos);
   for (const auto& [body, param] : std::vector<std::pair<json, std::string>>{
            {{{"prompt", "a"}, {"kv_policy", "window"}}, "kv_policy"},
            {{{"prompt", "a"}, {"kv_policy", "minimax"}, {"kv_budget", 0.25}}, "kv_policy"},

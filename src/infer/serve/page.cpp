@@ -115,7 +115,7 @@ button { padding: 0.3rem 1rem; }
 }  // namespace
 
 std::string page_html(const std::vector<std::string>& policies, const std::string& default_policy, double default_budget,
-                      const std::string& model_id) {
+                      const std::string& model_id, bool recurrent) {
   std::ostringstream options;
   for (const auto& p : policies) {
     options << "<option value=\"" << escape(p) << "\"" << (p == default_policy ? " selected" : "") << ">" << escape(p)
@@ -123,7 +123,7 @@ std::string page_html(const std::vector<std::string>& policies, const std::strin
   }
   std::ostringstream budgets;
   for (double b : {0.1, 0.25, 0.5, 1.0}) {
-    budgets << "<option value=\"" << b << "\"" << (b == default_budget || (b == 0.5 && default_budget >= 1) ? " selected" : "")
+    budgets << "<option value=\"" << b << "\"" << ((default_budget >= 1 ? b == 0.5 : b == default_budget) ? " selected" : "")
             << ">" << b << "</option>";
   }
   return fmt::format(R"HTML(<!doctype html>
@@ -139,13 +139,14 @@ std::string page_html(const std::vector<std::string>& policies, const std::strin
 <label>seed <input id="seed" type="number" min="0" placeholder="random"></label>
 </div>
 <div class="row"><button id="go">Generate</button> <button id="stop" disabled>Stop</button>
-<span> KV cache held: <b id="kv">-</b></span></div>
+<span> {} held: <b id="kv">-</b></span></div>
 <div class="row" id="status">ready</div>
 <div id="output"></div>
 <script>{}</script>
 </body></html>
 )HTML",
-                     kStyle, escape(model_id), options.str(), budgets.str(), kScript);
+                     kStyle, escape(model_id), options.str(), budgets.str(),
+                     recurrent ? "recurrent states" : "KV cache", kScript);
 }
 
 }  // namespace dcp::serve

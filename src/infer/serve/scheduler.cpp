@@ -120,6 +120,14 @@ std::optional<ApiError> Scheduler::submit(const std::shared_ptr<Job>& job) {
   if (draining_ || stopping_) {
     return ApiError{503, "the server is shutting down", "server_error", "", "server_shutting_down"};
   }
+  if (job->reserved_bytes > opt_.kv_memory_bytes && recurrent_) {
+    return ApiError{400,
+                    fmt::format("a session of this model (attention.backend flexformer) holds {} bytes of recurrent "
+                                "states, more than the server's serve.kv_memory_bytes = {}: the server must be started "
+                                "with a larger serve.kv_memory_bytes",
+                                job->reserved_bytes, opt_.kv_memory_bytes),
+                    "invalid_request_error", "", "kv_memory_exceeded"};
+  }
   if (job->reserved_bytes > opt_.kv_memory_bytes) {
     return ApiError{400,
                     fmt::format("the request's KV cache would reserve {} bytes (kv_policy {}, kv_budget {}), more than "
@@ -242,7 +250,10 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
     if (opt_.batched) {
       // A decode-only step is some hundred small operations and one decode kernel call per layer: the operations
       // run on this thread alone (each parallel region would wake the idle intra-op threads for microseconds of
-      // work), the kernel on every intra-op thread. Steps with a prefill chunk keep every thread for its matmuls.
+      // work), a softmax model's decode kernel on every intra-op thread (its `threads`). A flexformer model's
+      // kernel has no such argument: its one token per session and layer runs on this thread too (what
+      // bench/results/cpu2_202612_serve_flexformer_vs_softmax.md measured). Steps with a prefill chunk keep every
+      // thread for its matmuls.
       const int threads = at::get_num_threads();
       struct OneThread {
         int restore;

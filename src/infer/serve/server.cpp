@@ -94,9 +94,9 @@ Server::Server(Transformer model, const Config& cfg, std::string model_id) : imp
     throw ConfigError(fmt::format("dcp serve: {}", e.what()));
   }
   if (m.limits.recurrent && m.limits.default_policy != "full") {
-    throw ConfigError(fmt::format("serve.kv_policy {}: this model (attention.backend flexformer) decodes from recurrent "
-                                  "states and has no KV cache to compress; set serve.kv_policy=full",
-                                  m.limits.default_policy));
+    throw ConfigError(fmt::format("{} {}: this model (attention.backend flexformer) decodes from recurrent states and "
+                                  "has no KV cache to compress; set serve.kv_policy=full",
+                                  s.kv_policy.empty() ? "kv.policy" : "serve.kv_policy", m.limits.default_policy));
   }
   try {
     make_kv_policy_with_budget(m.limits.default_policy, m.limits.default_budget);
@@ -115,8 +115,13 @@ Server::Server(Transformer model, const Config& cfg, std::string model_id) : imp
   o.threads = s.threads;
   o.retry_after_s = s.retry_after_s;
   m.scheduler = std::make_unique<serve::Scheduler>(std::move(model), o, m.metrics);
+  if (m.scheduler->recurrent() && m.scheduler->state_bytes() > o.kv_memory_bytes) {
+    throw ConfigError(fmt::format("serve.kv_memory_bytes {}: a session of this model (attention.backend flexformer) "
+                                  "holds {} bytes of recurrent states, so no request could ever be admitted",
+                                  o.kv_memory_bytes, m.scheduler->state_bytes()));
+  }
   m.page = serve::page_html(m.limits.recurrent ? std::vector<std::string>{"full"} : kv_policy_names(),
-                            m.limits.default_policy, m.limits.default_budget, m.model_id);
+                            m.limits.default_policy, m.limits.default_budget, m.model_id, m.limits.recurrent);
   m.routes();
 }
 
