@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "dcp/infer.h"
+#include "infer/step_batch_check.h"
 #include "model/weight_cast.h"
 
 namespace dcp {
@@ -205,29 +206,13 @@ std::vector<torch::Tensor> DecodeSession::step_batch(const std::vector<DecodeSes
     throw std::invalid_argument(fmt::format("DecodeSession::step_batch: {} sessions, {} token lists and {} prefill "
                                             "flags (one each)", n, tokens.size(), prefill.size()));
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (sessions[i] == nullptr) throw std::invalid_argument(fmt::format("DecodeSession::step_batch: session {} is null", i));
-    if (sessions[i]->model_.get() != sessions[0]->model_.get()) {
-      throw std::invalid_argument(fmt::format("DecodeSession::step_batch: session {} has another model than session 0", i));
-    }
-    for (size_t j = 0; j < i; ++j) {
-      if (sessions[j] == sessions[i]) {
-        throw std::invalid_argument(fmt::format("DecodeSession::step_batch: session {} is also session {}", i, j));
-      }
-    }
-    const auto t = static_cast<int64_t>(tokens[i].size());
-    if (t < 1 || t > sessions[i]->chunk_tokens_ || (!prefill[i] && t != 1)) {
-      throw std::invalid_argument(fmt::format(
-          "DecodeSession::step_batch: session {} has {} tokens (a prefill step runs 1 to chunk_tokens {}, a decode "
-          "step 1)", i, t, sessions[i]->chunk_tokens_));
-    }
-    for (size_t j = 0; j < tokens[i].size(); ++j) {
-      if (tokens[i][j] < 0 || tokens[i][j] >= kVocabSize) {
-        throw std::invalid_argument(fmt::format("DecodeSession::step_batch: session {}: token {} at index {} outside "
-                                                "[0, {})", i, tokens[i][j], j, kVocabSize));
-      }
-    }
-  }
+  // A session's null check comes first: the lambdas read it only after.
+  infer_detail::check_step_batch(
+      "DecodeSession::step_batch", sessions, tokens, [&](size_t i) { return sessions[i]->model_.get(); },
+      [&](size_t i) { return prefill[i] ? sessions[i]->chunk_tokens_ : int64_t{1}; },
+      [&](size_t i) {
+        return fmt::format("a prefill step runs 1 to chunk_tokens {}, a decode step 1", sessions[i]->chunk_tokens_);
+      });
   torch::NoGradGuard no_grad;
   const CastWeightsScope keep_casts;
   std::vector<int64_t> flat, positions, cu{0};
@@ -245,12 +230,7 @@ std::vector<torch::Tensor> DecodeSession::step_batch(const std::vector<DecodeSes
                         KvStep{prefill[i], first, t, s.observations_.get()}, torch::Tensor()});
     cu.push_back(cu.back() + t);
   }
-  PackedBatch batch;
-  const auto total = static_cast<int64_t>(flat.size());
-  batch.tokens = torch::tensor(flat, torch::kInt64);
-  batch.targets = torch::zeros({total}, torch::kInt64);
-  batch.positions = torch::tensor(positions, torch::kInt64);
-  batch.cu_seqlens = torch::tensor(cu, torch::kInt64);
+  PackedBatch batch = infer_detail::packed_tokens(flat, positions, cu);
   batch.attention = std::make_shared<BatchedKvCacheAttention>(std::move(segments), attention_threads);
   const torch::Tensor logits = sessions[0]->model_->forward(batch);
   std::vector<torch::Tensor> out(n);

@@ -6,6 +6,7 @@
 
 #include "dcp/flexformer.h"
 #include "dcp/infer.h"
+#include "infer/step_batch_check.h"
 #include "model/weight_cast.h"
 
 namespace dcp {
@@ -86,31 +87,10 @@ std::vector<torch::Tensor> RecurrentSession::step_batch(const std::vector<Recurr
     throw std::invalid_argument(
         fmt::format("RecurrentSession::step_batch: {} sessions and {} token lists (one each)", n, tokens.size()));
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (sessions[i] == nullptr) {
-      throw std::invalid_argument(fmt::format("RecurrentSession::step_batch: session {} is null", i));
-    }
-    if (sessions[i]->model_.get() != sessions[0]->model_.get()) {
-      throw std::invalid_argument(
-          fmt::format("RecurrentSession::step_batch: session {} has another model than session 0", i));
-    }
-    for (size_t j = 0; j < i; ++j) {
-      if (sessions[j] == sessions[i]) {
-        throw std::invalid_argument(fmt::format("RecurrentSession::step_batch: session {} is also session {}", i, j));
-      }
-    }
-    const auto t = static_cast<int64_t>(tokens[i].size());
-    if (t < 1 || t > sessions[i]->chunk_tokens_) {
-      throw std::invalid_argument(fmt::format("RecurrentSession::step_batch: session {} has {} tokens (a step runs 1 "
-                                              "to chunk_tokens {})", i, t, sessions[i]->chunk_tokens_));
-    }
-    for (size_t j = 0; j < tokens[i].size(); ++j) {
-      if (tokens[i][j] < 0 || tokens[i][j] >= kVocabSize) {
-        throw std::invalid_argument(fmt::format("RecurrentSession::step_batch: session {}: token {} at index {} "
-                                                "outside [0, {})", i, tokens[i][j], j, kVocabSize));
-      }
-    }
-  }
+  infer_detail::check_step_batch(
+      "RecurrentSession::step_batch", sessions, tokens, [&](size_t i) { return sessions[i]->model_.get(); },
+      [&](size_t i) { return sessions[i]->chunk_tokens_; },
+      [&](size_t i) { return fmt::format("a step runs 1 to chunk_tokens {}", sessions[i]->chunk_tokens_); });
   torch::NoGradGuard no_grad;
   const CastWeightsScope keep_casts;  // the weights do not change while sessions decode: cast them once
   Transformer model = sessions[0]->model_;  // a holder: the same module
@@ -146,12 +126,7 @@ std::vector<torch::Tensor> RecurrentSession::step_batch(const std::vector<Recurr
     }
     decoding->set_state(l, {torch::cat(s_parts), torch::cat(z_parts)});
   }
-  PackedBatch batch;
-  const auto total = static_cast<int64_t>(flat.size());
-  batch.tokens = torch::tensor(flat, torch::kInt64);
-  batch.targets = torch::zeros({total}, torch::kInt64);
-  batch.positions = torch::tensor(positions, torch::kInt64);
-  batch.cu_seqlens = torch::tensor(cu, torch::kInt64);
+  PackedBatch batch = infer_detail::packed_tokens(flat, positions, cu);
   batch.attention = decoding;
   const torch::Tensor logits = model->forward(batch);
   // Every session's new states first (each owns its rows: a view would keep the whole stack alive and its bytes

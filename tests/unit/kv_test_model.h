@@ -54,6 +54,18 @@ inline std::vector<int64_t> random_tokens(int64_t n, uint64_t seed) {
   return out;
 }
 
+/// The whole sequence through model->forward: row i = logits after tokens[0..i], positions 0..n-1, [n, vocab].
+inline torch::Tensor full_forward(Transformer& model, const std::vector<int64_t>& tokens) {
+  torch::NoGradGuard no_grad;
+  const auto n = static_cast<int64_t>(tokens.size());
+  PackedBatch b;
+  b.tokens = torch::tensor(tokens, torch::kInt64);
+  b.targets = torch::zeros({n}, torch::kInt64);
+  b.positions = torch::arange(n, torch::kInt64);
+  b.cu_seqlens = torch::tensor({int64_t{0}, n}, torch::kInt64);
+  return model->forward(b);
+}
+
 /// The first `prompt` tokens prefilled in chunks of 16, the rest decoded one at a time: logits [n, vocab].
 inline torch::Tensor session_logits(Transformer& model, const std::vector<int64_t>& tokens, int64_t prompt,
                                     std::shared_ptr<KvPolicy> policy) {

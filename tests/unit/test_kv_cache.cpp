@@ -18,22 +18,12 @@
 
 using namespace dcp;
 using dcp::test::error_of;
+using dcp::test::full_forward;
 using dcp::test::random_tokens;
 using dcp::test::sharp_model;
 
 namespace {
 
-// The whole sequence through model->forward: row i = logits after tokens[0..i], positions 0..n-1.
-torch::Tensor full_forward(Transformer& model, const std::vector<int64_t>& tokens) {
-  torch::NoGradGuard no_grad;
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  PackedBatch b;
-  b.tokens = torch::tensor(tokens, torch::kInt64);
-  b.targets = torch::zeros({n}, torch::kInt64);
-  b.positions = torch::arange(n, torch::kInt64);
-  b.cu_seqlens = torch::tensor({int64_t{0}, n}, torch::kInt64);
-  return model->forward(b);
-}
 
 // Prefill of the first `prompt` tokens in chunks, then every further token decoded: all logits, [n, vocab].
 torch::Tensor cached_logits(Transformer& model, const std::vector<int64_t>& tokens, int64_t prompt, int64_t chunk) {

@@ -15,18 +15,10 @@
 #include "unit/kv_test_model.h"
 
 using namespace dcp;
+using dcp::test::full_forward;
 using dcp::test::random_tokens;
 
 namespace {
-
-ModelConfig flex_model_config() {
-  ModelConfig cfg;
-  cfg.d_model = 32;
-  cfg.n_layers = 3;
-  cfg.n_heads = 4;
-  cfg.d_ff = 64;
-  return cfg;
-}
 
 AttentionConfig flex_attention(const std::string& impl, const std::string& feature_map = "stationary") {
   AttentionConfig a;
@@ -41,21 +33,13 @@ AttentionConfig flex_attention(const std::string& impl, const std::string& featu
 Transformer flex_model(const std::string& impl, uint64_t seed = 31, Precision precision = Precision::kFp32,
                        const std::string& feature_map = "stationary") {
   torch::manual_seed(seed);
-  Transformer model(flex_model_config(), flex_attention(impl, feature_map), precision);
+  // d_model 32, 3 layers, 4 heads of 8 (test_flexformer's shape).
+  ModelConfig cfg = dcp::test::kv_tiny_config(3);
+  cfg.d_model = 32;
+  cfg.d_ff = 64;
+  Transformer model(cfg, flex_attention(impl, feature_map), precision);
   model->eval();
   return model;
-}
-
-// The model's logits over the whole sequence in one forward (positions 0..n-1): [n, vocab] fp32.
-torch::Tensor full_forward(Transformer& model, const std::vector<int64_t>& tokens) {
-  torch::NoGradGuard no_grad;
-  const auto n = static_cast<int64_t>(tokens.size());
-  PackedBatch b;
-  b.tokens = torch::tensor(tokens, torch::kInt64);
-  b.targets = torch::zeros({n}, torch::kInt64);
-  b.positions = torch::arange(n, torch::kInt64);
-  b.cu_seqlens = torch::tensor({int64_t{0}, n}, torch::kInt64);
-  return model->forward(b).to(torch::kFloat);
 }
 
 double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {

@@ -88,19 +88,25 @@ struct Running {
   }
 };
 
+// generate()'s options for a request's max_tokens, temperature and seed with the server's context and chunks.
+GenerateOptions server_options(int64_t max_tokens, double temperature, uint64_t seed) {
+  GenerateOptions opt;
+  opt.max_new_tokens = max_tokens;
+  opt.temperature = temperature;
+  opt.seed = seed;
+  opt.context = kContext;
+  opt.chunk_tokens = 16;
+  return opt;
+}
+
 // generate() with the request's seed, sampling, policy and budget on the same weights: what `dcp generate` prints.
 std::string reference(const std::string& prompt, int64_t max_tokens, double temperature, uint64_t seed,
                       const std::string& policy = "full", double budget = 1, int64_t top_k = 0, double top_p = 1,
                       int64_t chunk_pairs = 0) {
   Transformer model = tiny_model();
-  GenerateOptions opt;
-  opt.max_new_tokens = max_tokens;
-  opt.temperature = temperature;
+  GenerateOptions opt = server_options(max_tokens, temperature, seed);
   opt.top_k = top_k;
   opt.top_p = top_p;
-  opt.seed = seed;
-  opt.context = kContext;
-  opt.chunk_tokens = 16;
   opt.chunk_pairs = chunk_pairs;
   opt.kv_policy = make_kv_policy_with_budget(policy, budget);
   return generate(model, prompt, opt);
@@ -865,13 +871,7 @@ TEST_F(ServeTest, FlexformerModelsAreServedFromRecurrentStates) {
   };
   auto flex_reference = [&](const std::string& prompt, int64_t max_tokens, double temperature, uint64_t seed) {
     Transformer model = flex_model();
-    GenerateOptions opt;
-    opt.max_new_tokens = max_tokens;
-    opt.temperature = temperature;
-    opt.seed = seed;
-    opt.context = kContext;
-    opt.chunk_tokens = 16;
-    return generate(model, prompt, opt);
+    return generate(model, prompt, server_options(max_tokens, temperature, seed));
   };
   // 2 layers x 4 heads x (2 x 8 + 1 features) x (16 + 1) fp32 values.
   const int64_t state_bytes = 2 * 4 * 17 * 17 * 4;
