@@ -2,7 +2,7 @@
 # dcp serve with a flexformer checkpoint beside a softmax one of the same shape (configs/kv_python_model.yaml:
 # d_model 128, 4 layers, 4 heads), the same load, one after the other on the same machine and binary:
 #   bash bench/serve_flexformer.sh [DCP_BINARY] [OUT_PREFIX]
-# 1. trains the flexformer model (attention.backend flexformer, 110 steps, the softmax model's schedule cut at 110)
+# 1. trains the flexformer model (attention.backend flexformer, one 110-step cosine schedule; the config's own is 240)
 #    unless runs/kv_python_flex/checkpoint exists, and a softmax model of the same shape for one step (its serving
 #    cost per token does not depend on its training; it is the throughput twin, not a quality baseline) unless
 #    runs/kv_python_softmax_twin/checkpoint exists;

@@ -250,7 +250,8 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
                  "unsupported_policy");
     }
     if (has("kv_budget") && r.kv_budget != 1) {
-      return bad("kv_budget", fmt::format("'kv_budget' {}: {}; leave it out", r.kv_budget, why), "unsupported_policy");
+      return bad("kv_budget", fmt::format("'kv_budget' {}: {}; use 1 or leave it out", r.kv_budget, why),
+                 "unsupported_policy");
     }
     if (!r.kv_options.empty()) {
       return bad("kv_options", fmt::format("'kv_options' {}: {}; leave them out", r.kv_options.begin()->first, why),

@@ -78,7 +78,7 @@ std::string Metrics::text(const SchedulerGauges& g) const {
   gauge(out, "dcp_sessions_active", "gauge", "Sessions being prefilled or decoded.", static_cast<double>(g.active));
   gauge(out, "dcp_sessions_queued", "gauge", "Requests waiting for KV memory or a batch slot.", static_cast<double>(g.queued));
   gauge(out, "dcp_sessions_active_peak", "gauge", "The most sessions active at once since the start.", static_cast<double>(g.peak_active));
-  gauge(out, "dcp_kv_bytes", "gauge", "KV cache bytes held by the active sessions (KvCache::bytes).", static_cast<double>(g.kv_bytes));
+  gauge(out, "dcp_kv_bytes", "gauge", "KV bytes held by the active sessions (KvCache::bytes; a flexformer session's recurrent states).", static_cast<double>(g.kv_bytes));
   gauge(out, "dcp_kv_capacity_bytes", "gauge", "KV cache storage allocated (KvCache::capacity_bytes).", static_cast<double>(g.kv_capacity_bytes));
   gauge(out, "dcp_kv_held_bytes", "gauge", "KV bytes admission counts: per session the larger of its reservation and its bytes.", static_cast<double>(g.kv_held_bytes));
   gauge(out, "dcp_kv_memory_bytes", "gauge", "The KV memory budget (serve.kv_memory_bytes).", static_cast<double>(g.kv_memory_bytes));
