@@ -37,6 +37,11 @@ struct Scheduler::Session {
   int64_t next_chunk_length(int64_t remaining) const {
     return decode ? decode->next_chunk_length(remaining) : recurrent->next_chunk_length(remaining);
   }
+  // The step alone, as dcp generate runs it: logits [tokens.size(), vocab].
+  torch::Tensor run_alone(const std::vector<int64_t>& tokens, bool prefill) {
+    if (prefill) return decode ? decode->prefill(tokens) : recurrent->prefill(tokens);
+    return (decode ? decode->decode(tokens[0]) : recurrent->decode(tokens[0])).unsqueeze(0);
+  }
 };
 
 Scheduler::Scheduler(Transformer model, SchedulerOptions options, Metrics& metrics)
@@ -119,14 +124,6 @@ std::optional<ApiError> Scheduler::submit(const std::shared_ptr<Job>& job) {
   std::lock_guard<std::mutex> lock(mu_);
   if (draining_ || stopping_) {
     return ApiError{503, "the server is shutting down", "server_error", "", "server_shutting_down"};
-  }
-  if (job->reserved_bytes > opt_.kv_memory_bytes && recurrent_) {
-    return ApiError{400,
-                    fmt::format("a session of this model (attention.backend flexformer) holds {} bytes of recurrent "
-                                "states, more than the server's serve.kv_memory_bytes = {}: the server must be started "
-                                "with a larger serve.kv_memory_bytes",
-                                job->reserved_bytes, opt_.kv_memory_bytes),
-                    "invalid_request_error", "", "kv_memory_exceeded"};
   }
   if (job->reserved_bytes > opt_.kv_memory_bytes) {
     return ApiError{400,
@@ -266,13 +263,7 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
                           : DecodeSession::step_batch(sessions, tokens, prefill, threads);
     } else {
       // The reference path: each session alone, exactly as dcp generate runs it.
-      for (size_t i = 0; i < run.size(); ++i) {
-        if (recurrent_) {
-          logits[i] = prefill[i] ? recurrent[i]->prefill(tokens[i]) : recurrent[i]->decode(tokens[i][0]).unsqueeze(0);
-        } else {
-          logits[i] = prefill[i] ? sessions[i]->prefill(tokens[i]) : sessions[i]->decode(tokens[i][0]).unsqueeze(0);
-        }
-      }
+      for (size_t i = 0; i < run.size(); ++i) logits[i] = run[i]->run_alone(tokens[i], prefill[i]);
     }
   } catch (const std::exception& e) {
     spdlog::error("serve: a scheduler step of {} sessions failed: {}", run.size(), e.what());

@@ -89,16 +89,6 @@ Server::Server(Transformer model, const Config& cfg, std::string model_id) : imp
   if (m.limits.default_policy == "full") m.limits.default_budget = 1;
   m.limits.model_id = m.model_id;
   try {
-    m.limits.recurrent = decodes_recurrently(model);
-  } catch (const std::invalid_argument& e) {
-    throw ConfigError(fmt::format("dcp serve: {}", e.what()));
-  }
-  if (m.limits.recurrent && m.limits.default_policy != "full") {
-    throw ConfigError(fmt::format("{} {}: this model (attention.backend flexformer) decodes from recurrent states and "
-                                  "has no KV cache to compress; set serve.kv_policy=full",
-                                  s.kv_policy.empty() ? "kv.policy" : "serve.kv_policy", m.limits.default_policy));
-  }
-  try {
     make_kv_policy_with_budget(m.limits.default_policy, m.limits.default_budget);
   } catch (const std::invalid_argument& e) {
     throw ConfigError(fmt::format("serve.kv_policy {} / serve.kv_budget {}: {}", m.limits.default_policy,
@@ -115,7 +105,13 @@ Server::Server(Transformer model, const Config& cfg, std::string model_id) : imp
   o.threads = s.threads;
   o.retry_after_s = s.retry_after_s;
   m.scheduler = std::make_unique<serve::Scheduler>(std::move(model), o, m.metrics);
-  if (m.scheduler->recurrent() && m.scheduler->state_bytes() > o.kv_memory_bytes) {
+  m.limits.recurrent = m.scheduler->recurrent();
+  if (m.limits.recurrent && m.limits.default_policy != "full") {
+    throw ConfigError(fmt::format("{} {}: this model (attention.backend flexformer) decodes from recurrent states and "
+                                  "has no KV cache to compress; set serve.kv_policy=full",
+                                  s.kv_policy.empty() ? "kv.policy" : "serve.kv_policy", m.limits.default_policy));
+  }
+  if (m.limits.recurrent && m.scheduler->state_bytes() > o.kv_memory_bytes) {
     throw ConfigError(fmt::format("serve.kv_memory_bytes {}: a session of this model (attention.backend flexformer) "
                                   "holds {} bytes of recurrent states, so no request could ever be admitted",
                                   o.kv_memory_bytes, m.scheduler->state_bytes()));
