@@ -432,6 +432,56 @@ TEST(FusedLinearAttention, OneLongSequenceSplitOverThreadsEqualsOneThread) {
   at::set_num_threads(previous);
 }
 
+// The passes run a thread's heads of one sequence in lockstep, chunk by chunk (fused.cpp, bundles_of), each head
+// from its own state: every head must give the same bits as when it is the only head of the call.
+TEST(FusedLinearAttention, HeadsRunTogetherGiveTheSameBitsAsEachHeadAlone) {
+  torch::manual_seed(7);
+  const int previous = at::get_num_threads();
+  const std::vector<int64_t> lengths{130, 1, 77};
+  const auto cu = cu_of(lengths);
+  const int64_t T = total_of(lengths), H = 3, d = 16, m = 8;
+  for (FeatureMap f : {FeatureMap::kStationary, FeatureMap::kNonstationary, FeatureMap::kElu}) {
+    for (torch::ScalarType dtype : {torch::kFloat, torch::kBFloat16}) {
+      FusedFeatureMap map;
+      map.feature_map = f;
+      if (f != FeatureMap::kElu) map.omega = torch::randn({H, m, d});
+      if (f == FeatureMap::kNonstationary) map.omega2 = torch::randn({H, m, d});
+      map.alpha = torch::rand({H}) + 0.5;
+      const auto x = random_qkv(T, H, d, dtype);
+      const auto g = torch::randn({T, H, d}).to(dtype);
+      FusedLinearAttentionOptions o;
+      o.chunk_size = 16;
+      const std::string what = name_of(f, Normalizer::kShift, InputNorm::kL2) + " " + c10::toString(dtype);
+      // One thread: a single head is one unit per sequence as it is among three (two threads would cut a lone
+      // head's sequence into ranges, which sums its state differently).
+      at::set_num_threads(1);
+      const auto all = fused_linear_attention_forward(x.q, x.k, x.v, cu, map, o);
+      const auto all_g = fused_linear_attention_backward(g, x.q, x.k, x.v, all, cu, map, o);
+      for (int64_t h = 0; h < H; ++h) {
+        auto head = [&](const torch::Tensor& t) { return t.narrow(1, h, 1).contiguous(); };
+        auto param = [&](const torch::Tensor& t) { return t.defined() ? t.narrow(0, h, 1).contiguous() : t; };
+        FusedFeatureMap one_map = map;
+        one_map.omega = param(map.omega);
+        one_map.omega2 = param(map.omega2);
+        one_map.alpha = param(map.alpha);
+        const auto one = fused_linear_attention_forward(head(x.q), head(x.k), head(x.v), cu, one_map, o);
+        const auto one_g = fused_linear_attention_backward(head(g), head(x.q), head(x.k), head(x.v), one, cu,
+                                                           one_map, o);
+        const std::string at = what + " head " + std::to_string(h);
+        EXPECT_TRUE(torch::equal(one.out, head(all.out))) << at;
+        EXPECT_TRUE(torch::equal(one.stat, all.stat.narrow(1, h, 1).contiguous())) << at;
+        EXPECT_TRUE(torch::equal(one_g.dq, head(all_g.dq))) << at;
+        EXPECT_TRUE(torch::equal(one_g.dk, head(all_g.dk))) << at;
+        EXPECT_TRUE(torch::equal(one_g.dv, head(all_g.dv))) << at;
+        EXPECT_TRUE(torch::equal(one_g.dalpha, param(all_g.dalpha))) << at;
+        if (map.omega.defined()) EXPECT_TRUE(torch::equal(one_g.domega, param(all_g.domega))) << at;
+        if (map.omega2.defined()) EXPECT_TRUE(torch::equal(one_g.domega2, param(all_g.domega2))) << at;
+      }
+    }
+  }
+  at::set_num_threads(previous);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // States
 

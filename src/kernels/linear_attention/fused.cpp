@@ -821,6 +821,45 @@ void run_threads(const Shape& s, const Params<T>& pr, const P& pol, bool simd, c
   });
 }
 
+// A thread's units in bundles: consecutive units of its list over the same chunks of the same sequence (so of
+// different heads) form one bundle, which the passes run in lockstep, chunk by chunk, every head of the bundle
+// on a chunk before the next chunk. The rows of one head are d elements every H d of a [T, H, d] tensor: one head
+// alone reads 1/H of each row's cache lines and leaves the rest for a later pass, while the heads of a bundle
+// read a chunk's rows together (at 16K+ tokens the tensors no longer fit in the last-level cache). Each head
+// keeps its own state; its chunks run in the same order as alone, so the results are the same bits.
+std::vector<std::vector<int64_t>> bundles_of(const UnitPlan& plan, const std::vector<int64_t>& list) {
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t ui : list) {
+    const Unit& u = plan.units[ui];
+    if (!out.empty()) {
+      const Unit& b = plan.units[out.back().front()];
+      if (b.seq == u.seq && b.c0 == u.c0 && b.c1 == u.c1) {
+        out.back().push_back(ui);
+        continue;
+      }
+    }
+    out.push_back({ui});
+  }
+  return out;
+}
+
+// Runs body(chunks, thread, bundle) for each bundle of every thread's list (bundles_of), with its tiles.
+template <class P, class In, class T, class Body>
+void run_bundles(const Shape& s, const Params<T>& pr, const P& pol, bool simd, const Io<In, T>& io, int64_t threads,
+                 const UnitPlan& plan, Body body) {
+  std::vector<std::vector<std::vector<int64_t>>> bundles(plan.of_thread.size());
+  for (size_t t = 0; t < plan.of_thread.size(); ++t) bundles[t] = bundles_of(plan, plan.of_thread[t]);
+  parallel_with_arenas(threads, tile_bytes<P>(s), [&](int64_t thread, Arena& arena) {
+    const auto& list = bundles[static_cast<size_t>(thread)];
+    if (list.empty()) return;
+    Tiles<P> t = take_tiles<P>(s, arena);
+    Chunks<P, In> chunks(s, pr, pol, simd, io, t);
+    amx_enter(pol);
+    for (const std::vector<int64_t>& b : list) body(chunks, thread, b);
+    amx_leave(pol);
+  });
+}
+
 // For each split (sequence, head), the states its ranges start from: the initial state plus the sums of the ranges
 // before (the state pass). sums and starts are [slots x L].
 template <class T>
@@ -900,28 +939,45 @@ void forward_pass(const Shape& s, const Params<typename P::Acc>& pr, const P& po
     prefix_states(s, plan, initial, sum, starts.data_ptr<T>());
   }
   const T* start = plan.slots > 0 ? starts.data_ptr<T>() : nullptr;
-  run_threads<P>(s, pr, pol, simd, io, threads,
-                 [&](int64_t t) -> const std::vector<int64_t>& { return plan.of_thread[t]; },
-                 [&](Chunks<P, In>& ch, int64_t, int64_t ui) {
-                   const Unit& u = plan.units[ui];
-                   T* state = ch.tiles().state;
-                   const int64_t sh = u.seq * s.heads + u.head;
-                   if (u.slot >= 0) {
-                     std::copy(start + u.slot * L, start + (u.slot + 1) * L, state);
-                   } else if (initial) {
-                     std::copy(initial + sh * L, initial + (sh + 1) * L, state);
-                   } else {
-                     std::fill(state, state + L, T(0));
-                   }
-                   for (int64_t c = u.c0; c < u.c1; ++c) {
-                     const ChunkSpan span = chunk_of(*io.bounds, u, c, s.C);
-                     if (c + 1 < u.c1) {
-                       prefetch_chunk(ch, u, c + 1, s.C, Fetches::kQ | Fetches::kK | Fetches::kV | Fetches::kOut);
-                     }
-                     ch.forward(span.t0, u.head, span.n);
-                   }
-                   if (finals && u.piece + 1 == u.pieces) std::copy(state, state + L, finals + sh * L);
-                 });
+  run_bundles<P, In>(s, pr, pol, simd, io, threads, plan,
+                     [&](Chunks<P, In>& ch, int64_t, const std::vector<int64_t>& b) {
+    const int64_t B = static_cast<int64_t>(b.size());
+    std::vector<T> states(static_cast<size_t>(B * L));
+    for (int64_t j = 0; j < B; ++j) {
+      const Unit& u = plan.units[b[j]];
+      T* state = states.data() + j * L;
+      const int64_t sh = u.seq * s.heads + u.head;
+      if (u.slot >= 0) {
+        std::copy(start + u.slot * L, start + (u.slot + 1) * L, state);
+      } else if (initial) {
+        std::copy(initial + sh * L, initial + (sh + 1) * L, state);
+      } else {
+        std::fill(state, state + L, T(0));
+      }
+    }
+    constexpr unsigned kRows = Fetches::kQ | Fetches::kK | Fetches::kV | Fetches::kOut;
+    const Unit& first = plan.units[b.front()];
+    for (int64_t c = first.c0; c < first.c1; ++c) {
+      for (int64_t j = 0; j < B; ++j) {
+        const Unit& u = plan.units[b[j]];
+        const ChunkSpan span = chunk_of(*io.bounds, u, c, s.C);
+        if (j + 1 < B) {
+          prefetch_chunk(ch, plan.units[b[j + 1]], c, s.C, kRows);
+        } else if (c + 1 < u.c1) {
+          prefetch_chunk(ch, plan.units[b.front()], c + 1, s.C, kRows);
+        }
+        ch.tiles().state = states.data() + j * L;
+        ch.forward(span.t0, u.head, span.n);
+      }
+    }
+    for (int64_t j = 0; j < B; ++j) {
+      const Unit& u = plan.units[b[j]];
+      const int64_t sh = u.seq * s.heads + u.head;
+      if (finals && u.piece + 1 == u.pieces) {
+        std::copy(states.data() + j * L, states.data() + (j + 1) * L, finals + sh * L);
+      }
+    }
+  });
 }
 
 template <class P, class In>
@@ -967,38 +1023,61 @@ void backward_pass(const Shape& s, const Params<typename P::Acc>& pr, const P& p
   // Each thread sums its units' parameter gradients per head; the threads' sums are added in thread order.
   torch::Tensor partial = torch::zeros({threads * s.heads * G}, dtype_of<T>());
   T* part = partial.data_ptr<T>();
-  run_threads<P>(s, pr, pol, simd, io, threads,
-                 [&](int64_t t) -> const std::vector<int64_t>& { return plan.of_thread[t]; },
-                 [&](Chunks<P, In>& ch, int64_t thread, int64_t ui) {
-                   const Unit& u = plan.units[ui];
-                   const int64_t sh = u.seq * s.heads + u.head;
-                   T* grad = part + (thread * s.heads + u.head) * G;
-                   T* state = ch.tiles().state;
-                   if (u.slot >= 0) {
-                     std::copy(start + u.slot * L, start + (u.slot + 1) * L, state);
-                   } else if (initial) {
-                     std::copy(initial + sh * L, initial + (sh + 1) * L, state);
-                   } else {
-                     std::fill(state, state + L, T(0));
-                   }
-                   constexpr unsigned kBoth = Fetches::kQ | Fetches::kK | Fetches::kV | Fetches::kGrads;
-                   for (int64_t c = u.c0; c < u.c1; ++c) {
-                     const ChunkSpan span = chunk_of(*io.bounds, u, c, s.C);
-                     if (c + 1 < u.c1) prefetch_chunk(ch, u, c + 1, s.C, kBoth | Fetches::kDq);
-                     ch.backward_queries(span.t0, u.head, span.n, grad);
-                   }
-                   T* dstate = ch.tiles().dstate;
-                   if (u.slot >= 0) {
-                     std::copy(end + u.slot * L, end + (u.slot + 1) * L, dstate);
-                   } else {
-                     std::fill(dstate, dstate + L, T(0));
-                   }
-                   for (int64_t c = u.c1; c-- > u.c0;) {
-                     const ChunkSpan span = chunk_of(*io.bounds, u, c, s.C);
-                     if (c > u.c0) prefetch_chunk(ch, u, c - 1, s.C, kBoth | Fetches::kDk | Fetches::kDv);
-                     ch.backward_keys(span.t0, u.head, span.n, grad);
-                   }
-                 });
+  run_bundles<P, In>(s, pr, pol, simd, io, threads, plan, [&](Chunks<P, In>& ch, int64_t thread,
+                                                            const std::vector<int64_t>& b) {
+    const int64_t B = static_cast<int64_t>(b.size());
+    std::vector<T> states(static_cast<size_t>(2 * B * L));
+    T* state_of = states.data();
+    T* dstate_of = states.data() + B * L;
+    for (int64_t j = 0; j < B; ++j) {
+      const Unit& u = plan.units[b[j]];
+      const int64_t sh = u.seq * s.heads + u.head;
+      T* state = state_of + j * L;
+      T* dstate = dstate_of + j * L;
+      if (u.slot >= 0) {
+        std::copy(start + u.slot * L, start + (u.slot + 1) * L, state);
+        std::copy(end + u.slot * L, end + (u.slot + 1) * L, dstate);
+      } else {
+        if (initial) {
+          std::copy(initial + sh * L, initial + (sh + 1) * L, state);
+        } else {
+          std::fill(state, state + L, T(0));
+        }
+        std::fill(dstate, dstate + L, T(0));
+      }
+    }
+    auto grad_of = [&](const Unit& u) { return part + (thread * s.heads + u.head) * G; };
+    constexpr unsigned kBoth = Fetches::kQ | Fetches::kK | Fetches::kV | Fetches::kGrads;
+    const Unit& first = plan.units[b.front()];
+    // Sweep 1, chunks in order: dq and the queries' gradients.
+    for (int64_t c = first.c0; c < first.c1; ++c) {
+      for (int64_t j = 0; j < B; ++j) {
+        const Unit& u = plan.units[b[j]];
+        const ChunkSpan span = chunk_of(*io.bounds, u, c, s.C);
+        if (j + 1 < B) {
+          prefetch_chunk(ch, plan.units[b[j + 1]], c, s.C, kBoth | Fetches::kDq);
+        } else if (c + 1 < u.c1) {
+          prefetch_chunk(ch, plan.units[b.front()], c + 1, s.C, kBoth | Fetches::kDq);
+        }
+        ch.tiles().state = state_of + j * L;
+        ch.backward_queries(span.t0, u.head, span.n, grad_of(u));
+      }
+    }
+    // Sweep 2, chunks in reverse: dk, dv and the keys' gradients.
+    for (int64_t c = first.c1; c-- > first.c0;) {
+      for (int64_t j = 0; j < B; ++j) {
+        const Unit& u = plan.units[b[j]];
+        const ChunkSpan span = chunk_of(*io.bounds, u, c, s.C);
+        if (j + 1 < B) {
+          prefetch_chunk(ch, plan.units[b[j + 1]], c, s.C, kBoth | Fetches::kDk | Fetches::kDv);
+        } else if (c > u.c0) {
+          prefetch_chunk(ch, plan.units[b.front()], c - 1, s.C, kBoth | Fetches::kDk | Fetches::kDv);
+        }
+        ch.tiles().dstate = dstate_of + j * L;
+        ch.backward_keys(span.t0, u.head, span.n, grad_of(u));
+      }
+    }
+  });
   for (int64_t t = 0; t < threads; ++t) {
     for (int64_t e = 0; e < s.heads * G; ++e) grads[e] += part[t * s.heads * G + e];
   }
