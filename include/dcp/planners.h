@@ -208,15 +208,20 @@ StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples,
 
 /// Lower bound on the seconds of any plan of these samples as one step on world_size ranks with the group
 /// layouts of sp_layouts_allowed(world_size, cost, modes) (empty modes: every mode the attention runs, so the
-/// bound holds for every planner):  max( sum_i g_i / world_size, max_i f_i ) + step_seconds(world_size), where
-///   g_i = min over feasible layouts l of s * (work_seconds(len_i, l, r_i(s)) + overhead * len_i / c(s)),
-///   f_i = min over feasible l of seconds({len_i}, l, r_i(s)), s = l.sp_size,
-/// r_i(s) = MemoryModel::min_recompute_layers, overhead = DeviceSpec::micro_batch_overhead_s and
-/// c(s) = MemoryModel::max_tokens(s, layers), the most tokens any micro-batch on s ranks holds (so a group
-/// pays at least one overhead per c(s) of its tokens). It holds because time is additive over the samples of
-/// a micro-batch, packing never lowers a sample's recompute count, and a group of s ranks for t seconds
-/// spends s * t GPU-seconds, at most world_size * makespan in all.
-/// Samples that fit no size are left out. Throws std::invalid_argument for an unknown id.
+/// bound holds for every planner), any number of rounds: the largest of five terms (docs/planners.md, "The lower
+/// bound of the larger plan space") + step_seconds(world_size):
+///   1. max_i f_i, f_i = min over feasible layouts l of seconds({len_i}, l, r_i(s)), s = l.sp_size;
+///   2. sum_i g_i / world_size, g_i = min over feasible l and recompute counts q >= r_i(s) of
+///      s * (work_seconds(len_i, l, q) + fixed_seconds(l, q) * len_i / c(s, q)), c(s, q) the most tokens any
+///      micro-batch on s ranks at q holds;
+///   3. sum_i w_i / world_size + micro_batch_overhead_s (w_i: least GPU-seconds of the work alone);
+///   4. for k = 1..3, samples that need groups of more than world_size / (k + 1) ranks run at most k at once;
+///   5. the smallest M with sum_i c_i(M) <= world_size * M, c_i(M) the least GPU-seconds of sample i over the
+///      layouts it can run on within M seconds.
+/// r_i(s) = MemoryModel::min_recompute_layers. It holds because time is additive over the samples of a
+/// micro-batch, packing never lowers a sample's recompute count, and a group of s ranks for t seconds spends
+/// s * t GPU-seconds, at most world_size * makespan in all. Samples that fit no size are left out. Throws
+/// std::invalid_argument for an unknown id.
 double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, int64_t world_size,
                         const CostModel& cost, const MemoryModel& memory, const std::vector<SpMode>& modes = {});
 

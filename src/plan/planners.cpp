@@ -71,6 +71,48 @@ double big_sample_bound(std::vector<std::pair<double, double>> small_big, int64_
   return best;
 }
 
+// The smallest M such that sum_i c_i(M) <= world * M, where c_i(M) is the least GPU-seconds of sample i over its
+// options (t, g) with t <= M (t: the least time it takes on a layout, g: the least GPU-seconds it spends there):
+// in a plan of makespan M every sample runs on some layout in a round no longer than M, so it takes one of its
+// options with t <= M, and all of them together spend at most world * M GPU-seconds. c_i is a step function of
+// M that falls at some of its options' times, so M is found by one sweep over those falls in time order. kInf when
+// a sample has no option.
+double timed_gpu_seconds_bound(std::vector<std::vector<std::pair<double, double>>> options, double world) {
+  struct Fall {
+    double t, c;  // from time t on, the sample's least GPU-seconds is c
+    size_t i;
+  };
+  std::vector<Fall> falls;
+  std::vector<double> cur(options.size(), kInf);
+  double start = 0;  // no M below the longest of the samples' least times is feasible
+  for (size_t i = 0; i < options.size(); ++i) {
+    auto& o = options[i];
+    if (o.empty()) return kInf;
+    std::sort(o.begin(), o.end());
+    double least = kInf;
+    for (const auto& [t, g] : o) {
+      if (g < least) falls.push_back({t, g, i}), least = g;
+    }
+    start = std::max(start, o.front().first);
+  }
+  std::sort(falls.begin(), falls.end(), [](const Fall& a, const Fall& b) { return a.t < b.t; });
+  double sum = 0;
+  size_t k = 0;
+  for (; k < falls.size() && falls[k].t <= start; ++k) cur[falls[k].i] = falls[k].c;
+  for (double c : cur) sum += c;
+  double m = start;
+  while (true) {
+    const double next = k < falls.size() ? falls[k].t : kInf;
+    const double fit = std::max(m, sum / world);  // sum is constant on [m, next)
+    if (fit < next) return fit;
+    for (; k < falls.size() && falls[k].t <= next; ++k) {
+      sum += falls[k].c - cur[falls[k].i];
+      cur[falls[k].i] = falls[k].c;
+    }
+    m = next;
+  }
+}
+
 // The most tokens any micro-batch on sp ranks with r recomputed layers can hold: MemoryModel::max_tokens where
 // the model is linear in tokens (then exact), else its linear part alone (the squared-length terms only add).
 int64_t token_capacity(const MemoryModel& memory, int64_t sp, int64_t r) {
@@ -94,24 +136,32 @@ double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sampl
   const double overhead = cost.device().micro_batch_overhead_s;
   constexpr int64_t kBigGroups = 3;  // the big-sample bound for k = 1 .. kBigGroups groups at once
   double sum_gpu_s = 0, sum_work_s = 0, longest = 0;
-  std::vector<std::vector<std::pair<double, double>>> big(kBigGroups);
+  std::vector<std::vector<std::pair<double, double>>> big(kBigGroups), timed;
+  timed.reserve(ids.size());
   for (int64_t id : ids) {
     const int64_t len = samples.at(static_cast<size_t>(id)).length;
     double g = kInf, f = kInf, w = kInf;
     std::vector<double> small_s(kBigGroups, kInf), big_s(kBigGroups, kInf);
+    std::vector<std::pair<double, double>> options;  // per layout: (least time there, least GPU-seconds there)
     for (const SpLayout& l : layouts) {
       const int64_t s = l.sp_size;
       auto r = memory.min_recompute_layers(len, s);
       if (!r) continue;
       const double work = cost.work_seconds(len, l, *r), alone = cost.seconds({len}, l, *r);
       // Its GPU-seconds in whatever micro-batch holds it: at some recompute count q >= *r, its work there plus
-      // its share (by tokens, at most the capacity at q) of that micro-batch's fixed seconds.
+      // its share (by tokens, at most the capacity at q) of that micro-batch's fixed seconds. The micro-batch
+      // lasts at least its fixed seconds plus this sample's work.
+      double gl = kInf, tl = alone;
       for (int64_t q = *r; q <= L; ++q) {
         const int64_t capacity = token_capacity(memory, s, q);
         if (capacity < len) continue;
-        const double share = cost.fixed_seconds(l, q) * static_cast<double>(len) / static_cast<double>(capacity);
-        g = std::min(g, static_cast<double>(s) * ((q == *r ? work : cost.work_seconds(len, l, q)) + share));
+        const double wq = q == *r ? work : cost.work_seconds(len, l, q), fixed = cost.fixed_seconds(l, q);
+        const double share = fixed * static_cast<double>(len) / static_cast<double>(capacity);
+        gl = std::min(gl, static_cast<double>(s) * (wq + share));
+        tl = std::min(tl, fixed + wq);
       }
+      g = std::min(g, gl);
+      if (gl < kInf) options.emplace_back(tl, gl);
       w = std::min(w, static_cast<double>(s) * work);
       f = std::min(f, alone);
       for (int64_t k = 1; k <= kBigGroups; ++k) {
@@ -121,6 +171,7 @@ double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sampl
       }
     }
     if (g == kInf) continue;
+    timed.push_back(std::move(options));
     sum_gpu_s += g;
     sum_work_s += w;
     longest = std::max(longest, f);
@@ -128,6 +179,7 @@ double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sampl
   }
   const double world = static_cast<double>(world_size);
   double bound = std::max(sum_gpu_s / world, longest);
+  if (!timed.empty()) bound = std::max(bound, timed_gpu_seconds_bound(std::move(timed), world));
   if (sum_work_s > 0) bound = std::max(bound, sum_work_s / world + overhead);
   for (int64_t k = 1; k <= kBigGroups && k + 1 <= world_size; ++k) {
     bound = std::max(bound, big_sample_bound(std::move(big[static_cast<size_t>(k - 1)]), k));

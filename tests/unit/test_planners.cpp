@@ -802,6 +802,27 @@ TEST(Rounds, LowerBoundStaysBelowTheOptimumOfTinyCases) {
   std::printf("lower bound / best plan found, tightest over tiny cases: %.4f\n", tightest);
 }
 
+// Where long samples' cheapest layouts outlast the mean load, a makespan M needs its GPU-seconds counted at the
+// layouts fast enough for M (the bound's timed term, docs/planners.md): on one step of 60 samples of 64K tokens
+// and 488 shorter ones at 1024 ranks, the least GPU-seconds alone put the bound at 0.979 of dcp-opt's plan (its
+// earlier terms: 0.916 s against 0.936 s), the timed term at 0.990. It must stay below the plan (any plan).
+TEST(Rounds, LowerBoundCountsGpuSecondsAtLayoutsFastEnough) {
+  const CostModel cost(kShape, kH200);
+  const MemoryModel memory(kShape, kH200);
+  std::vector<int64_t> lengths;
+  for (int64_t i = 0; i < 548; ++i) lengths.push_back(i < 60 ? 65'536 : 1'000 + (i * 7'919) % 60'000);
+  const auto samples = samples_from_lengths(lengths, "long-tail");
+  PlannerOptions opt;
+  opt.samples_per_step = 548;
+  const PlanSet set = plan_dcp_opt(samples, 1024, cost, memory, opt);
+  ASSERT_EQ(set.steps.size(), 1u);
+  ASSERT_TRUE(set.skipped_ids.empty());
+  const double bound = step_lower_bound(set.steps[0].sample_ids(), samples, 1024, cost, memory);
+  const double planned = evaluate_step(set.steps[0], samples, 1024, cost, memory).step_s;
+  EXPECT_LE(bound, planned * (1 + 1e-12));
+  EXPECT_GE(bound, 0.985 * planned) << "bound " << bound << " s, plan " << planned << " s";
+}
+
 // dcp-opt's LoadBlocks against its reference, a std::set of the same entries: after every insert, raise and
 // erase the entries are the set's in order, and the last entry meeting a load bound (fill's best fit) is the
 // set's. Loads repeat (ties broken by the key) and the lists grow to hundreds of entries (blocks split and empty
