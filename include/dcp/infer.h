@@ -79,10 +79,37 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
                                   const std::vector<const KvCache*>& caches, int64_t layer, double scale = 0,
                                   DecodeAttentionPath path = DecodeAttentionPath::kAuto, int64_t threads = 0);
 
+/// A short chunk's attention by the decode kernel, for a chunk whose k and v were just appended to `cache`
+/// (KvCache::append, which gives them bias 0): the chunk is the last T rows of every head of `layer`, and its token
+/// t attends, as kv_decode_attention's one token, over that head's rows before the chunk (with their log-weight
+/// biases), the chunk's tokens before t and its own k_t, v_t: what kv_cache_attention computes over the cache as
+/// it was before the chunk plus the chunk's causal part, in the decode kernel's order of sums (fp32; fp64 for fp64
+/// caches) instead of per-block matmuls and an (out, lse) merge. Each token reads its rows in place (bf16 rows are
+/// not converted), so a chunk costs about T decode steps of its session and no per-chunk conversion of the whole
+/// cache, which is what the short chunks of `kv.chunk_pairs` paid for (docs/serve.md "Prefill chunks"). q [T,
+/// heads, head_dim], k [T, kv_heads, head_dim], v [T, kv_heads, value_dim] as kv_decode_attention's (T tokens of
+/// one sequence in place of N sequences); returns [T, heads, value_dim] in q's dtype. Throws std::invalid_argument
+/// as kv_decode_attention does, and naming the layer and head when a head holds fewer than T rows. Twin:
+/// reference_kv_cache_attention over the cache before the append (tests/unit/test_serve_batching.cpp).
+torch::Tensor kv_chunk_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        const KvCache& cache, int64_t layer, double scale = 0,
+                                        DecodeAttentionPath path = DecodeAttentionPath::kAuto, int64_t threads = 0);
+
+/// A chunk of T >= 1 tokens of one sequence through its cache, as a forward's layer does it: the chunk's attention
+/// over `cache` as it was before the chunk plus its causal part, and the chunk appended at `positions` ([T] int64,
+/// KvCache::append). On the CPU a chunk of at most 64 tokens is appended first and attends by
+/// kv_chunk_decode_attention (on `threads`, 0 = at::get_num_threads()); a longer one (or one off the CPU) by
+/// kv_cache_attention, then appended. KvCacheAttention and DecodeSession::step_batch both call it, so a session's
+/// chunk gives the same bits alone and in a batch. Returns out [T, heads, value_dim] in q's dtype. Throws as the
+/// functions it calls.
+torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        KvCache& cache, int64_t layer, const torch::Tensor& positions,
+                                        const AttentionOptions& options, int64_t threads = 0);
+
 /// The AttentionWrapper of one forward of a chunk through a KV cache (set as PackedBatch::attention): block
 /// `layer` attends with kv_cache_attention over the cache and the chunk, then appends the chunk's k and v at
-/// `positions` (so the chunk never sees itself twice); a chunk of one token attends with kv_decode_attention (on
-/// the CPU), longer ones with kv_cache_attention. One object per forward: it carries that chunk's absolute
+/// `positions` (so the chunk never sees itself twice); on the CPU a chunk of one token attends with
+/// kv_decode_attention, longer ones through kv_chunk_attention_append. One object per forward: it carries that chunk's absolute
 /// positions. Only for softmax blocks: throws std::invalid_argument naming the layer when the block's backend is
 /// not SoftmaxAttention, and when the batch is not one sequence of positions.numel() tokens. Inference only: the
 /// cache keeps no autograd history. With `observations` (a policy asked for them) each layer's queries are

@@ -11,6 +11,10 @@
 namespace dcp {
 namespace {
 
+// Chunks of at most this many tokens attend by the decode kernel (kv_chunk_decode_attention) in
+// kv_chunk_attention_append; longer ones by kv_cache_attention's matmuls.
+constexpr int64_t kDecodeChunkTokens = 64;
+
 // Keys per block of the cache part: bounds its [T, block] score temporaries (8 MiB for a 512-token chunk in
 // fp32) whatever the cache length.
 constexpr int64_t kKeyBlock = 4096;
@@ -128,6 +132,22 @@ AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch
   return {torch::stack(outs, 1).to(q.scalar_type()), torch::stack(lses, 1).to(stat_dtype(q.scalar_type()))};
 }
 
+torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        KvCache& cache, int64_t layer, const torch::Tensor& positions,
+                                        const AttentionOptions& options, int64_t threads) {
+  const double scale = options.scale > 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  // A short chunk (the last piece of a prompt, the chunks kv.chunk_pairs bounds): appended first, then each token
+  // by the decode kernel over the rows before it, where kv_cache_attention would convert the whole cache for a
+  // few queries.
+  if (q.size(0) <= kDecodeChunkTokens && q.is_cpu() && cache.spec().device.is_cpu()) {
+    cache.append(layer, k, v, positions);
+    return kv_chunk_decode_attention(q, k, v, cache, layer, scale, DecodeAttentionPath::kAuto, threads);
+  }
+  torch::Tensor out = kv_cache_attention(q, k, v, cache, layer, options).out;
+  cache.append(layer, k, v, positions);
+  return out;
+}
+
 KvCacheAttention::KvCacheAttention(std::shared_ptr<KvCache> cache, torch::Tensor positions,
                                    std::shared_ptr<KvObservations> observations, KvPolicy* compress, KvStep step)
     : cache_(std::move(cache)),
@@ -153,15 +173,18 @@ torch::Tensor KvCacheAttention::forward(const AttentionBackend& inner, int64_t l
         "KvCacheAttention: layer {}: the batch must be one sequence of {} tokens with as many positions (cu_seqlens {}, "
         "positions {})", layer, T, c10::str(cu_seqlens.sizes()), positions_.numel()));
   }
-  // Attend over the cache as it was before this chunk, then append: the chunk part is causal on its own.
+  // Attend over the cache as it was before this chunk and the chunk's causal part; the chunk is appended either way.
   const double scale = softmax->options().scale > 0 ? softmax->options().scale
                                                     : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   // One token: the decode kernel, the same one a batched step runs (DecodeSession::step_batch), so that a
-  // session decodes the same bits alone and among others.
-  torch::Tensor out = T == 1 && q.is_cpu() && cache_->spec().device.is_cpu()
-                          ? kv_decode_attention(q, k, v, {cache_.get()}, layer, scale)
-                          : kv_cache_attention(q, k, v, *cache_, layer, softmax->options()).out;
-  cache_->append(layer, k, v, positions_);
+  // session decodes the same bits alone and among others; a chunk: kv_chunk_attention_append, as step_batch.
+  torch::Tensor out;
+  if (T == 1 && q.is_cpu() && cache_->spec().device.is_cpu()) {
+    out = kv_decode_attention(q, k, v, {cache_.get()}, layer, scale);
+    cache_->append(layer, k, v, positions_);
+  } else {
+    out = kv_chunk_attention_append(q, k, v, *cache_, layer, positions_, softmax->options());
+  }
   if (observations_) observations_->observe(layer, q, positions_, *cache_, scale);
   if (compress_) compress_->after_layer(*cache_, layer, step_);
   return out;

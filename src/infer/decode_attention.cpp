@@ -81,15 +81,21 @@ void parallel_pairs(int64_t pairs, int64_t threads, const Body& body) {
   body(0, pairs);
 }
 
+// rows(s, kh): the cache rows sequence s's token reads at KV head kh: all of them, or, with `chunk_first` (one
+// chunk's tokens as the sequences, kv_chunk_decode_attention), the first chunk_first[kh] + s.
 template <class T>
 void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t layer, int64_t heads, int64_t kv_heads,
-            int64_t d, int64_t dv, double scale, T* out, DecodeAttentionPath path, int64_t threads) {
+            int64_t d, int64_t dv, double scale, T* out, DecodeAttentionPath path, int64_t threads,
+            const std::vector<int64_t>* chunk_first) {
   using A = typename Acc<T>::type;
   const int64_t n_seq = static_cast<int64_t>(caches.size());
   const int64_t pairs = n_seq * heads;
+  auto rows = [&](int64_t s, int64_t kh) {
+    return chunk_first ? (*chunk_first)[static_cast<size_t>(kh)] + s : caches[static_cast<size_t>(s)]->length(layer, kh);
+  };
   int64_t work = 0;
-  for (const KvCache* c : caches) {
-    for (int64_t h = 0; h < kv_heads; ++h) work += (c->length(layer, h) + 1) * (heads / kv_heads) * (d + dv);
+  for (int64_t s = 0; s < n_seq; ++s) {
+    for (int64_t h = 0; h < kv_heads; ++h) work += (rows(s, h) + 1) * (heads / kv_heads) * (d + dv);
   }
   const bool simd = path != DecodeAttentionPath::kPortable;
   const int64_t use = work < kSerialWork ? 1 : threads;
@@ -102,7 +108,7 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
   if (use > 1) {
     std::vector<int64_t> length(static_cast<size_t>(pairs));
     for (int64_t i = 0; i < pairs; ++i) {
-      length[static_cast<size_t>(i)] = caches[static_cast<size_t>(i / heads)]->length(layer, i % heads / (heads / kv_heads));
+      length[static_cast<size_t>(i)] = rows(i / heads, i % heads / (heads / kv_heads));
     }
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return length[static_cast<size_t>(a)] > length[static_cast<size_t>(b)]; });
@@ -121,7 +127,7 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
       const T* q = static_cast<const T*>(r.q) + s * r.q_stride[0] + h * r.q_stride[1];
       const T* k_new = static_cast<const T*>(r.k) + s * r.k_stride[0] + kh * r.k_stride[1];
       const T* v_new = static_cast<const T*>(r.v) + s * r.v_stride[0] + kh * r.v_stride[1];
-      const int64_t n = hd.length;
+      const int64_t n = rows(s, kh);
       scores.resize(static_cast<size_t>(n + 1));
       const T* keys = static_cast<const T*>(hd.keys);
       const T* values = static_cast<const T*>(hd.values);
@@ -221,9 +227,11 @@ DecodeAttentionPath resolve_decode_attention_path(torch::ScalarType dtype, Decod
   return decode_simd::resolve_path(dtype, requested, cpu_features());
 }
 
-torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                  const std::vector<const KvCache*>& caches, int64_t layer, double scale,
-                                  DecodeAttentionPath path, int64_t threads) {
+namespace {
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const std::vector<const KvCache*>& caches, int64_t layer, double scale,
+                               DecodeAttentionPath path, int64_t threads, const std::vector<int64_t>* chunk_first) {
   if (threads < 0) throw std::invalid_argument(fmt::format("kv_decode_attention: threads {} must be >= 0", threads));
   if (threads == 0) threads = at::get_num_threads();
   const int64_t n = static_cast<int64_t>(caches.size());
@@ -275,20 +283,54 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
   switch (s.dtype) {
     case torch::kFloat:
       attend<float>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<float>(), resolved,
-                    threads);
+                    threads, chunk_first);
       break;
     case torch::kDouble:
       attend<double>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<double>(), resolved,
-                     threads);
+                     threads, chunk_first);
       break;
     case torch::kBFloat16:
       attend<c10::BFloat16>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale,
-                            out.data_ptr<c10::BFloat16>(), resolved, threads);
+                            out.data_ptr<c10::BFloat16>(), resolved, threads, chunk_first);
       break;
     default:
       throw std::invalid_argument("kv_decode_attention: unsupported dtype " + std::string(c10::toString(s.dtype)));
   }
   return out;
+}
+
+}  // namespace
+
+torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const std::vector<const KvCache*>& caches, int64_t layer, double scale,
+                                  DecodeAttentionPath path, int64_t threads) {
+  return decode_attention(q, k, v, caches, layer, scale, path, threads, nullptr);
+}
+
+torch::Tensor kv_chunk_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        const KvCache& cache, int64_t layer, double scale, DecodeAttentionPath path,
+                                        int64_t threads) {
+  const KvCacheSpec& s = cache.spec();
+  if (layer < 0 || layer >= s.layers) {
+    throw std::invalid_argument(fmt::format("kv_chunk_decode_attention: layer {} outside [0, {})", layer, s.layers));
+  }
+  const int64_t T = q.defined() && q.dim() == 3 ? q.size(0) : -1;
+  if (T < 1) {
+    throw std::invalid_argument(fmt::format("kv_chunk_decode_attention: q must be [T >= 1, heads, {}], got {}",
+                                            s.head_dim, q.defined() ? c10::str(q.sizes()) : std::string("undefined")));
+  }
+  std::vector<int64_t> first(static_cast<size_t>(s.kv_heads));
+  for (int64_t h = 0; h < s.kv_heads; ++h) {
+    const int64_t n = cache.length(layer, h);
+    if (n < T) {
+      throw std::invalid_argument(fmt::format(
+          "kv_chunk_decode_attention: layer {} head {} holds {} rows, fewer than the chunk's {} tokens (append the "
+          "chunk first)", layer, h, n, T));
+    }
+    first[static_cast<size_t>(h)] = n - T;
+  }
+  const std::vector<const KvCache*> caches(static_cast<size_t>(T), &cache);
+  return decode_attention(q, k, v, caches, layer, scale, path, threads, &first);
 }
 
 }  // namespace dcp

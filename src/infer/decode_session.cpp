@@ -114,8 +114,8 @@ namespace {
 
 // The attention of a packed batch of several sessions' steps (DecodeSession::step_batch): segment i of the
 // stream is session i's tokens. The one-token segments of a layer attend together through kv_decode_attention and
-// are appended together by KvCache::append_tokens (no tensor per session), each longer one attends through
-// kv_cache_attention over its own cache and is appended alone; then each segment is recorded in its observations
+// are appended together by KvCache::append_tokens (no tensor per session), each longer one attends over its own
+// cache and is appended alone (kv_chunk_attention_append, as a solo step's chunk); then each segment is recorded in its observations
 // and compressed by its layer-by-layer policy, in the order a solo step does (attend, append, observe, compress).
 class BatchedKvCacheAttention : public AttentionWrapper {
  public:
@@ -170,14 +170,13 @@ class BatchedKvCacheAttention : public AttentionWrapper {
       for (const Segment& s : segments_) {
         if (s.length == 1) continue;
         out.narrow(0, s.begin, s.length)
-            .copy_(kv_cache_attention(q.narrow(0, s.begin, s.length), k.narrow(0, s.begin, s.length),
-                                      v.narrow(0, s.begin, s.length), *s.cache, layer, softmax->options())
-                       .out);
+            .copy_(kv_chunk_attention_append(q.narrow(0, s.begin, s.length), k.narrow(0, s.begin, s.length),
+                                             v.narrow(0, s.begin, s.length), *s.cache, layer, s.positions,
+                                             softmax->options(), threads_));
       }
     }
     if (!decode_rows_.empty()) KvCache::append_tokens(decode_writable_, layer, k_decode, v_decode, decode_positions_);
     for (const Segment& s : segments_) {
-      if (s.length > 1) s.cache->append(layer, k.narrow(0, s.begin, s.length), v.narrow(0, s.begin, s.length), s.positions);
       if (s.observations) s.observations->observe(layer, q.narrow(0, s.begin, s.length), s.positions, *s.cache, scale);
       if (s.compress) s.compress->after_layer(*s.cache, layer, s.step);
     }

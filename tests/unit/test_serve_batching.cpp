@@ -116,6 +116,63 @@ TEST(KvDecodeAttention, MatchesTheTwinForEverySequenceHeadAndPath) {
   }
 }
 
+
+// A chunk through the decode kernel (kv_chunk_decode_attention, after the chunk is appended) against the fp64 twin
+// over the cache before the append: every path, grouped-query heads, a cache whose heads differ in length and
+// carry biases (one emptied), chunks of 2, 7 and 64 tokens. Tolerances as the decode kernel's above (the same sums
+// over at most 3064 terms).
+TEST(KvDecodeAttention, AChunkAppendedFirstMatchesTheTwinOnEveryPath) {
+  torch::manual_seed(22);
+  const int64_t heads = 4, kv_heads = 2;
+  for (int64_t dim : {24, 32}) {
+    for (auto [dtype, tol] : {std::pair{torch::kDouble, 1e-12}, std::pair{torch::kFloat, 5e-6},
+                              std::pair{torch::kBFloat16, 1.6e-2}}) {
+      for (int64_t T : {2, 7, 64}) {
+        // The same cache each time it is made: 3000 entries, head 0 of layer 1 cut to every 7th with biases.
+        const auto keep = torch::arange(0, 3000, 7, torch::kInt64);
+        const auto bias = torch::randn({keep.numel()});
+        const uint64_t seed = 100 + static_cast<uint64_t>(T + dim);
+        auto make = [&] {
+          auto c = std::make_unique<KvCache>(spec_of(dtype, kv_heads, dim));
+          torch::manual_seed(seed);
+          fill(*c, 3000);
+          c->commit(1, {KvHeadEdit{keep, bias}, KvHeadEdit{}});
+          return c;
+        };
+        const auto before = make();
+        const auto q = (torch::randn({T, heads, dim}) * 1.5).to(dtype), k = torch::randn({T, kv_heads, dim}).to(dtype),
+                   v = torch::randn({T, kv_heads, dim}).to(dtype);
+        const AttentionResult ref = reference_kv_cache_attention(q, k, v, *before, 1);
+        for (DecodeAttentionPath path : decode_paths(dtype)) {
+          const std::string what = std::string(c10::toString(dtype)) + " dim " + std::to_string(dim) + " T " +
+                                   std::to_string(T) + " path " + to_string(path);
+          const auto cache = make();
+          ASSERT_TRUE(torch::equal(cache->view(1, 0).keys, before->view(1, 0).keys)) << what;
+          cache->append(1, k, v, torch::arange(5000, 5000 + T, torch::kInt64));
+          const torch::Tensor out = kv_chunk_decode_attention(q, k, v, *cache, 1, 0, path);
+          EXPECT_EQ(out.scalar_type(), dtype);
+          EXPECT_LE(max_abs_diff(out, ref.out), tol) << what;
+          // Token t reads what the decode kernel reads for one token after t rows of the chunk: the same bits.
+          for (int64_t t : {int64_t{0}, T - 1}) {
+            const auto upto = make();
+            if (t > 0) upto->append(1, k.narrow(0, 0, t), v.narrow(0, 0, t), torch::arange(5000, 5000 + t, torch::kInt64));
+            const torch::Tensor one = kv_decode_attention(q.narrow(0, t, 1), k.narrow(0, t, 1), v.narrow(0, t, 1),
+                                                          {upto.get()}, 1, 0, path);
+            EXPECT_TRUE(torch::equal(one, out.narrow(0, t, 1))) << what << " token " << t;
+          }
+        }
+      }
+    }
+  }
+  KvCache small(spec_of(torch::kFloat, kv_heads, 16));
+  fill(small, 3);
+  const auto q = torch::randn({5, heads, 16}), k = torch::randn({5, kv_heads, 16}), v = torch::randn({5, kv_heads, 16});
+  const std::string e = error_of([&] { kv_chunk_decode_attention(q, k, v, small, 1); });
+  EXPECT_NE(e.find("layer 1 head 0 holds 3 rows, fewer than the chunk's 5 tokens"), std::string::npos) << e;
+  EXPECT_NE(error_of([&] { kv_chunk_decode_attention(q, k, v, small, 2); }).find("layer 2 outside [0, 2)"),
+            std::string::npos);
+}
+
 TEST(KvDecodeAttention, AForcedPathTheCpuOrDtypeLacksIsRefused) {
   EXPECT_EQ(resolve_decode_attention_path(torch::kDouble, DecodeAttentionPath::kAuto), DecodeAttentionPath::kPortable);
   EXPECT_NE(error_of([] { resolve_decode_attention_path(torch::kDouble, DecodeAttentionPath::kAvx512); })
