@@ -860,6 +860,41 @@ void run_bundles(const Shape& s, const Params<T>& pr, const P& pol, bool simd, c
   });
 }
 
+// Runs body(j, unit, span) for bundle b's units j on every chunk of their range, chunk by chunk (the last chunk
+// first when `reverse`), every unit of the bundle on a chunk before the next chunk; before each, the prefetch of
+// the next (chunk, unit)'s `what` rows is planned.
+template <class Ch, class Body>
+void lockstep(Ch& ch, const UnitPlan& plan, const std::vector<int64_t>& b, int64_t chunk, bool reverse, unsigned what,
+              Body body) {
+  const Unit& first = plan.units[b.front()];
+  const int64_t B = static_cast<int64_t>(b.size()), chunks = first.c1 - first.c0;
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int64_t c = reverse ? first.c1 - 1 - i : first.c0 + i;
+    for (int64_t j = 0; j < B; ++j) {
+      const Unit& u = plan.units[b[j]];
+      if (j + 1 < B) {
+        prefetch_chunk(ch, plan.units[b[j + 1]], c, chunk, what);
+      } else if (i + 1 < chunks) {
+        prefetch_chunk(ch, first, reverse ? c - 1 : c + 1, chunk, what);
+      }
+      body(j, u, chunk_of(*ch.bounds(), u, c, chunk));
+    }
+  }
+}
+
+// The state unit u starts from: its range's prefix (a split sequence), else the sequence's initial state, else 0.
+template <class T>
+void start_state(const Shape& s, const Unit& u, const T* start, const T* initial, T* state) {
+  const int64_t L = s.state_len(), sh = u.seq * s.heads + u.head;
+  if (u.slot >= 0) {
+    std::copy(start + u.slot * L, start + (u.slot + 1) * L, state);
+  } else if (initial) {
+    std::copy(initial + sh * L, initial + (sh + 1) * L, state);
+  } else {
+    std::fill(state, state + L, T(0));
+  }
+}
+
 // For each split (sequence, head), the states its ranges start from: the initial state plus the sums of the ranges
 // before (the state pass). sums and starts are [slots x L].
 template <class T>
@@ -943,33 +978,12 @@ void forward_pass(const Shape& s, const Params<typename P::Acc>& pr, const P& po
                      [&](Chunks<P, In>& ch, int64_t, const std::vector<int64_t>& b) {
     const int64_t B = static_cast<int64_t>(b.size());
     std::vector<T> states(static_cast<size_t>(B * L));
-    for (int64_t j = 0; j < B; ++j) {
-      const Unit& u = plan.units[b[j]];
-      T* state = states.data() + j * L;
-      const int64_t sh = u.seq * s.heads + u.head;
-      if (u.slot >= 0) {
-        std::copy(start + u.slot * L, start + (u.slot + 1) * L, state);
-      } else if (initial) {
-        std::copy(initial + sh * L, initial + (sh + 1) * L, state);
-      } else {
-        std::fill(state, state + L, T(0));
-      }
-    }
+    for (int64_t j = 0; j < B; ++j) start_state(s, plan.units[b[j]], start, initial, states.data() + j * L);
     constexpr unsigned kRows = Fetches::kQ | Fetches::kK | Fetches::kV | Fetches::kOut;
-    const Unit& first = plan.units[b.front()];
-    for (int64_t c = first.c0; c < first.c1; ++c) {
-      for (int64_t j = 0; j < B; ++j) {
-        const Unit& u = plan.units[b[j]];
-        const ChunkSpan span = chunk_of(*io.bounds, u, c, s.C);
-        if (j + 1 < B) {
-          prefetch_chunk(ch, plan.units[b[j + 1]], c, s.C, kRows);
-        } else if (c + 1 < u.c1) {
-          prefetch_chunk(ch, plan.units[b.front()], c + 1, s.C, kRows);
-        }
-        ch.tiles().state = states.data() + j * L;
-        ch.forward(span.t0, u.head, span.n);
-      }
-    }
+    lockstep(ch, plan, b, s.C, /*reverse=*/false, kRows, [&](int64_t j, const Unit& u, const ChunkSpan& span) {
+      ch.tiles().state = states.data() + j * L;
+      ch.forward(span.t0, u.head, span.n);
+    });
     for (int64_t j = 0; j < B; ++j) {
       const Unit& u = plan.units[b[j]];
       const int64_t sh = u.seq * s.heads + u.head;
@@ -1031,52 +1045,28 @@ void backward_pass(const Shape& s, const Params<typename P::Acc>& pr, const P& p
     T* dstate_of = states.data() + B * L;
     for (int64_t j = 0; j < B; ++j) {
       const Unit& u = plan.units[b[j]];
-      const int64_t sh = u.seq * s.heads + u.head;
-      T* state = state_of + j * L;
+      start_state(s, u, start, initial, state_of + j * L);
       T* dstate = dstate_of + j * L;
       if (u.slot >= 0) {
-        std::copy(start + u.slot * L, start + (u.slot + 1) * L, state);
         std::copy(end + u.slot * L, end + (u.slot + 1) * L, dstate);
       } else {
-        if (initial) {
-          std::copy(initial + sh * L, initial + (sh + 1) * L, state);
-        } else {
-          std::fill(state, state + L, T(0));
-        }
         std::fill(dstate, dstate + L, T(0));
       }
     }
     auto grad_of = [&](const Unit& u) { return part + (thread * s.heads + u.head) * G; };
     constexpr unsigned kBoth = Fetches::kQ | Fetches::kK | Fetches::kV | Fetches::kGrads;
-    const Unit& first = plan.units[b.front()];
     // Sweep 1, chunks in order: dq and the queries' gradients.
-    for (int64_t c = first.c0; c < first.c1; ++c) {
-      for (int64_t j = 0; j < B; ++j) {
-        const Unit& u = plan.units[b[j]];
-        const ChunkSpan span = chunk_of(*io.bounds, u, c, s.C);
-        if (j + 1 < B) {
-          prefetch_chunk(ch, plan.units[b[j + 1]], c, s.C, kBoth | Fetches::kDq);
-        } else if (c + 1 < u.c1) {
-          prefetch_chunk(ch, plan.units[b.front()], c + 1, s.C, kBoth | Fetches::kDq);
-        }
-        ch.tiles().state = state_of + j * L;
-        ch.backward_queries(span.t0, u.head, span.n, grad_of(u));
-      }
-    }
+    lockstep(ch, plan, b, s.C, /*reverse=*/false, kBoth | Fetches::kDq,
+             [&](int64_t j, const Unit& u, const ChunkSpan& span) {
+               ch.tiles().state = state_of + j * L;
+               ch.backward_queries(span.t0, u.head, span.n, grad_of(u));
+             });
     // Sweep 2, chunks in reverse: dk, dv and the keys' gradients.
-    for (int64_t c = first.c1; c-- > first.c0;) {
-      for (int64_t j = 0; j < B; ++j) {
-        const Unit& u = plan.units[b[j]];
-        const ChunkSpan span = chunk_of(*io.bounds, u, c, s.C);
-        if (j + 1 < B) {
-          prefetch_chunk(ch, plan.units[b[j + 1]], c, s.C, kBoth | Fetches::kDk | Fetches::kDv);
-        } else if (c > u.c0) {
-          prefetch_chunk(ch, plan.units[b.front()], c - 1, s.C, kBoth | Fetches::kDk | Fetches::kDv);
-        }
-        ch.tiles().dstate = dstate_of + j * L;
-        ch.backward_keys(span.t0, u.head, span.n, grad_of(u));
-      }
-    }
+    lockstep(ch, plan, b, s.C, /*reverse=*/true, kBoth | Fetches::kDk | Fetches::kDv,
+             [&](int64_t j, const Unit& u, const ChunkSpan& span) {
+               ch.tiles().dstate = dstate_of + j * L;
+               ch.backward_keys(span.t0, u.head, span.n, grad_of(u));
+             });
   });
   for (int64_t t = 0; t < threads; ++t) {
     for (int64_t e = 0; e < s.heads * G; ++e) grads[e] += part[t * s.heads * G + e];
