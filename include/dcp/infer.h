@@ -25,7 +25,8 @@ KvCacheSpec kv_cache_spec(const Transformer& model);
 
 /// Exact softmax attention of a chunk of T new tokens of `layer` over [every cached entry of each head, with its
 /// log-weight bias, not causal | the chunk itself, causal], i.e. softmax(scale q.K^T + bias) V; the cache is only
-/// read (KvCacheAttention appends afterwards). Heads may hold different numbers of entries. q: [T, heads,
+/// read (through KvCacheAttention the chunk is appended afterwards, or first for a chunk of at most 64 tokens, which
+/// then attends by kv_chunk_decode_attention instead). Heads may hold different numbers of entries. q: [T, heads,
 /// head_dim], k: [T, kv_heads, head_dim], v: [T, kv_heads, value_dim] in the cache dtype, k after rotary, heads a
 /// multiple of the cache's kv_heads (grouped-query attention: query head j reads KV head j / (heads / kv_heads)),
 /// value_dim == head_dim; T >= 1. The cache part runs per head as fp32 (fp64 for fp64) matmuls over blocks of keys, the chunk
@@ -107,9 +108,10 @@ torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Ten
                                         const AttentionOptions& options, int64_t threads = 0);
 
 /// The AttentionWrapper of one forward of a chunk through a KV cache (set as PackedBatch::attention): block
-/// `layer` attends with kv_cache_attention over the cache and the chunk, then appends the chunk's k and v at
-/// `positions` (so the chunk never sees itself twice); on the CPU a chunk of one token attends with
-/// kv_decode_attention, longer ones through kv_chunk_attention_append. One object per forward: it carries that chunk's absolute
+/// `layer` attends over the cache and the chunk and appends the chunk's k and v at `positions`: on the CPU a chunk
+/// of one token attends with kv_decode_attention and is appended after, longer ones go through
+/// kv_chunk_attention_append (kv_cache_attention then append, or for at most 64 tokens append then
+/// kv_chunk_decode_attention; either way the chunk is seen once). One object per forward: it carries that chunk's absolute
 /// positions. Only for softmax blocks: throws std::invalid_argument naming the layer when the block's backend is
 /// not SoftmaxAttention, and when the batch is not one sequence of positions.numel() tokens. Inference only: the
 /// cache keeps no autograd history. With `observations` (a policy asked for them) each layer's queries are
@@ -170,7 +172,7 @@ class DecodeSession {
   /// (one token, prefill[i] false) would, with 1 <= tokens[i].size() <= its chunk_tokens(). The tokens of all
   /// sessions form one packed batch: each linear layer is one matmul over all of them; attention runs per session
   /// over its own cache (the one-token steps of a layer together through kv_decode_attention, each longer chunk
-  /// through kv_cache_attention), then each session's policy runs after_step. Returns per session its fp32 logits
+  /// through kv_chunk_attention_append), then each session's policy runs after_step. Returns per session its fp32 logits
   /// [tokens[i].size(), kVocabSize]. A session's logits equal its solo step's up to the rounding of the matmuls,
   /// whose rows BLAS may sum in another order for another number of rows (tests/unit/test_serve_batching.cpp
   /// measures it). Throws std::invalid_argument for sessions of different models, a session given twice, sizes

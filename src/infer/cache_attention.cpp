@@ -135,6 +135,8 @@ AttentionResult reference_kv_cache_attention(const torch::Tensor& q, const torch
 torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                         KvCache& cache, int64_t layer, const torch::Tensor& positions,
                                         const AttentionOptions& options, int64_t threads) {
+  // Checked before anything is appended, so that a bad chunk leaves the cache as it was on either path.
+  check_chunk("kv_chunk_attention_append", q, k, v, cache, layer);
   const double scale = options.scale > 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   // A short chunk (the last piece of a prompt, the chunks kv.chunk_pairs bounds): appended first, then each token
   // by the decode kernel over the rows before it, where kv_cache_attention would convert the whole cache for a
