@@ -222,6 +222,11 @@ StepCost evaluate_step(const StepPlan& plan, const std::vector<Sample>& samples,
 /// micro-batch, packing never lowers a sample's recompute count, and a group of s ranks for t seconds spends
 /// s * t GPU-seconds, at most world_size * makespan in all. Samples that fit no size are left out. Throws
 /// std::invalid_argument for an unknown id.
+/// The SP modes a planner's groups may use, for its step_lower_bound: `requested` (PlannerOptions::sp_modes) for
+/// dcp-opt, the only planner that honours it; every mode (empty) for the others, which plan Ulysses groups
+/// whatever is requested.
+std::vector<SpMode> planner_sp_modes(const std::string& planner, const std::vector<SpMode>& requested);
+
 double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, int64_t world_size,
                         const CostModel& cost, const MemoryModel& memory, const std::vector<SpMode>& modes = {});
 

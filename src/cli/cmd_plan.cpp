@@ -30,9 +30,8 @@ void run_plan(const PlanArgs& a) {
              set.skipped_ids.size());
   for (const auto& step : set.steps) {
     const StepCost c = evaluate_step(step, in.samples, a.world_size, *in.cost, *in.memory);
-    // --sp-modes restricts dcp-opt only (the other planners plan Ulysses groups), so their bound is over every mode.
     const double bound = step_lower_bound(step.sample_ids(), in.samples, a.world_size, *in.cost, *in.memory,
-                                          a.planner == "dcp-opt" ? in.options.sp_modes : std::vector<SpMode>{});
+                                          planner_sp_modes(a.planner, in.options.sp_modes));
     const int64_t rounds = step.num_rounds();
     fmt::print("\nstep {}: {} tokens, {} round(s), predicted {:.3f} s (lower bound {:.3f} s), imbalance {:.3f}, peak "
                "{:.1f} GB\n",

@@ -115,8 +115,9 @@ namespace {
 // The attention of a packed batch of several sessions' steps (DecodeSession::step_batch): segment i of the
 // stream is session i's tokens. The one-token segments of a layer attend together through kv_decode_attention and
 // are appended together by KvCache::append_tokens (no tensor per session), each longer one attends over its own
-// cache and is appended alone (kv_chunk_attention_append, as a solo step's chunk); then each segment is recorded in its observations
-// and compressed by its layer-by-layer policy, in the order a solo step does (attend and append, observe, compress).
+// cache and is appended alone (kv_chunk_attention_append, as a solo step's chunk); then each segment is recorded in
+// its observations and compressed by its layer-by-layer policy, in the order a solo step does (attend and append,
+// observe, compress).
 class BatchedKvCacheAttention : public AttentionWrapper {
  public:
   struct Segment {

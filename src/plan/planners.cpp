@@ -128,6 +128,10 @@ int64_t token_capacity(const MemoryModel& memory, int64_t sp, int64_t r) {
 
 }  // namespace
 
+std::vector<SpMode> planner_sp_modes(const std::string& planner, const std::vector<SpMode>& requested) {
+  return planner == "dcp-opt" ? requested : std::vector<SpMode>{};
+}
+
 double step_lower_bound(const std::vector<int64_t>& ids, const std::vector<Sample>& samples, int64_t world_size,
                         const CostModel& cost, const MemoryModel& memory, const std::vector<SpMode>& modes) {
   check_world(world_size);

@@ -76,10 +76,7 @@ Row simulate(const std::string& name, const std::vector<Sample>& samples, int64_
                                            name, step.index, c.peak_bytes / 1e9, memory.budget_bytes() / 1e9));
     }
     row.epoch_s += c.step_s;
-    // --sp-modes restricts dcp-opt only (the other planners plan Ulysses groups whatever it says), so their bound
-    // is over every mode.
-    row.lower_bound_s += step_lower_bound(ids, samples, world, cost, memory,
-                                          name == "dcp-opt" ? opt.sp_modes : std::vector<SpMode>{});
+    row.lower_bound_s += step_lower_bound(ids, samples, world, cost, memory, planner_sp_modes(name, opt.sp_modes));
     row.peak_gb = std::max(row.peak_gb, c.peak_bytes / 1e9);
     imbalance += c.makespan_s > 0 ? 1.0 - c.mean_rank_s / c.makespan_s : 0.0;
   }

@@ -848,16 +848,17 @@ template <class P, class In, class T, class Body>
 void run_bundles(const Shape& s, const Params<T>& pr, const P& pol, bool simd, const Io<In, T>& io, int64_t threads,
                  const UnitPlan& plan, Body body) {
   std::vector<std::vector<std::vector<int64_t>>> bundles(plan.of_thread.size());
-  for (size_t t = 0; t < plan.of_thread.size(); ++t) bundles[t] = bundles_of(plan, plan.of_thread[t]);
-  parallel_with_arenas(threads, tile_bytes<P>(s), [&](int64_t thread, Arena& arena) {
-    const auto& list = bundles[static_cast<size_t>(thread)];
-    if (list.empty()) return;
-    Tiles<P> t = take_tiles<P>(s, arena);
-    Chunks<P, In> chunks(s, pr, pol, simd, io, t);
-    amx_enter(pol);
-    for (const std::vector<int64_t>& b : list) body(chunks, thread, b);
-    amx_leave(pol);
-  });
+  std::vector<std::vector<int64_t>> indices(plan.of_thread.size());  // each thread's bundles, by index
+  for (size_t t = 0; t < plan.of_thread.size(); ++t) {
+    bundles[t] = bundles_of(plan, plan.of_thread[t]);
+    indices[t].resize(bundles[t].size());
+    std::iota(indices[t].begin(), indices[t].end(), int64_t{0});
+  }
+  run_threads<P>(s, pr, pol, simd, io, threads,
+                 [&](int64_t t) -> const std::vector<int64_t>& { return indices[static_cast<size_t>(t)]; },
+                 [&](Chunks<P, In>& ch, int64_t thread, int64_t i) {
+                   body(ch, thread, bundles[static_cast<size_t>(thread)][static_cast<size_t>(i)]);
+                 });
 }
 
 // Runs body(j, unit, span) for bundle b's units j on every chunk of their range, chunk by chunk (the last chunk
