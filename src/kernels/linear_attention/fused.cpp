@@ -92,6 +92,7 @@ struct Io {
   const In* y_lo = nullptr;  // and its residual (contiguous), bf16 only
   int64_t sg0 = 0, sg1 = 0, sy0 = 0, sy1 = 0;
   const T* stat_in = nullptr;
+  T* dden = nullptr;  // [T, H]: dden per token (has_den), written by the backward's first sweep, read by its second
   In* dq = nullptr;  // [T, H, d] contiguous each
   In* dk = nullptr;
   In* dv = nullptr;
@@ -272,9 +273,10 @@ inline void prefetch_l2(const char* p) {
 #endif
 }
 
-// What Chunks::prefetch fetches: the inputs, the backward's output gradient and saved output (kGrads), outputs.
+// What Chunks::prefetch fetches: the inputs, the backward's output gradient and saved output (kGrads) or the
+// output gradient alone (kDout), outputs.
 struct Fetches {
-  static constexpr unsigned kQ = 1, kK = 2, kV = 4, kGrads = 8, kOut = 16, kDq = 32, kDk = 64, kDv = 128;
+  static constexpr unsigned kQ = 1, kK = 2, kV = 4, kGrads = 8, kOut = 16, kDq = 32, kDk = 64, kDv = 128, kDout = 256;
 };
 
 template <class P, class In>
@@ -307,8 +309,8 @@ class Chunks {
     if (what & Fetches::kQ) rows(io_.q, io_.sq0, io_.sq1);
     if (what & Fetches::kK) rows(io_.k, io_.sk0, io_.sk1);
     if (what & Fetches::kV) rows(io_.v, io_.sv0, io_.sv1);
+    if (what & (Fetches::kGrads | Fetches::kDout)) rows(io_.dout, io_.sg0, io_.sg1);
     if (what & Fetches::kGrads) {
-      rows(io_.dout, io_.sg0, io_.sg1);
       rows(io_.y, io_.sy0, io_.sy1);
       rows(io_.y_lo, ld, s_.d);
     }
@@ -342,6 +344,7 @@ class Chunks {
   // Conditioning (docs/flexformer.md item 1) and the feature map (item 2) of one chunk's q or k.
   void features(Feat<T>& f, bool is_key, int64_t t0, int64_t h, int64_t n) const {
     const int64_t d = s_.d, C = s_.C, m = s_.m;
+    if (!s_.trig) return elu_features(f, is_key, t0, h, n);
     if (is_key) {
       load(io_.k, io_.sk0, io_.sk1, t0, h, n, f.x);
     } else {
@@ -350,9 +353,7 @@ class Chunks {
     // a = g x: g = (|x|^2 + eps)^-1/2 (l2), d^-1/4 (mean x^2 + eps)^-1/2 (rms), d^-1/4 (scale).
     for (int64_t t = 0; t < n; ++t) {
       const T ss = ops_.dot(f.x + t * d, f.x + t * d, d);
-      T g = pr_.c0;
-      if (s_.norm == InputNorm::kL2) g = T(1) / std::sqrt(ss + T(kInputNormEps));
-      if (s_.norm == InputNorm::kRms) g = pr_.c0 / std::sqrt(ss / static_cast<T>(d) + T(kInputNormEps));
+      const T g = conditioning_gain(ss);
       f.g[t] = g;
       f.w[t] = T(0.5) * g * g * ss;  // |a|^2 / 2, for the key weight
     }
@@ -377,12 +378,6 @@ class Chunks {
           ops_.scaled_sum(f.pt + (m + i) * C, f.s1 + at, f.s2 + at, pr_.scale, n);
         }
       }
-    } else {
-      // elu(a) + 1 = a + 1 (a > 0), exp(a) (a <= 0).
-      for (int64_t j = 0; j < d; ++j) {
-        linear_attention::fused::exp_rows(f.at + j * C, n, f.pt + j * C, simd_);
-        ops_.elu_select(f.pt + j * C, f.at + j * C, n);
-      }
     }
     if (is_key && s_.key_weight) {
       // w = exp(|b|^2 / 2 - c): the key factor of exp(q.k / sqrt d) that survives the average (item 1, scale).
@@ -394,6 +389,31 @@ class Chunks {
       std::fill(f.w, f.w + n, T(1));
       f.rt = f.pt;
     }
+  }
+
+  // features() for elu + 1, which needs no a rows (no frequencies to differentiate): the rows are read transposed,
+  // x^T [d x n], so that |x|^2, a^T = x^T g and phi^T are passes over the tile vectorised over tokens (three passes
+  // where the row form took six: load, dots, scaling, transpose, exp, select). Same values as the row form but
+  // |x|^2, summed over d in another order.
+  void elu_features(Feat<T>& f, bool is_key, int64_t t0, int64_t h, int64_t n) const {
+    const int64_t d = s_.d, C = s_.C;
+    const In* src = is_key ? io_.k + t0 * io_.sk0 + h * io_.sk1 : io_.q + t0 * io_.sq0 + h * io_.sq1;
+    ops_.load_transposed(src, is_key ? io_.sk0 : io_.sq0, n, d, f.at, C);
+    T* ss = f.w;
+    std::fill(ss, ss + n, T(0));
+    for (int64_t j = 0; j < d; ++j) ops_.fma_into(ss, f.at + j * C, f.at + j * C, n);
+    for (int64_t t = 0; t < n; ++t) f.g[t] = conditioning_gain(ss[t]);
+    // elu(a) + 1 = a + 1 (a > 0), exp(a) (a <= 0).
+    for (int64_t j = 0; j < d; ++j) ops_.elu_map(f.at + j * C, f.pt + j * C, f.g, n);
+    std::fill(f.w, f.w + n, T(1));  // elu has no key weight (prepare refuses one)
+    f.rt = f.pt;
+  }
+
+  // g of a = g x from |x|^2 (docs/flexformer.md item 1).
+  T conditioning_gain(T ss) const {
+    if (s_.norm == InputNorm::kL2) return T(1) / std::sqrt(ss + T(kInputNormEps));
+    if (s_.norm == InputNorm::kRms) return pr_.c0 / std::sqrt(ss / static_cast<T>(s_.d) + T(kInputNormEps));
+    return pr_.c0;
   }
 
   // The chunk's keys and values into a state (or a range's sum): S += R^T V, z += R^T 1, S0 += alpha V^T w, ...
@@ -562,8 +582,8 @@ class Chunks {
     prefetch_next(Fetches::kV);
     load(io_.v, io_.sv0, io_.sv1, t0, h, n, t.vr);
     ops_.transpose(t.vr, d, n, d, t.vt, C);
-    prefetch_next(Fetches::kGrads);
-    output_grads(t0, h, n);
+    prefetch_next(Fetches::kGrads | Fetches::kDout);
+    output_grads(t0, h, n, /*reuse=*/true);
     prefetch_next(Fetches::kDv);
     const T* dS = t.dstate;
     const T* dz = t.dstate + s_.z_at();
@@ -682,16 +702,29 @@ class Chunks {
                     s_.heads * d);
   }
 
-  // dn (the gradient of the numerator), dden (of the denominator) and dn^T from dy, the saved y and stat.
-  void output_grads(int64_t t0, int64_t h, int64_t n) const {
+  // dn (the gradient of the numerator), dden (of the denominator) and dn^T from dy, the saved y and stat. With
+  // `reuse` (the backward's second sweep) and a denominator, dden is read back from io_.dden, where the first
+  // sweep left it, and y is not read: dn = dy / den needs only dy and stat (the same bits as computing it again).
+  void output_grads(int64_t t0, int64_t h, int64_t n, bool reuse = false) const {
     const int64_t d = s_.d;
     load(io_.dout, io_.sg0, io_.sg1, t0, h, n, t_.dy);
+    T* scale = t_.col;
+    if (reuse && s_.has_den) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = (t0 + i) * s_.heads + h;
+        const T st = io_.stat_in[at];
+        scale[i] = s_.normalizer == Normalizer::kShift ? T(1) / (st + T(kShiftEps)) : T(1) / std::max(st, T(kClampEps));
+        t_.dden[i] = io_.dden[at];
+      }
+      ops_.store_rows(t_.dy, d, n, d, scale, t_.dn, d);
+      ops_.transpose(t_.dn, d, n, d, t_.dnt, s_.C);
+      return;
+    }
     load(io_.y, io_.sy0, io_.sy1, t0, h, n, t_.yr);
     if (io_.y_lo) {
       ops_.load_rows(io_.y_lo + (t0 * s_.heads + h) * d, s_.heads * d, n, d, t_.dn, d);
       for (int64_t i = 0; i < n; ++i) ops_.axpy(t_.yr + i * d, t_.dn + i * d, T(1), d);
     }
-    T* scale = t_.col;
     for (int64_t i = 0; i < n; ++i) {
       const T st = io_.stat_in[(t0 + i) * s_.heads + h];
       const T dot = ops_.dot(t_.dy + i * d, t_.yr + i * d, d);
@@ -712,6 +745,7 @@ class Chunks {
           ops_.axpy(t_.dy + i * d, t_.yr + i * d, -dot / static_cast<T>(d), d);
           break;
       }
+      if (s_.has_den) io_.dden[(t0 + i) * s_.heads + h] = t_.dden[i];
     }
     ops_.store_rows(t_.dy, d, n, d, scale, t_.dn, d);
     ops_.transpose(t_.dn, d, n, d, t_.dnt, s_.C);
@@ -747,16 +781,20 @@ class Chunks {
         fpol_.mm(m, d, n, {View<T>{t_.du, C, 1}}, {f.a, d}, grad, d, true, nullptr);
         if (s_.pair) fpol_.mm(m, d, n, {View<T>{t_.du2, C, 1}}, {f.a, d}, grad + s_.domega2_at(), d, true, nullptr);
       }
-    } else {
-      for (int64_t j = 0; j < d; ++j) ops_.elu_grad(da + j * C, dphi + j * C, f.at + j * C, f.pt + j * C, n);
-    }
-    if (extra) {
-      for (int64_t j = 0; j < d; ++j) ops_.fma_into(da + j * C, extra, f.at + j * C, n);
     }
     // Conditioning: a = g x, dx = g (da - kappa a (a . da)), per token (column).
     T* dot = t_.col;
     std::fill(dot, dot + n, T(0));
-    for (int64_t j = 0; j < d; ++j) ops_.fma_into(dot, f.at + j * C, da + j * C, n);
+    if (!s_.trig) {  // elu (never a key weight, so no extra): da and a . da in one pass
+      for (int64_t j = 0; j < d; ++j) {
+        ops_.elu_grad_dot(da + j * C, dphi + j * C, f.at + j * C, f.pt + j * C, dot, n);
+      }
+    } else {
+      if (extra) {
+        for (int64_t j = 0; j < d; ++j) ops_.fma_into(da + j * C, extra, f.at + j * C, n);
+      }
+      for (int64_t j = 0; j < d; ++j) ops_.fma_into(dot, f.at + j * C, da + j * C, n);
+    }
     for (int64_t j = 0; j < d; ++j) ops_.cond_backward(da + j * C, da + j * C, f.at + j * C, f.g, dot, pr_.kappa, n);
     ops_.store_transposed(da, C, n, d, dx_out + (t0 * s_.heads + h) * d, s_.heads * d);
   }
@@ -1062,8 +1100,9 @@ void backward_pass(const Shape& s, const Params<typename P::Acc>& pr, const P& p
                ch.tiles().state = state_of + j * L;
                ch.backward_queries(span.t0, u.head, span.n, grad_of(u));
              });
-    // Sweep 2, chunks in reverse: dk, dv and the keys' gradients.
-    lockstep(ch, plan, b, s.C, /*reverse=*/true, kBoth | Fetches::kDk | Fetches::kDv,
+    // Sweep 2, chunks in reverse: dk, dv and the keys' gradients (with a denominator, dy without y: output_grads).
+    const unsigned grads2 = s.has_den ? Fetches::kDout : Fetches::kGrads;
+    lockstep(ch, plan, b, s.C, /*reverse=*/true, (kBoth & ~Fetches::kGrads) | grads2 | Fetches::kDk | Fetches::kDv,
              [&](int64_t j, const Unit& u, const ChunkSpan& span) {
                ch.tiles().dstate = dstate_of + j * L;
                ch.backward_keys(span.t0, u.head, span.n, grad_of(u));
@@ -1299,6 +1338,9 @@ FusedLinearAttentionGrads backward_impl(const torch::Tensor& dout_in, const torc
   torch::Tensor dk = torch::empty(q.sizes(), q.options());
   torch::Tensor dv = torch::empty(q.sizes(), q.options());
   torch::Tensor grads = torch::zeros({s.heads * s.grad_len()}, torch::TensorOptions().dtype(acc));
+  // dden per token and head, [T, H] in the accumulator type (1 / (2 head_dim) of dq's bytes in bf16, 1 / head_dim
+  // in fp32): what lets the second sweep skip reading y (Chunks::output_grads).
+  torch::Tensor dden = s.has_den ? torch::empty({q.size(0), s.heads}, torch::TensorOptions().dtype(acc)) : torch::Tensor();
   with_path(q.scalar_type(), p.path, [&](auto pol, bool simd, auto in_tag) {
     using P = decltype(pol);
     using In = decltype(in_tag);
@@ -1311,6 +1353,7 @@ FusedLinearAttentionGrads backward_impl(const torch::Tensor& dout_in, const torc
     io.sy0 = out.stride(0), io.sy1 = out.stride(1);
     io.stat_in = stat_c.data_ptr<T>();
     if (residual.defined()) io.y_lo = residual.data_ptr<In>();
+    if (dden.defined()) io.dden = dden.data_ptr<T>();
     io.dq = dq.data_ptr<In>();
     io.dk = dk.data_ptr<In>();
     io.dv = dv.data_ptr<In>();

@@ -132,23 +132,27 @@ DCP_AVX512 void scaled_sum(float* dst, const float* a, const float* b, float s, 
   }
 }
 
-DCP_AVX512 void elu_select(float* pt, const float* at, int64_t n) {
+DCP_AVX512 void elu_map(float* at, float* pt, const float* g, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = lanes_below(n - i);
+    const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, at + i), _mm512_maskz_loadu_ps(m, g + i));
+    const __mmask16 pos = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ);
+    _mm512_mask_storeu_ps(at + i, m, a);
+    _mm512_mask_storeu_ps(pt + i, m, _mm512_mask_blend_ps(pos, simd::exp(a), _mm512_add_ps(a, one)));
+  }
+}
+
+DCP_AVX512 void elu_grad_dot(float* da, const float* dphi, const float* at, const float* pt, float* dot, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 m = lanes_below(n - i);
     const __m512 a = _mm512_maskz_loadu_ps(m, at + i);
     const __mmask16 pos = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ);
-    _mm512_mask_storeu_ps(pt + i, m & pos, _mm512_add_ps(a, one));
-  }
-}
-
-DCP_AVX512 void elu_grad(float* da, const float* dphi, const float* at, const float* pt, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const __mmask16 m = lanes_below(n - i);
-    const __mmask16 pos = _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(m, at + i), _mm512_setzero_ps(), _CMP_GT_OQ);
     const __m512 slope = _mm512_mask_blend_ps(pos, _mm512_maskz_loadu_ps(m, pt + i), one);
-    _mm512_mask_storeu_ps(da + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, dphi + i), slope));
+    const __m512 g = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, dphi + i), slope);
+    _mm512_mask_storeu_ps(da + i, m, g);
+    _mm512_mask_storeu_ps(dot + i, m, _mm512_fmadd_ps(a, g, _mm512_maskz_loadu_ps(m, dot + i)));
   }
 }
 
@@ -213,9 +217,9 @@ DCP_AVX512 inline void transpose16(__m512 r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// dst[c][r] = src[r][c] for r < rows, c < cols, by 16 x 16 blocks (masked at the edges).
-template <class Out>
-DCP_AVX512 void transpose_blocks(const float* src, int64_t lds, int64_t rows, int64_t cols, Out* dst, int64_t ldd) {
+// dst[c][r] = src[r][c] for r < rows, c < cols, by 16 x 16 blocks (masked at the edges), converted on the way.
+template <class In, class Out>
+DCP_AVX512 void transpose_blocks(const In* src, int64_t lds, int64_t rows, int64_t cols, Out* dst, int64_t ldd) {
   for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
     const int64_t nr = std::min<int64_t>(kLanes, rows - r0);
     const __mmask16 row_mask = lanes_below(nr);
@@ -237,6 +241,12 @@ DCP_AVX512 void transpose_blocks(const float* src, int64_t lds, int64_t rows, in
 }
 
 void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
+  transpose_blocks(src, lds, rows, cols, dst, ldd);
+}
+void load_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
+  transpose_blocks(src, lds, rows, cols, dst, ldd);
+}
+void load_transposed(const c10::BFloat16* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
   transpose_blocks(src, lds, rows, cols, dst, ldd);
 }
 void store_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {

@@ -11,6 +11,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -153,13 +154,15 @@ void mul(float* dst, const float* x, const float* y, int64_t n);
 void fma_into(float* acc, const float* x, const float* y, int64_t n);
 void cross(float* dst, const float* a, const float* b, const float* c, const float* d, float s, int64_t n);
 void scaled_sum(float* dst, const float* a, const float* b, float s, int64_t n);
-void elu_select(float* pt, const float* at, int64_t n);
-void elu_grad(float* da, const float* dphi, const float* at, const float* pt, int64_t n);
+void elu_map(float* at, float* pt, const float* g, int64_t n);
+void elu_grad_dot(float* da, const float* dphi, const float* at, const float* pt, float* dot, int64_t n);
 void cond_backward(float* dx, const float* da, const float* a, const float* g, const float* dot, float kappa,
                    int64_t n);
 void load_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
 void load_rows(const c10::BFloat16* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
 void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
+void load_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
+void load_transposed(const c10::BFloat16* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
 void store_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
 void store_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, c10::BFloat16* dst, int64_t ldd);
 void store_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, const float* scale, float* dst,
@@ -227,17 +230,26 @@ struct Rows {
     }
     for (int64_t i = 0; i < n; ++i) dst[i] = s * (a[i] + b[i]);
   }
-  void elu_select(T* pt, const T* at, int64_t n) const {  // pt = at + 1 where at > 0 (pt holds exp(at))
+  /// at *= g (one g per token), then pt = elu(at) + 1: at + 1 where at > 0, else exp(at) (exp_rows' values).
+  void elu_map(T* at, T* pt, const T* g, int64_t n) const {
     if constexpr (kFloat) {
-      if (simd) return avx512::elu_select(pt, at, n);
+      if (simd) return avx512::elu_map(at, pt, g, n);
     }
-    for (int64_t i = 0; i < n; ++i) pt[i] = at[i] > 0 ? at[i] + 1 : pt[i];
+    for (int64_t i = 0; i < n; ++i) {
+      at[i] *= g[i];
+      pt[i] = at[i] > 0 ? at[i] + 1 : std::exp(at[i]);
+    }
   }
-  void elu_grad(T* da, const T* dphi, const T* at, const T* pt, int64_t n) const {  // dphi (at > 0 ? 1 : pt)
+  /// da = dphi (at > 0 ? 1 : pt), the gradient through elu + 1 (pt = exp(at) where at <= 0), and dot += at da
+  /// (fma_into's operation) in the same pass.
+  void elu_grad_dot(T* da, const T* dphi, const T* at, const T* pt, T* dot, int64_t n) const {
     if constexpr (kFloat) {
-      if (simd) return avx512::elu_grad(da, dphi, at, pt, n);
+      if (simd) return avx512::elu_grad_dot(da, dphi, at, pt, dot, n);
     }
-    for (int64_t i = 0; i < n; ++i) da[i] = dphi[i] * (at[i] > 0 ? T(1) : pt[i]);
+    for (int64_t i = 0; i < n; ++i) {
+      da[i] = dphi[i] * (at[i] > 0 ? T(1) : pt[i]);
+      dot[i] += at[i] * da[i];
+    }
   }
   /// dx = g (da - kappa dot a), g and dot one value per token.
   void cond_backward(T* dx, const T* da, const T* a, const T* g, const T* dot, T kappa, int64_t n) const {
@@ -263,6 +275,16 @@ struct Rows {
     }
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+    }
+  }
+  /// dst [cols x rows] (ldd) = src [rows x cols] (lds, In)^T converted to T.
+  template <class In>
+  void load_transposed(const In* src, int64_t lds, int64_t rows, int64_t cols, T* dst, int64_t ldd) const {
+    if constexpr (kFloat && (std::is_same_v<In, float> || std::is_same_v<In, c10::BFloat16>)) {
+      if (simd) return avx512::load_transposed(src, lds, rows, cols, dst, ldd);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = static_cast<T>(src[r * lds + c]);
     }
   }
   /// dst [rows x cols] (ldd, In) = src [cols x rows] (lds)^T.
