@@ -392,16 +392,14 @@ class Chunks {
   }
 
   // features() for elu + 1, which needs no a rows (no frequencies to differentiate): the rows are read transposed,
-  // x^T [d x n], so that |x|^2, a^T = x^T g and phi^T are passes over the tile vectorised over tokens (three passes
-  // where the row form took six: load, dots, scaling, transpose, exp, select). Same values as the row form but
-  // |x|^2, summed over d in another order.
+  // x^T [d x n], summing |x|^2 on the way, then a^T = x^T g and phi^T are one pass over the tile vectorised over
+  // tokens (two passes where the row form takes six: load, dots, scaling, transpose, exp, select). Same values as
+  // the row form but |x|^2, summed over d in another order.
   void elu_features(Feat<T>& f, bool is_key, int64_t t0, int64_t h, int64_t n) const {
     const int64_t d = s_.d, C = s_.C;
     const In* src = is_key ? io_.k + t0 * io_.sk0 + h * io_.sk1 : io_.q + t0 * io_.sq0 + h * io_.sq1;
-    ops_.load_transposed(src, is_key ? io_.sk0 : io_.sq0, n, d, f.at, C);
     T* ss = f.w;
-    std::fill(ss, ss + n, T(0));
-    for (int64_t j = 0; j < d; ++j) ops_.fma_into(ss, f.at + j * C, f.at + j * C, n);
+    ops_.load_transposed(src, is_key ? io_.sk0 : io_.sq0, n, d, f.at, C, ss);
     for (int64_t t = 0; t < n; ++t) f.g[t] = conditioning_gain(ss[t]);
     // elu(a) + 1 = a + 1 (a > 0), exp(a) (a <= 0).
     for (int64_t j = 0; j < d; ++j) ops_.elu_map(f.at + j * C, f.pt + j * C, f.g, n);

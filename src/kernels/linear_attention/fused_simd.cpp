@@ -217,12 +217,15 @@ DCP_AVX512 inline void transpose16(__m512 r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// dst[c][r] = src[r][c] for r < rows, c < cols, by 16 x 16 blocks (masked at the edges), converted on the way.
+// dst[c][r] = src[r][c] for r < rows, c < cols, by 16 x 16 blocks (masked at the edges), converted on the way;
+// with `sumsq`, also sumsq[r] += sum_c src[r][c]^2, one fma per c in increasing c.
 template <class In, class Out>
-DCP_AVX512 void transpose_blocks(const In* src, int64_t lds, int64_t rows, int64_t cols, Out* dst, int64_t ldd) {
+DCP_AVX512 void transpose_blocks(const In* src, int64_t lds, int64_t rows, int64_t cols, Out* dst, int64_t ldd,
+                                 float* sumsq = nullptr) {
   for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
     const int64_t nr = std::min<int64_t>(kLanes, rows - r0);
     const __mmask16 row_mask = lanes_below(nr);
+    __m512 acc = sumsq ? _mm512_maskz_loadu_ps(row_mask, sumsq + r0) : _mm512_setzero_ps();
     for (int64_t c0 = 0; c0 < cols; c0 += kLanes) {
       const int64_t nc = std::min<int64_t>(kLanes, cols - c0);
       const __mmask16 col_mask = lanes_below(nc);
@@ -236,18 +239,27 @@ DCP_AVX512 void transpose_blocks(const In* src, int64_t lds, int64_t rows, int64
       for (int i = 0; i < 16; ++i) {
         if (i < nc) simd::store(dst + (c0 + i) * ldd + r0, r[i], row_mask);
       }
+      if (sumsq) {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          if (i < nc) acc = _mm512_fmadd_ps(r[i], r[i], acc);
+        }
+      }
     }
+    if (sumsq) _mm512_mask_storeu_ps(sumsq + r0, row_mask, acc);
   }
 }
 
 void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
   transpose_blocks(src, lds, rows, cols, dst, ldd);
 }
-void load_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
-  transpose_blocks(src, lds, rows, cols, dst, ldd);
+void load_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd,
+                     float* sumsq) {
+  transpose_blocks(src, lds, rows, cols, dst, ldd, sumsq);
 }
-void load_transposed(const c10::BFloat16* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
-  transpose_blocks(src, lds, rows, cols, dst, ldd);
+void load_transposed(const c10::BFloat16* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd,
+                     float* sumsq) {
+  transpose_blocks(src, lds, rows, cols, dst, ldd, sumsq);
 }
 void store_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
   transpose_blocks(src, lds, cols, rows, dst, ldd);

@@ -161,8 +161,10 @@ void cond_backward(float* dx, const float* da, const float* a, const float* g, c
 void load_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
 void load_rows(const c10::BFloat16* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
 void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
-void load_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
-void load_transposed(const c10::BFloat16* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
+void load_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd,
+                     float* sumsq);
+void load_transposed(const c10::BFloat16* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd,
+                     float* sumsq);
 void store_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd);
 void store_transposed(const float* src, int64_t lds, int64_t rows, int64_t cols, c10::BFloat16* dst, int64_t ldd);
 void store_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, const float* scale, float* dst,
@@ -277,14 +279,24 @@ struct Rows {
       for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
     }
   }
-  /// dst [cols x rows] (ldd) = src [rows x cols] (lds, In)^T converted to T.
+  /// dst [cols x rows] (ldd) = src [rows x cols] (lds, In)^T converted to T, and sumsq[r] = sum_c dst[c][r]^2
+  /// (summed in increasing c).
   template <class In>
-  void load_transposed(const In* src, int64_t lds, int64_t rows, int64_t cols, T* dst, int64_t ldd) const {
+  void load_transposed(const In* src, int64_t lds, int64_t rows, int64_t cols, T* dst, int64_t ldd, T* sumsq) const {
     if constexpr (kFloat && (std::is_same_v<In, float> || std::is_same_v<In, c10::BFloat16>)) {
-      if (simd) return avx512::load_transposed(src, lds, rows, cols, dst, ldd);
+      if (simd) {
+        std::fill(sumsq, sumsq + rows, T(0));
+        return avx512::load_transposed(src, lds, rows, cols, dst, ldd, sumsq);
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = static_cast<T>(src[r * lds + c]);
+      T ss = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        const T x = static_cast<T>(src[r * lds + c]);
+        dst[c * ldd + r] = x;
+        ss += x * x;
+      }
+      sumsq[r] = ss;
     }
   }
   /// dst [rows x cols] (ldd, In) = src [cols x rows] (lds)^T.
