@@ -482,6 +482,64 @@ TEST(FusedLinearAttention, HeadsRunTogetherGiveTheSameBitsAsEachHeadAlone) {
   at::set_num_threads(previous);
 }
 
+// The kernel reads q, k, v and dout through their token and head strides (the model hands it slices of a fused
+// projection). Strided views must give the same bits as contiguous copies on every path this CPU has: the row
+// loads, elu's transposing load and the second backward sweep's dout-only reads all address rows by those strides.
+// d = 24 leaves a partial 16-lane block in every row; normalizer none takes the second sweep's path that reads y.
+TEST(FusedLinearAttention, StridedInputsGiveTheSameBitsAsContiguousCopiesOnEveryPath) {
+  torch::manual_seed(8);
+  const std::vector<int64_t> lengths{70, 1, 45};
+  const auto cu = cu_of(lengths);
+  const int64_t T = total_of(lengths), H = 2, d = 24, m = 8;
+  struct Case {
+    LinearAttentionPath path;
+    torch::ScalarType dtype;
+  };
+  std::vector<Case> cases{{LinearAttentionPath::kPortable, torch::kFloat},
+                          {LinearAttentionPath::kPortable, torch::kBFloat16}};
+  if (avx512_usable()) {
+    cases.push_back({LinearAttentionPath::kAvx512, torch::kFloat});
+    cases.push_back({LinearAttentionPath::kAvx512, torch::kBFloat16});
+  }
+  if (avx512_usable() && cpu_features().avx512_bf16) cases.push_back({LinearAttentionPath::kAvx512Bf16, torch::kBFloat16});
+  if (amx_usable()) cases.push_back({LinearAttentionPath::kAmx, torch::kBFloat16});
+  for (const Case& c : cases) {
+    for (FeatureMap f : {FeatureMap::kStationary, FeatureMap::kElu}) {
+      for (Normalizer n : {Normalizer::kShift, Normalizer::kNone}) {
+        FusedFeatureMap map;
+        map.feature_map = f;
+        map.normalizer = n;
+        if (f != FeatureMap::kElu) map.omega = torch::randn({H, m, d});
+        if (n == Normalizer::kShift) map.alpha = torch::rand({H}) + 0.5;
+        // q, k, v: slices of one [T, 3, H, d] projection (token stride 3 H d); dout: the first half of each head's
+        // 2 d columns (head stride 2 d).
+        const auto qkv = torch::randn({T, 3, H, d}).to(c.dtype);
+        const auto q = qkv.select(1, 0), k = qkv.select(1, 1), v = qkv.select(1, 2);
+        const auto g = torch::randn({T, H, 2 * d}).to(c.dtype).narrow(2, 0, d);
+        ASSERT_FALSE(q.is_contiguous());
+        ASSERT_FALSE(g.is_contiguous());
+        FusedLinearAttentionOptions o;
+        o.chunk_size = 16;
+        o.path = c.path;
+        const std::string what = name_of(f, n, InputNorm::kL2) + " " + to_string(c.path) + " " +
+                                 c10::toString(c.dtype);
+        const auto strided = fused_linear_attention_forward(q, k, v, cu, map, o);
+        const auto strided_g = fused_linear_attention_backward(g, q, k, v, strided, cu, map, o);
+        const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+        const auto dense = fused_linear_attention_forward(qc, kc, vc, cu, map, o);
+        const auto dense_g = fused_linear_attention_backward(g.contiguous(), qc, kc, vc, dense, cu, map, o);
+        EXPECT_TRUE(torch::equal(strided.out, dense.out)) << what;
+        EXPECT_TRUE(torch::equal(strided.stat, dense.stat)) << what;
+        EXPECT_TRUE(torch::equal(strided_g.dq, dense_g.dq)) << what;
+        EXPECT_TRUE(torch::equal(strided_g.dk, dense_g.dk)) << what;
+        EXPECT_TRUE(torch::equal(strided_g.dv, dense_g.dv)) << what;
+        if (map.alpha.defined()) EXPECT_TRUE(torch::equal(strided_g.dalpha, dense_g.dalpha)) << what;
+        if (map.omega.defined()) EXPECT_TRUE(torch::equal(strided_g.domega, dense_g.domega)) << what;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // States
 
