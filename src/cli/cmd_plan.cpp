@@ -2,6 +2,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <climits>
+
 #include "cli/commands.h"
 #include "cli/planning_inputs.h"
 
@@ -19,7 +22,25 @@ void run_plan(const PlanArgs& a) {
   if (set.steps.empty() && !in.samples.empty()) {  // as dcp simulate and dcp train: nothing to plan is an error
     throw planner_fits_no_sample(a.planner, in.samples.size(), in.memory->budget_bytes());
   }
+  // Skipped samples are counted and named, never dropped silently: the only reason a planner skips one is that it
+  // fits no SP size in the per-rank memory budget (dcp/planning.h).
+  std::string skipped_line;
+  if (!set.skipped_ids.empty()) {
+    int64_t shortest = INT64_MAX, longest = 0;
+    std::string ids;
+    for (size_t i = 0; i < set.skipped_ids.size(); ++i) {
+      const int64_t length = in.samples[static_cast<size_t>(set.skipped_ids[i])].length;
+      shortest = std::min(shortest, length);
+      longest = std::max(longest, length);
+      if (i < 10) ids += fmt::format("{}{}", i ? ", " : "", set.skipped_ids[i]);
+    }
+    skipped_line = fmt::format("skipped {} of {} samples ({} to {} tokens; ids {}{}): they fit no SP size within the "
+                               "per-rank memory budget of {:.3g} GB",
+                               set.skipped_ids.size(), in.samples.size(), shortest, longest, ids,
+                               set.skipped_ids.size() > 10 ? ", ..." : "", in.memory->budget_bytes() / 1e9);
+  }
   if (a.json) {
+    if (!skipped_line.empty()) fmt::print(stderr, "dcp plan: {}\n", skipped_line);
     nlohmann::json out = nlohmann::json::array();
     for (const auto& step : set.steps) out.push_back(nlohmann::json::parse(step.to_json()));
     fmt::print("{}\n", out.dump(1));
@@ -28,6 +49,7 @@ void run_plan(const PlanArgs& a) {
   fmt::print("planner {} on {} ({} samples), world_size {}, cost model {}: {} steps, {} samples skipped\n",
              a.planner, in.source, in.samples.size(), a.world_size, in.cost->device().name, set.steps.size(),
              set.skipped_ids.size());
+  if (!skipped_line.empty()) fmt::print("{}\n", skipped_line);
   for (const auto& step : set.steps) {
     const StepCost c = evaluate_step(step, in.samples, a.world_size, *in.cost, *in.memory);
     const double bound = step_lower_bound(step.sample_ids(), in.samples, a.world_size, *in.cost, *in.memory,

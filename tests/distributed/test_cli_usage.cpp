@@ -180,6 +180,26 @@ TEST(CliUsage, SimulatedLowerBoundHoldsForEveryPlannerUnderSpModes) {
   fs::remove_all(dir);
 }
 
+// A sample that fits no SP size is skipped by the planner: dcp plan names how many, their lengths and ids, and the
+// budget (on stdout, and on stderr with --json, whose stdout is only the plans). A --lengths file that holds no
+// length or a bad line is bad data (exit 1, naming the file and the line); a missing one is a usage error (exit 2).
+TEST(CliUsage, PlanNamesSkippedSamplesAndBadLengthsFiles) {
+  const fs::path dir = make_workdir("skipped");
+  std::ofstream(dir / "lengths.txt") << "100\n2000000000\n300\n";
+  std::ofstream(dir / "empty.txt") << "\n  \n";
+  std::ofstream(dir / "bad.txt") << "100\n12x\n";
+  const std::string lengths = (dir / "lengths.txt").string();
+  const std::string skipped = "skipped 1 of 3 samples (2000000000 to 2000000000 tokens; ids 1): they fit no SP size";
+  expect_cases(dir, {
+      {{"plan", "--lengths", lengths, "--world-size", "4"}, 0, skipped},
+      {{"plan", "--lengths", lengths, "--world-size", "4", "--json"}, 0, "dcp plan: " + skipped},
+      {{"plan", "--lengths", (dir / "empty.txt").string(), "--world-size", "4"}, 1, "holds no length"},
+      {{"plan", "--lengths", (dir / "bad.txt").string(), "--world-size", "4"}, 1, "line 2: '12x' is not a positive integer"},
+      {{"plan", "--lengths", (dir / "missing.txt").string(), "--world-size", "4"}, 2, "missing.txt"},
+  });
+  fs::remove_all(dir);
+}
+
 // R21: a plan that uses a sample twice is refused by verify-plan, naming the sample and both places.
 TEST(CliUsage, VerifyPlanRefusesASampleUsedTwice) {
   const fs::path dir = make_workdir("dup_sample");
