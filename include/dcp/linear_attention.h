@@ -171,9 +171,9 @@ FusedLinearAttentionResult fused_linear_attention_forward(const torch::Tensor& q
 /// recomputed (about 1.6x the forward's products again) instead of storing a state per chunk (F x head_dim per C
 /// tokens and head, 1.3-2.6x the inputs' bytes at the defaults). Besides dq, dk, dv it allocates, with a
 /// denominator (normalizer shift or clamp), one [T, h] fp32 (fp64 for fp64 inputs) tensor of the denominator's
-/// gradient per token, which the first sweep writes and the second reads instead of the output (1 / (2 head_dim)
-/// of dq's bytes in bf16). dout: [T, h, head_dim] in q's dtype; `saved` the forward's result (out, stat,
-/// out_residual; its final_state is not read). Throws as the forward.
+/// gradient per token, which the first sweep writes and the second reads instead of the output (2 / head_dim of
+/// dq's bytes in bf16, 1 / head_dim in fp32). dout: [T, h, head_dim] in q's dtype; `saved` the forward's result
+/// (out, stat, out_residual; its final_state is not read). Throws as the forward.
 FusedLinearAttentionGrads fused_linear_attention_backward(const torch::Tensor& dout, const torch::Tensor& q,
                                                           const torch::Tensor& k, const torch::Tensor& v,
                                                           const FusedLinearAttentionResult& saved,
