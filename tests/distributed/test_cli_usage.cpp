@@ -194,7 +194,8 @@ TEST(CliUsage, PlanNamesSkippedSamplesAndBadLengthsFiles) {
       {{"plan", "--lengths", lengths, "--world-size", "4"}, 0, skipped},
       {{"plan", "--lengths", lengths, "--world-size", "4", "--json"}, 0, "dcp plan: " + skipped},
       {{"plan", "--lengths", (dir / "empty.txt").string(), "--world-size", "4"}, 1, "holds no length"},
-      {{"plan", "--lengths", (dir / "bad.txt").string(), "--world-size", "4"}, 1, "line 2: '12x' is not a positive integer"},
+      {{"plan", "--lengths", (dir / "bad.txt").string(), "--world-size", "4"}, 1,
+       "line 2: '12x' is not a positive integer"},
       {{"plan", "--lengths", (dir / "missing.txt").string(), "--world-size", "4"}, 2, "missing.txt"},
   });
   fs::remove_all(dir);

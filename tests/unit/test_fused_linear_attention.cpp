@@ -502,7 +502,9 @@ TEST(FusedLinearAttention, StridedInputsGiveTheSameBitsAsContiguousCopiesOnEvery
     cases.push_back({LinearAttentionPath::kAvx512, torch::kFloat});
     cases.push_back({LinearAttentionPath::kAvx512, torch::kBFloat16});
   }
-  if (avx512_usable() && cpu_features().avx512_bf16) cases.push_back({LinearAttentionPath::kAvx512Bf16, torch::kBFloat16});
+  if (avx512_usable() && cpu_features().avx512_bf16) {
+    cases.push_back({LinearAttentionPath::kAvx512Bf16, torch::kBFloat16});
+  }
   if (amx_usable()) cases.push_back({LinearAttentionPath::kAmx, torch::kBFloat16});
   for (const Case& c : cases) {
     for (FeatureMap f : {FeatureMap::kStationary, FeatureMap::kElu}) {

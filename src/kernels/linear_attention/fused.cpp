@@ -1338,7 +1338,8 @@ FusedLinearAttentionGrads backward_impl(const torch::Tensor& dout_in, const torc
   torch::Tensor grads = torch::zeros({s.heads * s.grad_len()}, torch::TensorOptions().dtype(acc));
   // dden per token and head, [T, H] in the accumulator type (2 / head_dim of dq's bytes in bf16, 1 / head_dim in
   // fp32): what lets the second sweep skip reading y (Chunks::output_grads).
-  torch::Tensor dden = s.has_den ? torch::empty({q.size(0), s.heads}, torch::TensorOptions().dtype(acc)) : torch::Tensor();
+  torch::Tensor dden =
+      s.has_den ? torch::empty({q.size(0), s.heads}, torch::TensorOptions().dtype(acc)) : torch::Tensor();
   with_path(q.scalar_type(), p.path, [&](auto pol, bool simd, auto in_tag) {
     using P = decltype(pol);
     using In = decltype(in_tag);
