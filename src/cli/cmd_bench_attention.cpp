@@ -171,19 +171,21 @@ void add_bench_attention_command(CLI::App& app) {
   sub->add_option("--head-dim", opt->head_dim, "dimension per head (default: model.d_model / model.n_heads, 32)")
       ->check(CLI::Range(1, 65536));
   sub->add_option("--num-features", opt->num_features, "flexformer frequencies per head (default: "
-                                                        "attention.num_features, 64)")
+                                                        "attention.num_features, 64; at most 65536, as the config)")
+      ->check(CLI::Range(1, 1 << 16));
+  sub->add_option("--chunk-size", opt->chunk_size,
+                  "flexformer chunk size, tokens (default: attention.chunk_size, 64; at most 2^20, as the config)")
       ->check(CLI::Range(1, 1 << 20));
-  sub->add_option("--chunk-size", opt->chunk_size, "flexformer chunk size, tokens (default: attention.chunk_size, 64)")
-      ->check(CLI::Range(1, 1 << 30));
   sub->add_option("--repetitions", opt->repetitions, "timed runs per point after one warm-up (median)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   sub->add_option("--threads", opt->threads, "intra-op threads (default: every hardware thread)")
       ->check(CLI::Range(1, 4096));
   sub->add_option("--matmul-size", opt->matmul_size, "n of the n x n x n fp32 and bf16 matmuls whose median rate "
-                                                     "is the peak of the % of peak columns")
+                                                     "is the peak of the % of peak columns (at most 8192: three "
+                                                     "fp32 n x n matrices, 805 MB)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 65536));
+      ->check(CLI::Range(1, 8192));
   sub->add_option("--max-bytes", opt->max_bytes, "skip lengths whose predicted peak exceeds this many bytes, >= 1 "
                                                  "(default: half of the physical RAM)")
       ->check(finite_number_validator("bytes", 1));

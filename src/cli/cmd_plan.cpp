@@ -34,10 +34,13 @@ void run_plan(const PlanArgs& a) {
       longest = std::max(longest, length);
       if (i < 10) ids += fmt::format("{}{}", i ? ", " : "", set.skipped_ids[i]);
     }
-    skipped_line = fmt::format("skipped {} of {} samples ({} to {} tokens; ids {}{}): they fit no SP size within the "
-                               "per-rank memory budget of {:.3g} GB",
-                               set.skipped_ids.size(), in.samples.size(), shortest, longest, ids,
-                               set.skipped_ids.size() > 10 ? ", ..." : "", in.memory->budget_bytes() / 1e9);
+    const std::string lengths = shortest == longest ? fmt::format("{} tokens", shortest)
+                                                    : fmt::format("{} to {} tokens", shortest, longest);
+    skipped_line = fmt::format("skipped {} of {} samples ({}; sample ids {}{}, counted from 0 over the lengths in "
+                               "order): they fit no SP size within the per-rank planning budget of {:.0f} bytes "
+                               "(memory.budget_bytes less memory.margin)",
+                               set.skipped_ids.size(), in.samples.size(), lengths, ids,
+                               set.skipped_ids.size() > 10 ? ", ..." : "", in.memory->budget_bytes());
   }
   if (a.json) {
     if (!skipped_line.empty()) fmt::print(stderr, "dcp plan: {}\n", skipped_line);

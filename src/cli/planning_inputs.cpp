@@ -67,6 +67,11 @@ PlanningInputs make_planning_inputs(const PlanningArgs& a) {
   }
   PlanningInputs in;
   if (!a.lengths_file.empty()) {
+    std::error_code ec;
+    if (!fs::is_regular_file(a.lengths_file, ec)) {  // a FIFO no one writes to would be waited on forever
+      throw ConfigError(fmt::format("--lengths '{}' is not a regular file (a FIFO, a device or a socket): give a "
+                                    "file of lengths, one integer a line", a.lengths_file));
+    }
     in.lengths = read_lengths_file(a.lengths_file);
     in.source = a.lengths_file;
   } else {

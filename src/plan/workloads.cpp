@@ -137,8 +137,12 @@ std::vector<int64_t> read_lengths_file(const std::string& path) {
     const char* last = line.data() + e + 1;
     auto [p, ec] = std::from_chars(first, last, v);
     if (ec != std::errc() || p != last || v < 1) {
-      throw std::runtime_error(fmt::format("lengths file '{}' line {}: '{}' is not a positive integer", path, no,
-                                           line.substr(b, e - b + 1)));
+      std::string shown = line.substr(b, std::min<size_t>(e - b + 1, 80));
+      for (char& ch : shown) {
+        if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';  // a NUL would end the message
+      }
+      throw std::runtime_error(fmt::format("lengths file '{}' line {}: '{}{}' is not a positive integer", path, no,
+                                           shown, e - b + 1 > 80 ? "..." : ""));
     }
     out.push_back(v);
   }

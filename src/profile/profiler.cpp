@@ -182,8 +182,9 @@ void fit_time(ProfileResult& result) {
   }
   if (!(coef[1] > 0)) {
     throw std::runtime_error(
-        "profile: the fit found no cost per FLOP (measured times do not grow with the micro-batch's FLOPs); "
-        "rerun with more repeats on an idle machine");
+        "profile: the fit found no cost per FLOP (measured times do not grow with the micro-batch's FLOPs, as for "
+        "a model so small that fixed costs dominate); rerun with more repeats on an idle machine (`dcp profile "
+        "--repeats N`), or plan with the analytic cost model (`--train.cost_model=h200`) instead of a profile");
   }
   result.fixed_s = coef[0];
   result.linear_flops_per_s = 1.0 / coef[1];

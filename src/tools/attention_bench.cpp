@@ -282,10 +282,12 @@ double fused_flexformer_peak_bytes(int64_t length, int64_t heads, int64_t head_d
   const double l = static_cast<double>(length), h = static_cast<double>(heads), d = static_cast<double>(head_dim);
   const double e = static_cast<double>(element_bytes);
   constexpr double kTokenCopies = 4, kStatBytes = 4;  // out, dq, dk, dv; the [L, heads] fp32 denominators
-  // bf16: the output's rounding residual; normalizer none: the gain's product and its gradient; with a denominator
-  // (not none) the backward's [L, heads] fp32 denominator gradients (fused_linear_attention_backward).
-  const double token_bytes =
-      (kTokenCopies + (element_bytes == 2 ? 1 : 0) + (gain ? 2 : 0)) * e * d + kStatBytes * (gain ? 1 : 2);
+  // bf16: the output's rounding residual; normalizer none: the gain's product and its gradient, fp32 (the gain is an
+  // fp32 parameter), and for bf16 the product's cast back; with a denominator (not none) the backward's [L, heads]
+  // fp32 denominator gradients (fused_linear_attention_backward).
+  const double gain_bytes = gain ? 2 * 4.0 + (element_bytes == 2 ? 2.0 : 0.0) : 0.0;  // per element
+  const double token_bytes = (kTokenCopies + (element_bytes == 2 ? 1 : 0)) * e * d + gain_bytes * d +
+                             kStatBytes * (gain ? 1 : 2);
   const auto dtype = element_bytes == 2 ? torch::kBFloat16 : torch::kFloat;
   const double chunk = static_cast<double>(std::min(chunk_size, std::max<int64_t>(length, 1)));
   const double workspace = static_cast<double>(fused_linear_attention_workspace_bytes(

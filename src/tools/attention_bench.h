@@ -134,8 +134,8 @@ double flexformer_attention_peak_bytes(int64_t length, int64_t heads, int64_t he
 /// Predicted peak bytes of tensor storage that one forward+backward of FlexformerAttention on the fused kernel
 /// allocates beyond its inputs, linear in length: 4 token copies [length, heads, head_dim] in the input dtype (out,
 /// dq, dk, dv), the [length, heads] fp32 denominators and, without `gain`, their gradients (the backward's
-/// buffer), for bf16 one more token copy (the output's rounding residual), with `gain` (normalizer none) two more
-/// (the gain's product and its gradient), and per thread the kernel's workspace
+/// buffer), for bf16 one more token copy (the output's rounding residual), with `gain` (normalizer none) the gain's
+/// product and its gradient in fp32 (and for bf16 the product's bf16 cast), and per thread the kernel's workspace
 /// (fused_linear_attention_workspace_bytes, dcp/linear_attention.h). test_attention_bench checks it against the
 /// measured peak. Throws std::invalid_argument for an element_bytes other than 2 or 4.
 double fused_flexformer_peak_bytes(int64_t length, int64_t heads, int64_t head_dim, int64_t threads,

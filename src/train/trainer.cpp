@@ -123,7 +123,9 @@ void Trainer::restore() {
   if (!options_.resume) {
     state_.heldout_bits_per_byte_initial =
         heldout_bits_per_byte(model_, corpus, eval_cfg_, train_cfg_.micro_batch_tokens, world);
-    spdlog::info("held-out bits per byte before training: {:.4f}", state_.heldout_bits_per_byte_initial);
+    if (!corpus.heldout_ids().empty()) {  // else NaN: the warning above says why
+      spdlog::info("held-out bits per byte before training: {:.4f}", state_.heldout_bits_per_byte_initial);
+    }
   }
 
   train_start_ = std::chrono::steady_clock::now();
@@ -200,8 +202,12 @@ void Trainer::finish() {
   world.barrier();
 
   const double final_bpb = heldout_bits_per_byte(model_, setup_.corpus, eval_cfg_, train_cfg_.micro_batch_tokens, world);
-  spdlog::info("held-out bits per byte: {:.4f} before training, {:.4f} after {} steps",
-               state_.heldout_bits_per_byte_initial, final_bpb, state_.step);
+  if (setup_.corpus.heldout_ids().empty()) {
+    spdlog::info("held-out bits per byte: none (no held-out samples) after {} steps", state_.step);
+  } else {
+    spdlog::info("held-out bits per byte: {:.4f} before training, {:.4f} after {} steps",
+                 state_.heldout_bits_per_byte_initial, final_bpb, state_.step);
+  }
   if (world.rank() == 0) {
     write_file_atomically(fs::path(setup_.run_dir) / "summary.json", summary(final_bpb, train_time).dump(2) + "\n");
     spdlog::info("wrote {}/summary.json, metrics.jsonl, config.yaml and checkpoint/", setup_.run_dir);

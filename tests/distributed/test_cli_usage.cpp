@@ -189,7 +189,8 @@ TEST(CliUsage, PlanNamesSkippedSamplesAndBadLengthsFiles) {
   std::ofstream(dir / "empty.txt") << "\n  \n";
   std::ofstream(dir / "bad.txt") << "100\n12x\n";
   const std::string lengths = (dir / "lengths.txt").string();
-  const std::string skipped = "skipped 1 of 3 samples (2000000000 to 2000000000 tokens; ids 1): they fit no SP size";
+  const std::string skipped = "skipped 1 of 3 samples (2000000000 tokens; sample ids 1, counted from 0 over the "
+                              "lengths in order): they fit no SP size within the per-rank planning budget of";
   expect_cases(dir, {
       {{"plan", "--lengths", lengths, "--world-size", "4"}, 0, skipped},
       {{"plan", "--lengths", lengths, "--world-size", "4", "--json"}, 0, "dcp plan: " + skipped},
