@@ -3,7 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <climits>
+#include <cstdint>
 
 #include "cli/commands.h"
 #include "cli/planning_inputs.h"

@@ -667,26 +667,26 @@ class Chunks {
     }
   }
 
+  // The factor y = O * output_scale(stat): 1 / (den + eps) (shift), 1 / max(den, eps) (clamp), stat itself (none,
+  // where stat is the RMS factor).
+  T output_scale(T st) const {
+    switch (s_.normalizer) {
+      case Normalizer::kShift: return T(1) / (st + T(kShiftEps));
+      case Normalizer::kClamp: return T(1) / std::max(st, T(kClampEps));
+      case Normalizer::kNone: break;
+    }
+    return st;
+  }
+
   // y = O / (den + eps) | O / max(den, eps) | O rsqrt(mean O^2 + eps), and stat (den or the RMS factor).
   void store_out(int64_t t0, int64_t h, int64_t n) const {
     const int64_t d = s_.d;
     T* inv = t_.col;
     for (int64_t i = 0; i < n; ++i) {
-      T st = 0;
-      switch (s_.normalizer) {
-        case Normalizer::kShift:
-          st = t_.den[i];
-          inv[i] = T(1) / (st + T(kShiftEps));
-          break;
-        case Normalizer::kClamp:
-          st = t_.den[i];
-          inv[i] = T(1) / std::max(st, T(kClampEps));
-          break;
-        case Normalizer::kNone:
-          st = T(1) / std::sqrt(ops_.dot(t_.o + i * d, t_.o + i * d, d) / static_cast<T>(d) + T(kOutNormEps));
-          inv[i] = st;
-          break;
-      }
+      const T st = s_.has_den ? t_.den[i]
+                              : T(1) / std::sqrt(ops_.dot(t_.o + i * d, t_.o + i * d, d) / static_cast<T>(d) +
+                                                 T(kOutNormEps));
+      inv[i] = output_scale(st);
       io_.stat[(t0 + i) * s_.heads + h] = st;
     }
     In* out = io_.out + (t0 * s_.heads + h) * d;
@@ -705,45 +705,40 @@ class Chunks {
   // sweep left it, and y is not read: dn = dy / den needs only dy and stat (the same bits as computing it again).
   void output_grads(int64_t t0, int64_t h, int64_t n, bool reuse = false) const {
     const int64_t d = s_.d;
+    const bool read_dden = reuse && s_.has_den;
     load(io_.dout, io_.sg0, io_.sg1, t0, h, n, t_.dy);
-    T* scale = t_.col;
-    if (reuse && s_.has_den) {
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t at = (t0 + i) * s_.heads + h;
-        const T st = io_.stat_in[at];
-        scale[i] = s_.normalizer == Normalizer::kShift ? T(1) / (st + T(kShiftEps)) : T(1) / std::max(st, T(kClampEps));
-        t_.dden[i] = io_.dden[at];
+    if (!read_dden) {
+      load(io_.y, io_.sy0, io_.sy1, t0, h, n, t_.yr);
+      if (io_.y_lo) {
+        ops_.load_rows(io_.y_lo + (t0 * s_.heads + h) * d, s_.heads * d, n, d, t_.dn, d);
+        for (int64_t i = 0; i < n; ++i) ops_.axpy(t_.yr + i * d, t_.dn + i * d, T(1), d);
       }
-      ops_.store_rows(t_.dy, d, n, d, scale, t_.dn, d);
-      ops_.transpose(t_.dn, d, n, d, t_.dnt, s_.C);
-      return;
     }
-    load(io_.y, io_.sy0, io_.sy1, t0, h, n, t_.yr);
-    if (io_.y_lo) {
-      ops_.load_rows(io_.y_lo + (t0 * s_.heads + h) * d, s_.heads * d, n, d, t_.dn, d);
-      for (int64_t i = 0; i < n; ++i) ops_.axpy(t_.yr + i * d, t_.dn + i * d, T(1), d);
-    }
+    T* scale = t_.col;
     for (int64_t i = 0; i < n; ++i) {
-      const T st = io_.stat_in[(t0 + i) * s_.heads + h];
+      const int64_t at = (t0 + i) * s_.heads + h;
+      const T st = io_.stat_in[at];
+      scale[i] = output_scale(st);
+      if (read_dden) {
+        t_.dden[i] = io_.dden[at];
+        continue;
+      }
       const T dot = ops_.dot(t_.dy + i * d, t_.yr + i * d, d);
       switch (s_.normalizer) {
         case Normalizer::kShift:
-          scale[i] = T(1) / (st + T(kShiftEps));
           t_.dden[i] = -dot * scale[i];
           break;
         case Normalizer::kClamp:
           // No gradient reaches a clamped denominator (as torch's clamp_min: it passes where den >= eps).
-          scale[i] = T(1) / std::max(st, T(kClampEps));
           t_.dden[i] = st >= T(kClampEps) ? -dot * scale[i] : T(0);
           break;
         case Normalizer::kNone:
           // y = O r, r = (mean O^2 + eps)^-1/2: dO = r (dy - y mean(dy y)).
-          scale[i] = st;
           t_.dden[i] = 0;
           ops_.axpy(t_.dy + i * d, t_.yr + i * d, -dot / static_cast<T>(d), d);
           break;
       }
-      if (s_.has_den) io_.dden[(t0 + i) * s_.heads + h] = t_.dden[i];
+      if (s_.has_den) io_.dden[at] = t_.dden[i];
     }
     ops_.store_rows(t_.dy, d, n, d, scale, t_.dn, d);
     ops_.transpose(t_.dn, d, n, d, t_.dnt, s_.C);
