@@ -94,7 +94,26 @@ std::vector<std::string> parse_variants(const std::string& list) {
 }
 
 
+// The config keys bench-attention reads: an override of any other key would be silently ignored (a user who
+// writes --attention.feature_map=elu would time the map --variants names, not elu), so it is refused.
+const std::vector<std::string>& bench_attention_keys() {
+  static const std::vector<std::string> keys{"model.n_heads",         "model.d_model",        "attention.num_features",
+                                             "attention.chunk_size",  "attention.input_norm", "attention.normalizer",
+                                             "attention.tile_q",      "attention.tile_k",     "run.seed"};
+  return keys;
+}
+
 void run_bench_attention(const BenchAttentionOptions& cli, const std::vector<std::string>& overrides) {
+  for (const std::string& o : overrides) {
+    const std::string key = o.substr(2, o.find('=') - 2);
+    const auto& keys = bench_attention_keys();
+    if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
+      throw CLI::ValidationError(fmt::format(
+          "'{}': bench-attention does not use {} (it reads {}; the attention kinds and feature maps are chosen by "
+          "--variants, the dtype by --dtype)",
+          o, key, fmt::join(keys, ", ")));
+    }
+  }
   const Config cfg = Config::load(cli.config_path, overrides);
   AttentionBenchOptions o;
   o.lengths = parse_lengths(cli.lengths);

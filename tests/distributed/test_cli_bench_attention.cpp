@@ -207,6 +207,8 @@ TEST(CliBenchAttention, BadOptionsExitWithUsageErrorsNamingThem) {
       {{"--out", (dir / "sub/").string()}, "--out: must be a path prefix ending in a file name stem"},
       {{"--out", "/proc/x/y"}, "--out '/proc/x/y': cannot create the folder '/proc/x'"},
       {{"--attention.normalizer=bogus"}, "attention.normalizer"},
+      {{"--attention.feature_map=elu"}, "bench-attention does not use attention.feature_map"},
+      {{"--train.threads=4"}, "bench-attention does not use train.threads"},
       {{"--dtype", "fp16"}, "--dtype: unknown dtype 'fp16' (allowed: fp32, bf16)"},
       {{"--matmul-size", "0"}, "--matmul-size"},
   };
