@@ -163,8 +163,9 @@ void fit_memory(ProfileResult& result) {
   result.memory_fit_median_error = e.fit_median;
 }
 
-// The time fit of profile_model (its doc comment); sets the result's rates, device and time errors.
-void fit_time(ProfileResult& result) {
+}  // namespace
+
+void fit_profile_time(ProfileResult& result) {
   std::vector<std::vector<double>> rows;
   std::vector<double> targets;
   for (const ProfilePoint& p : result.points) {
@@ -173,7 +174,11 @@ void fit_time(ProfileResult& result) {
     targets.push_back(1.0);
   }
   std::vector<double> coef = fit_nonnegative_least_squares(rows, targets);
-  result.attention_separated = coef[2] > 0;
+  // Both rates must come out positive. Where attention's FLOPs grow like the linear ones (a linear-attention
+  // model, short samples), the two columns are nearly collinear and the fit may put all the time on either;
+  // before, a zero linear coefficient beside a positive attention one was refused as "no cost per FLOP" (about
+  // half the automatic profiles of a tiny Flexformer model, by the noise of the measurements).
+  result.attention_separated = coef[1] > 0 && coef[2] > 0;
   if (!result.attention_separated) {
     // The grid does not separate attention from the linear terms: one rate for all FLOPs.
     for (auto& row : rows) row = {row[0], row[1] + row[2]};
@@ -212,6 +217,8 @@ void fit_time(ProfileResult& result) {
   result.heldout_max_error = e.heldout_max;
   result.fit_median_error = e.fit_median;
 }
+
+namespace {
 
 // The points of the compute grid: per length, the (tokens, recompute) combinations rotated by the length's
 // index; a combination that repeats an earlier point of its length (tokens / length rounding to the same
@@ -358,7 +365,7 @@ ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, cons
     result.points[i].measured_s = measured.mean[i];
     result.points[i].measured_peak_bytes = measured.max[n + i];
   }
-  fit_time(result);
+  fit_profile_time(result);
   fit_memory(result);
 
   if (groups) {

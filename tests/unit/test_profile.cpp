@@ -10,6 +10,7 @@
 #include <random>
 
 #include "dcp/dist.h"
+#include "dcp/planning.h"
 #include "profile/profiler.h"
 #include "error_of.h"
 #include "profile/over_ranks.h"
@@ -358,6 +359,40 @@ TEST(ProfileFit, SpTokenBytesFollowTheLargeMicroBatches) {
   EXPECT_LT(points[0].predicted_peak_bytes, points[0].measured_peak_bytes);
   std::vector<ValidationPoint> none;
   EXPECT_THROW(fit_sp_token_bytes(none, shape, c), std::invalid_argument);
+}
+
+TEST(Profile, TimeFitFallsBackToOneRateWhenEitherCoefficientIsZero) {
+  // Times that only the attention column explains (attention FLOPs grow slightly faster than the linear ones,
+  // as a linear-attention model's nearly collinear columns can): the separate fit puts 0 on the linear rate.
+  // That is one rate for all FLOPs, not a failure (it was "no cost per FLOP" before).
+  ProfileResult r;
+  Config cfg;
+  r.shape = model_shape_of(cfg, 4);
+  const double lin[] = {1e9, 2e9, 4e9, 8e9, 16e9}, att[] = {1e9, 2.2e9, 4.6e9, 9.5e9, 19.5e9};
+  for (int i = 0; i < 5; ++i) {
+    ProfilePoint p;
+    p.lengths = {128};
+    p.tokens = 128;
+    p.flops.linear = lin[i];
+    p.flops.attention = att[i];
+    p.measured_s = 0.01 + att[i] * 1e-10;
+    p.held_out = i == 2;
+    r.points.push_back(p);
+  }
+  fit_profile_time(r);
+  EXPECT_FALSE(r.attention_separated);
+  EXPECT_GT(r.linear_flops_per_s, 0);
+  EXPECT_EQ(r.linear_flops_per_s, r.attention_flops_per_s);
+  EXPECT_GE(r.fixed_s, 0.0);
+  // Times that do not grow with FLOPs at all still fail, naming the cause.
+  for (ProfilePoint& p : r.points) p.measured_s = 0.05;
+  r.points.back().measured_s = 0.049;
+  try {
+    fit_profile_time(r);
+    ADD_FAILURE() << "times that do not grow with FLOPs were fitted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no cost per FLOP"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Profile, TinyModelGivesAFinitePositiveFitThatTheCostModelReproduces) {
