@@ -252,6 +252,45 @@ TEST(KvSummary, BlockedPathMatchesItsPlainTwin) {
   }
 }
 
+TEST(KvSummary, ColumnsOnDemandMatchTheFullGram) {
+  // expected_atoms <= n / 8: the Gram's columns are computed per step and G 1, diag G from [Q, n] products; at n /
+  // 8 steps the full Gram is formed after all. Against the summary that forms it at once (same fp32 products,
+  // summed in another order: ~1e-7 relative per entry), the error curves agree to 1e-5 of the first error, the
+  // paths take the same entries but for near-ties, and the weight fits agree, before and after the switch.
+  torch::manual_seed(48);
+  const int64_t n_view = 700;
+  KvHeadView view{torch::randn({n_view, 16}) * 1.5, torch::randn({n_view, 16}), torch::zeros({n_view}),
+                  torch::arange(n_view, torch::kInt64)};
+  const torch::Tensor q = torch::randn({192, 16});
+  const torch::Tensor pos =
+      torch::cat({torch::arange(n_view - 64, n_view, torch::kInt64), torch::full({128}, kKvFutureQuery)});
+  const torch::Tensor block = torch::arange(40, 680, torch::kInt64);  // n = 640: the switch at 80 steps
+  const torch::Tensor probs = kv_head_probs(view, q, 0.25, pos, torch::kFloat);
+  KvBlockSummary full(view, probs, block), lazy(view, probs, block, torch::kFloat, KvSummaryMethod::kAuto, 40);
+  EXPECT_EQ(lazy.error()[0] > 0, true);
+  EXPECT_NEAR(lazy.error()[0], full.error()[0], 1e-5 * full.error()[0]);
+  for (const int64_t k : {30, 120}) {  // before the switch, then past it
+    full.extend(k);
+    lazy.extend(k);
+    ASSERT_EQ(lazy.order().size(), static_cast<size_t>(k));
+    const double scale = full.error()[0];
+    for (int64_t i = 0; i <= k; ++i) EXPECT_NEAR(lazy.error()[i], full.error()[i], 1e-5 * scale) << i;
+    int64_t same = 0;
+    for (int64_t i = 0; i < k; ++i) same += lazy.order()[i] == full.order()[i];
+    EXPECT_GE(same, k * 9 / 10) << k;
+    const KvBlockSummary::Fit a = lazy.fit(k, false), b = full.fit(k, false);
+    EXPECT_NEAR(a.error, b.error, 1e-4 * scale) << k;
+    if (torch::equal(a.atoms, b.atoms)) {
+      EXPECT_LT((a.log_weight - b.log_weight).abs().max().item<double>(), 1e-3) << k;
+    }
+  }
+  // A larger expectation (> n / 8) or fp64 forms the full Gram at once: the same bits as the default.
+  KvBlockSummary big(view, probs, block, torch::kFloat, KvSummaryMethod::kAuto, 81);
+  big.extend(50);
+  full.extend(120);
+  EXPECT_EQ(big.error(), std::vector<double>(full.error().begin(), full.error().begin() + 51));
+}
+
 TEST(KvSummary, ProbabilitiesGivenOnceAreTheSameSummary) {
   // minimax computes the reference queries' attention once (its estimate) and hands it to the summary: the same
   // Gram, path, errors and weights bit for bit as the summary that computes it itself.
@@ -748,6 +787,55 @@ TEST(KvMinimax, MaxTokensIsAFixedBudgetThatMergesSummaries) {
   }
 }
 
+TEST(KvMinimax, ScreeningKeepsTheEntriesOfLargestErrorExactAndSummarisesTheRest) {
+  // 400 entries, budget 0.5: sinks 4 and the newest 50 exact, the block [4, 350) of 346 entries with a share of
+  // 146 (42%). max_keep_fraction 0.25 keeps k = ceil((146 - 0.25 x 346) / 0.75) = 80 entries of the block exact
+  // beforehand, those of largest G_ii = sum_q p_qi^2 (||v_i - o_q||^2 + gamma^2) (computed here in fp64 from the
+  // observed queries, the only reference queries with samples and probes 0), and summarises the other 266 with 66.
+  const int64_t n = 400, d = 16, w = 64;
+  auto [k, v] = clustered(n, d, 12, 3.0, 0.3, 46);
+  torch::manual_seed(47);
+  const double scale = 0.25;
+  const torch::Tensor q = torch::randn({w, 1, d}, torch::kDouble) * 3;
+  const torch::Tensor test_q = torch::randn({200, d}, torch::kDouble) * 3;
+  Synthetic full(k, v, q, scale);
+  const KvHeadView f = full.cache.view(0, 0);
+  const torch::Tensor p = kv_head_probs(f, q.squeeze(1), scale, torch::arange(n - w, n, torch::kInt64));
+  const torch::Tensor o = torch::matmul(p, f.values);
+  const torch::Tensor block = torch::arange(4, 350, torch::kInt64);
+  const torch::Tensor pb = p.index_select(1, block), vb = f.values.index_select(0, block);
+  const torch::Tensor dist2 = ((vb * vb).sum(1).unsqueeze(0) - 2 * torch::matmul(o, vb.t()) +
+                               (o * o).sum(1, true)).clamp_min(0);
+  const double gamma2 = ((pb * dist2).sum() / pb.sum()).item<double>();
+  const torch::Tensor diag = (pb * pb * (dist2 + gamma2)).sum(0);
+  const auto [sorted, order] = diag.sort(0, /*descending=*/true);
+  const torch::Tensor top = std::get<0>(block.index_select(0, order.narrow(0, 0, 80)).sort());
+  const double last = sorted[79].item<double>(), next = sorted[80].item<double>();
+  ASSERT_GT(last, next * (1 + 1e-4));  // no near-tie at the cut: fp32 screening picks the same 80
+  const torch::Tensor o_full = attend(f, test_q, scale);
+  double errors[2];
+  for (const double fraction : {1.0, 0.25}) {
+    Synthetic s(k, v, q, scale);
+    make_kv_policy("minimax", {{"budget", 0.5}, {"samples", 0}, {"probes", 0}, {"max_keep_fraction", fraction}})
+        ->after_step(s.cache, s.step());
+    const KvHeadView view = s.cache.view(0, 0);
+    EXPECT_LE(view.length(), 200) << fraction;  // the layer's budget
+    EXPECT_GT(view.length(), 150) << fraction;  // and its pool used
+    errors[fraction < 1 ? 1 : 0] = rel_err(attend(view, test_q, scale), o_full);
+    if (fraction == 1.0) continue;
+    // Every screened entry is kept with its bias as it was (0: weight 1).
+    const torch::Tensor kept = torch::isin(top, view.positions);
+    EXPECT_TRUE(kept.all().item<bool>()) << top.masked_select(~kept);
+    const torch::Tensor at = torch::searchsorted(view.positions, top);
+    EXPECT_EQ(view.bias.index_select(0, at).abs().max().item<double>(), 0.0);
+    // The rest was summarised: entries of the block with weights other than 1.
+    EXPECT_GT(view.bias.ne(0).sum().item<int64_t>(), 10);
+  }
+  // Screening trades some accuracy for speed; on this head it stays close to the unscreened summary.
+  std::printf("relative error on 200 test queries: unscreened %.4f, screened %.4f\n", errors[0], errors[1]);
+  EXPECT_LT(errors[1], 2 * errors[0] + 1e-3);
+}
+
 TEST(KvMinimax, OptionsAreChecked) {
   struct Bad {
     std::string key;
@@ -764,6 +852,8 @@ TEST(KvMinimax, OptionsAreChecked) {
                                        {"unit_weights", 3, "unit_weights = 3 must be 0 or 1"},
                                        {"merge", 2, "merge = 2 must be 0 or 1"},
                                        {"max_rel_error", -0.1, "max_rel_error = -0.1 outside [0"},
+                                       {"max_keep_fraction", 0, "max_keep_fraction = 0 outside (0, 1]"},
+                                       {"max_keep_fraction", 1.5, "max_keep_fraction = 1.5 outside (0, 1]"},
                                        {"recent_tokens", -1, "recent_tokens = -1 outside [0"},
                                        {"max_tokens", -1, "max_tokens = -1 outside [0"},
                                        {"budget", 0, "budget = 0 outside (0, 1]"}}) {

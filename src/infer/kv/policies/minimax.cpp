@@ -135,6 +135,7 @@ struct MinimaxKvPolicy::Work {
   KvHeadView view;
   torch::Tensor block;  // [n] indices into the view: the entries the summary replaces
   int64_t budget;       // its fair share: what the head may keep of the block at a uniform split
+  int64_t screened = 0; // entries screened out of the block before its summary, kept exact (max_keep_fraction)
   double scale = 0;
   References refs;
   torch::Tensor probs;  // [Q, view length] fp32 attention of the reference queries, when the estimate computed it
@@ -149,8 +150,10 @@ struct MinimaxKvPolicy::Work {
   KvBlockSummary& ensure_summary() {
     if (!summary) {
       // The estimate's probabilities are the summary's (same queries, positions, scale and dtype): computed once.
-      summary = probs.defined() ? std::make_unique<KvBlockSummary>(view, probs, block)
-                                : std::make_unique<KvBlockSummary>(view, refs.queries, scale, block, refs.positions);
+      // The allocation first grows the path to one entry past the fair share: a short path (<= n / 8) computes
+      // only the Gram columns it takes.
+      if (!probs.defined()) probs = kv_head_probs(view, refs.queries, scale, refs.positions, torch::kFloat);
+      summary = std::make_unique<KvBlockSummary>(view, probs, block, torch::kFloat, KvSummaryMethod::kAuto, budget + 1);
       probs = torch::Tensor();
     }
     return *summary;
@@ -175,14 +178,15 @@ MinimaxKvPolicy::MinimaxKvPolicy(const MinimaxOptions& o) : options_(o) {
   if (!(b.ratio > 0 && b.ratio <= 1) || b.interval < 1 || b.max_tokens < 0 || o.window < 1 || o.samples < 0 ||
       o.probes < 0 || o.n_sink < 0 || o.recent_tokens < 0 || !(o.recent_fraction >= 0 && o.recent_fraction <= 1) ||
       !(o.alpha_safeguard >= 0 && o.alpha_safeguard <= 1) || !(o.abstain_tail >= 0) || !(o.abstain_heldout >= 0) ||
-      !(o.max_rel_error >= 0) || (o.max_rel_error > 0 && (b.ratio < 1 || b.max_tokens > 0))) {
+      !(o.max_rel_error >= 0) || !(o.max_keep_fraction > 0 && o.max_keep_fraction <= 1) ||
+      (o.max_rel_error > 0 && (b.ratio < 1 || b.max_tokens > 0))) {
     throw std::invalid_argument(fmt::format(
         "MinimaxKvPolicy: budget {} must be in (0, 1], interval {} >= 1, max_tokens {} >= 0, window {} >= 1, "
         "samples {}, probes {}, n_sink {}, recent_tokens {} >= 0, recent_fraction {} and alpha_safeguard {} in [0, 1], "
-        "abstain_tail {}, abstain_heldout {} and max_rel_error {} >= 0 (an error target sizes the cache itself: "
-        "budget 1 and no max_tokens)",
+        "abstain_tail {}, abstain_heldout {} and max_rel_error {} >= 0, max_keep_fraction {} in (0, 1] (an error "
+        "target sizes the cache itself: budget 1 and no max_tokens)",
         b.ratio, b.interval, b.max_tokens, o.window, o.samples, o.probes, o.n_sink, o.recent_tokens, o.recent_fraction,
-        o.alpha_safeguard, o.abstain_tail, o.abstain_heldout, o.max_rel_error));
+        o.alpha_safeguard, o.abstain_tail, o.abstain_heldout, o.max_rel_error, o.max_keep_fraction));
   }
 }
 
@@ -344,7 +348,51 @@ void MinimaxKvPolicy::assess_head(Work& w, const KvObservations& obs, int64_t la
                                      observed_positions.index_select(0, held_idx).repeat({g}));
   }
   w.flagged = w.tail > options_.abstain_tail || (options_.abstain_heldout > 0 && w.heldout > options_.abstain_heldout);
-  if (!w.flagged) w.ensure_summary();
+  if (w.flagged) return;
+  if (options_.max_rel_error == 0 && options_.max_keep_fraction < 1) screen_block(w);
+  w.ensure_summary();
+}
+
+// Screening (MinimaxOptions::max_keep_fraction): where the head's share of its block is more than the fraction f
+// of the block, its k = ceil((share - f n) / (1 - f)) entries of largest G_ii (mean_q p_qi^2 (||v_i - o_q||^2 +
+// gamma^2), KvBlockSummary's diagonal: the first-order error of evicting entry i alone) stay exact, outside the
+// block, and the rest is summarised with share - k entries (then at most f of it). The entries kept exact
+// contribute no error, so the summary of the rest is the same problem on a smaller block.
+void MinimaxKvPolicy::screen_block(Work& w) const {
+  const int64_t n = w.size();
+  const double f = options_.max_keep_fraction;
+  if (static_cast<double>(w.budget) <= f * static_cast<double>(n)) return;
+  const auto k = std::min<int64_t>(
+      w.budget, static_cast<int64_t>(std::ceil((static_cast<double>(w.budget) - f * static_cast<double>(n)) / (1 - f))));
+  if (k <= 0 || k >= n) return;
+  if (!w.probs.defined()) w.probs = kv_head_probs(w.view, w.refs.queries, w.scale, w.refs.positions, torch::kFloat);
+  const torch::Tensor v = w.view.values.to(torch::kFloat);
+  const torch::Tensor o = torch::matmul(w.probs, v);                    // [Q, dv]
+  const torch::Tensor pb = w.probs.index_select(1, w.block);             // [Q, n]
+  const torch::Tensor vb = v.index_select(0, w.block);                   // [n, dv]
+  const torch::Tensor o2 = (o * o).sum(1, true);                         // [Q, 1]
+  const torch::Tensor dist2 = ((vb * vb).sum(1).unsqueeze(0) - 2 * torch::matmul(o, vb.t()) + o2).clamp_min(0);
+  const double mass = pb.sum().item<double>();
+  const double gamma2 = mass > 0 ? (pb * dist2).sum().item<double>() / mass : 1.0;
+  const torch::Tensor diag = ((pb * pb) * (dist2 + gamma2)).sum(0).to(torch::kDouble).contiguous();  // Q x G_ii
+  const double* d = diag.data_ptr<double>();
+  std::vector<int64_t> rank(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) rank[static_cast<size_t>(i)] = i;
+  // Largest first, the older entry first on ties: the same choice on any thread count.
+  std::partial_sort(rank.begin(), rank.begin() + k, rank.end(), [&](int64_t a, int64_t b) {
+    return d[a] > d[b] || (d[a] == d[b] && a < b);
+  });
+  std::vector<char> exact(static_cast<size_t>(n), 0);
+  for (int64_t j = 0; j < k; ++j) exact[static_cast<size_t>(rank[static_cast<size_t>(j)])] = 1;
+  const int64_t* b = w.block.data_ptr<int64_t>();
+  std::vector<int64_t> rest;
+  rest.reserve(static_cast<size_t>(n - k));
+  for (int64_t i = 0; i < n; ++i) {
+    if (!exact[static_cast<size_t>(i)]) rest.push_back(b[i]);
+  }
+  w.block = torch::tensor(rest, torch::kInt64);
+  w.budget -= k;
+  w.screened = k;
 }
 
 // Spec 4.6, allocate the layer's pool across its heads' blocks: with an error target, each block the fewest
@@ -508,6 +556,7 @@ void MinimaxKvPolicy::after_layer(KvCache& cache, int64_t layer, const KvStep& s
   const int threads = at::get_num_threads();
   LibraryCallsOnOneThread one_each;
   for_each_head(threads, work.size(), [&](size_t i) { assess_head(work[i], *obs, layer, n); });
+  for (const Work& w : work) pool -= w.screened;  // kept exact outside the blocks' summaries
   allocate_budget(work, pool, threads);
   // The weights of every summarised block (an NNLS each), one head per thread; commit_layer then only edits.
   for_each_head(threads, work.size(), [&](size_t i) {

@@ -55,6 +55,12 @@ struct MinimaxOptions {
   /// that stopped growing, max_tokens), so each entry is summarised once at a growing ratio budget. The greedy
   /// path costs about n m^2 for a block of n entries keeping m, and a merged block spans up to half the history.
   bool merge = true;
+  /// Screening (ours, a speed device for large shares): a block's summary keeps at most this fraction of the
+  /// entries it summarises. Where a head's share of its block is larger (merged blocks at budgets >= 0.25), the
+  /// block's entries with the largest G_ii (the first-order error of evicting that entry alone) are kept exact
+  /// beforehand, k = ceil((share - f n) / (1 - f)) of them, and the rest is summarised with share - k entries, so
+  /// that the greedy path and the fit cost (n - k) (share - k)^2 instead of n share^2. 1: off. Budget mode only.
+  double max_keep_fraction = 1.0;
   uint64_t seed = 0;             ///< sampled queries and probes
 };
 
@@ -78,7 +84,8 @@ class MinimaxKvPolicy : public KvPolicy {
  public:
   /// Throws std::invalid_argument for a budget outside (0, 1], interval < 1, max_tokens < 0, window < 1,
   /// samples, probes, n_sink or recent_tokens < 0, recent_fraction or alpha_safeguard outside [0, 1],
-  /// abstain_tail, abstain_heldout or max_rel_error < 0, and max_rel_error > 0 with a budget below 1.
+  /// abstain_tail, abstain_heldout or max_rel_error < 0, max_keep_fraction outside (0, 1], and max_rel_error > 0
+  /// with a budget below 1.
   explicit MinimaxKvPolicy(const MinimaxOptions& options);
   void after_step(KvCache& cache, const KvStep& step) override;
   bool compresses_by_layer() const override { return true; }
@@ -106,6 +113,7 @@ class MinimaxKvPolicy : public KvPolicy {
   // after_step's phases, each a section of ../shared/specs/kv-cache-compression.md (named at its definition).
   void restart_if_new(const KvCache& cache);
   std::vector<Work> collect_blocks(const KvCache& cache, int64_t layer, int64_t& pool);
+  void screen_block(Work& w) const;
   void assess_head(Work& w, const KvObservations& obs, int64_t layer, int64_t position) const;
   void allocate_budget(std::vector<Work>& work, int64_t pool, int threads) const;
   void commit_layer(KvCache& cache, int64_t layer, std::vector<Work>& work);
