@@ -114,6 +114,23 @@ void run_bench_attention(const BenchAttentionOptions& cli, const std::vector<std
           o, key, fmt::join(keys, ", ")));
     }
   }
+  // A flag and the config key it replaces: the override would be silently ignored.
+  const std::vector<std::pair<std::string, bool>> replaced{{"model.n_heads", cli.heads > 0},
+                                                           {"model.d_model", cli.head_dim > 0},
+                                                           {"attention.num_features", cli.num_features > 0},
+                                                           {"attention.chunk_size", cli.chunk_size > 0}};
+  for (const std::string& o : overrides) {
+    for (const auto& [key, flag_given] : replaced) {
+      if (flag_given && o.rfind("--" + key + "=", 0) == 0) {
+        throw CLI::ValidationError(fmt::format("'{}' and the flag that replaces {} ({}) were both given: pass one",
+                                               o, key,
+                                               key == "model.n_heads"            ? "--heads"
+                                               : key == "model.d_model"          ? "--head-dim"
+                                               : key == "attention.num_features" ? "--num-features"
+                                                                                 : "--chunk-size"));
+      }
+    }
+  }
   const Config cfg = Config::load(cli.config_path, overrides);
   AttentionBenchOptions o;
   o.lengths = parse_lengths(cli.lengths);

@@ -178,14 +178,21 @@ void fit_profile_time(ProfileResult& result) {
   // model, short samples), the two columns are nearly collinear and the fit may put all the time on either;
   // before, a zero linear coefficient beside a positive attention one was refused as "no cost per FLOP" (about
   // half the automatic profiles of a tiny Flexformer model, by the noise of the measurements).
-  result.attention_separated = coef[1] > 0 && coef[2] > 0;
+  // A coefficient that carries less than 0.1% of any point's predicted time is 0 in effect (the fit's subsets
+  // tie to rounding between an exact 0 and a tiny positive rate).
+  auto carries_time = [&](size_t k) {
+    double most = 0;
+    for (const auto& row : rows) most = std::max(most, coef[k] * row[k]);  // rows are x / measured: a share of 1
+    return most >= 1e-3;
+  };
+  result.attention_separated = carries_time(1) && carries_time(2);
   if (!result.attention_separated) {
     // The grid does not separate attention from the linear terms: one rate for all FLOPs.
     for (auto& row : rows) row = {row[0], row[1] + row[2]};
     const std::vector<double> joint = fit_nonnegative_least_squares(rows, targets);
     coef = {joint[0], joint[1], joint[1]};
   }
-  if (!(coef[1] > 0)) {
+  if (!(coef[1] > 0) || !carries_time(1)) {
     throw std::runtime_error(
         "profile: the fit found no cost per FLOP (measured times do not grow with the micro-batch's FLOPs, as for "
         "a model so small that fixed costs dominate); rerun with more repeats on an idle machine (`dcp profile "

@@ -209,6 +209,7 @@ TEST(CliBenchAttention, BadOptionsExitWithUsageErrorsNamingThem) {
       {{"--attention.normalizer=bogus"}, "attention.normalizer"},
       {{"--attention.feature_map=elu"}, "bench-attention does not use attention.feature_map"},
       {{"--train.threads=4"}, "bench-attention does not use train.threads"},
+      {{"--attention.chunk_size=32"}, "the flag that replaces attention.chunk_size (--chunk-size) were both given"},
       {{"--dtype", "fp16"}, "--dtype: unknown dtype 'fp16' (allowed: fp32, bf16)"},
       {{"--matmul-size", "0"}, "--matmul-size"},
   };

@@ -384,6 +384,12 @@ TEST(Profile, TimeFitFallsBackToOneRateWhenEitherCoefficientIsZero) {
   EXPECT_GT(r.linear_flops_per_s, 0);
   EXPECT_EQ(r.linear_flops_per_s, r.attention_flops_per_s);
   EXPECT_GE(r.fixed_s, 0.0);
+  // A linear rate that carries a negligible share of the time (here 1e-15 s per FLOP, under 0.001% of any point)
+  // is no separation either: one rate.
+  for (int i = 0; i < 5; ++i) r.points[static_cast<size_t>(i)].measured_s = 0.01 + att[i] * 1e-10 + lin[i] * 1e-15;
+  fit_profile_time(r);
+  EXPECT_FALSE(r.attention_separated);
+  EXPECT_EQ(r.linear_flops_per_s, r.attention_flops_per_s);
   // Times that do not grow with FLOPs at all still fail, naming the cause.
   for (ProfilePoint& p : r.points) p.measured_s = 0.05;
   r.points.back().measured_s = 0.049;

@@ -158,30 +158,28 @@ void KvBlockSummary::form_gram_fp32(const torch::Tensor& b) {
   const auto n = static_cast<size_t>(n_);
   const double queries = static_cast<double>(probs_.size(0));
   gram_.resize(n * n);
-  {
-    const torch::Tensor pp_bp = torch::matmul(torch::cat({probs_, b}, 1).t(), probs_).contiguous();  // [2n, n]
-    const torch::Tensor vv = torch::matmul(block_values_, block_values_.t()).contiguous();         // [n, n]
-    const float* pp = pp_bp.data_ptr<float>();
-    const float* bp = pp + n * n;
-    const float* w = vv.data_ptr<float>();
-    const double inv = 1.0 / queries;
-    double* g = gram_.data();
+  const torch::Tensor pp_bp = torch::matmul(torch::cat({probs_, b}, 1).t(), probs_).contiguous();  // [2n, n]
+  const torch::Tensor vv = torch::matmul(block_values_, block_values_.t()).contiguous();         // [n, n]
+  const float* pp = pp_bp.data_ptr<float>();
+  const float* bp = pp + n * n;
+  const float* w = vv.data_ptr<float>();
+  const double inv = 1.0 / queries;
+  double* g = gram_.data();
     // In tiles of 64 x 64 (the upper triangle's tiles and their mirror images): the transposed reads of bp and
     // writes of g stay in L1/L2 where whole rows (n up to a few thousand) would not. Each entry is the same
     // expression as a plain loop over i <= j computes.
-    constexpr size_t kTile = 64;
-    for (size_t i0 = 0; i0 < n; i0 += kTile) {
-      const size_t i1 = std::min(n, i0 + kTile);
-      for (size_t j0 = i0; j0 < n; j0 += kTile) {
-        const size_t j1 = std::min(n, j0 + kTile);
-        for (size_t i = i0; i < i1; ++i) {
-          for (size_t j = std::max(i, j0); j < j1; ++j) {
-            const double x = (static_cast<double>(pp[i * n + j]) * static_cast<double>(w[i * n + j]) +
-                              static_cast<double>(bp[i * n + j]) + static_cast<double>(bp[j * n + i])) *
-                             inv;
-            g[i * n + j] = x;
-            g[j * n + i] = x;
-          }
+  constexpr size_t kTile = 64;
+  for (size_t i0 = 0; i0 < n; i0 += kTile) {
+    const size_t i1 = std::min(n, i0 + kTile);
+    for (size_t j0 = i0; j0 < n; j0 += kTile) {
+      const size_t j1 = std::min(n, j0 + kTile);
+      for (size_t i = i0; i < i1; ++i) {
+        for (size_t j = std::max(i, j0); j < j1; ++j) {
+          const double x = (static_cast<double>(pp[i * n + j]) * static_cast<double>(w[i * n + j]) +
+                            static_cast<double>(bp[i * n + j]) + static_cast<double>(bp[j * n + i])) *
+                           inv;
+          g[i * n + j] = x;
+          g[j * n + i] = x;
         }
       }
     }
@@ -195,8 +193,7 @@ void KvBlockSummary::init_columns(const torch::Tensor& u, const torch::Tensor& s
   const auto n = static_cast<size_t>(n_);
   const double queries = static_cast<double>(probs_.size(0));
   on_demand_ = true;
-  s_ = s.contiguous();
-  b_ = (probs_ * (0.5 * s_.unsqueeze(1) - u)).contiguous();
+  b_ = (probs_ * (0.5 * s.unsqueeze(1) - u)).contiguous();
   pb_ = torch::cat({probs_, b_}, 1).contiguous();  // [Q, 2n]
   const torch::Tensor p = probs_.to(torch::kDouble), b = b_.to(torch::kDouble), v = block_values_.to(torch::kDouble);
   const torch::Tensor y = torch::matmul(p, v);  // [Q, dv]
@@ -206,6 +203,7 @@ void KvBlockSummary::init_columns(const torch::Tensor& u, const torch::Tensor& s
   const torch::Tensor rc = rows.contiguous(), dc = diag.contiguous();
   c_.assign(rc.data_ptr<double>(), rc.data_ptr<double>() + n);
   remaining_.assign(dc.data_ptr<double>(), dc.data_ptr<double>() + n);
+  diag_ = remaining_;
   total_ = 0;
   max_diag_ = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -242,8 +240,7 @@ void KvBlockSummary::gram_column(int64_t j, double* out) {
 void KvBlockSummary::form_full_gram() {
   form_gram_fp32(b_);
   on_demand_ = false;
-  pb_ = b_ = s_ = torch::Tensor();
-  columns_.clear();
+  pb_ = b_ = torch::Tensor();
 }
 
 double KvBlockSummary::relative_error(int64_t k) const {
@@ -275,7 +272,7 @@ void KvBlockSummary::extend(int64_t atoms) {
   while (static_cast<int64_t>(order_.size()) < atoms) {
     // Columns on demand cost 8 n Q flops a step at matrix-vector speed; by n / 8 steps the full Gram (4 n^2 Q
     // at matrix-product speed) is cheaper for what is left.
-    if (on_demand_ && static_cast<int64_t>(order_.size()) >= std::max<int64_t>(1, n_ / 8)) form_full_gram();
+    if (on_demand_ && static_cast<int64_t>(order_.size()) >= n_ / 8) form_full_gram();
     // The entry that lowers the residual most: gain r_i^2 / remaining_i among usable entries (first on ties).
     size_t best = n;
     double best_gain = 0;
@@ -341,7 +338,8 @@ void KvBlockSummary::extend(int64_t atoms) {
       // column = G[:, best] - sum_s L_s L_s[best], the columns taken so far subtracted in order, four rows per
       // sweep over the column (((c - a0) - a1) - a2) - a3, as one at a time would): a loop on this thread rather
       // than a BLAS dgemv, whose threaded form sums in another order on another number of threads, so that a path
-      // is the same bits whichever thread grows it (minimax grows its heads' paths in parallel).
+      // is the same bits whichever thread grows it (minimax grows its heads' paths in parallel, every library call
+      // on its own thread, which also holds for gram_column's products on demand).
       gram_column(static_cast<int64_t>(best), column);
       if (on_demand_) columns_.emplace_back(column, column + n);  // the weight fit reads G over the path
       int64_t s = 0;
@@ -450,11 +448,16 @@ KvBlockSummary::Fit KvBlockSummary::fit(int64_t atoms, bool refit_values) const 
   std::vector<double> g(m * m), c(m);
   for (size_t a = 0; a < m; ++a) {
     c[a] = c_[static_cast<size_t>(sel[a])];
-    if (on_demand_) {
-      // G over the path from the columns its steps computed (column k is G[:, order_[k]]), symmetrised: the two
-      // products that give G_ab and G_ba round differently.
+    if (!columns_.empty()) {
+      // Steps taken on demand: G over the path as the path's factor saw it, so that factor and matrix agree: G_ab
+      // (a < b) from the earlier step's column (or the full Gram when both came after the switch to it), the
+      // diagonal from init_columns.
       for (size_t b = 0; b < m; ++b) {
-        g[a * m + b] = 0.5 * (columns_[b][static_cast<size_t>(sel[a])] + columns_[a][static_cast<size_t>(sel[b])]);
+        const size_t lo = std::min(a, b), hi = std::max(a, b);
+        const auto row = static_cast<size_t>(sel[hi]);
+        g[a * m + b] = a == b                ? diag_[static_cast<size_t>(sel[a])]
+                       : lo < columns_.size() ? columns_[lo][row]
+                                              : gram_[static_cast<size_t>(sel[lo]) * static_cast<size_t>(n_) + row];
       }
       continue;
     }

@@ -46,7 +46,8 @@ enum class KvSummaryMethod {
   /// Per step ~2 n^2 flops at matrix-product speed, where left-looking reads every column so far (k n).
   kBlocked,
   /// The reference twin: left-looking, each step's column G[:, j] - sum_s L_s L_s[j] over the columns taken so
-  /// far, an in-order loop on the calling thread (no BLAS: the same bits on any thread count).
+  /// far, an in-order loop on the calling thread (no BLAS in the subtraction: the same bits on any thread count;
+  /// with columns on demand, G[:, j] itself comes from a matrix product, which minimax runs on one thread).
   kPlain,
 };
 
@@ -143,8 +144,11 @@ class KvBlockSummary {
   KvSummaryMethod method_ = KvSummaryMethod::kAuto;
   std::vector<double> gram_;  // [n, n] row-major, fp64 (empty while columns are computed on demand)
   bool on_demand_ = false;    // columns computed per step; gram_ not formed
-  torch::Tensor pb_, b_, s_;  // on demand: [Q, 2n] fp32 = [P | B], B [Q, n], s [Q] (form_gram's inputs)
-  std::vector<std::vector<double>> columns_;  // on demand: G[:, order_[k]] of every path step k
+  torch::Tensor pb_, b_;      // on demand: [Q, 2n] fp32 = [P | B] and B [Q, n] (form_gram's inputs)
+  // Steps taken on demand: G[:, order_[k]] of each (kept after the switch to the full Gram) and diag G from
+  // init_columns: the fit reads G over the path as the path's factor saw it.
+  std::vector<std::vector<double>> columns_;
+  std::vector<double> diag_;
   std::vector<double> c_;     // G 1
   double total_ = 0;          // 1^T G 1
   double output_energy_ = 0;

@@ -150,10 +150,12 @@ struct MinimaxKvPolicy::Work {
   KvBlockSummary& ensure_summary() {
     if (!summary) {
       // The estimate's probabilities are the summary's (same queries, positions, scale and dtype): computed once.
-      // The allocation first grows the path to one entry past the fair share: a short path (<= n / 8) computes
-      // only the Gram columns it takes.
+      // The allocation first grows the path to one entry past the fair share, and may give a head more: where
+      // twice that is at most n / 8 the summary computes only the Gram columns its path takes (a head that grows
+      // past n / 8 forms the full Gram then, in the allocation's serial loop: the margin keeps that rare).
       if (!probs.defined()) probs = kv_head_probs(view, refs.queries, scale, refs.positions, torch::kFloat);
-      summary = std::make_unique<KvBlockSummary>(view, probs, block, torch::kFloat, KvSummaryMethod::kAuto, budget + 1);
+      summary = std::make_unique<KvBlockSummary>(view, probs, block, torch::kFloat, KvSummaryMethod::kAuto,
+                                                 2 * (budget + 1));
       probs = torch::Tensor();
     }
     return *summary;
@@ -179,12 +181,12 @@ MinimaxKvPolicy::MinimaxKvPolicy(const MinimaxOptions& o) : options_(o) {
       o.probes < 0 || o.n_sink < 0 || o.recent_tokens < 0 || !(o.recent_fraction >= 0 && o.recent_fraction <= 1) ||
       !(o.alpha_safeguard >= 0 && o.alpha_safeguard <= 1) || !(o.abstain_tail >= 0) || !(o.abstain_heldout >= 0) ||
       !(o.max_rel_error >= 0) || !(o.max_keep_fraction > 0 && o.max_keep_fraction <= 1) ||
-      (o.max_rel_error > 0 && (b.ratio < 1 || b.max_tokens > 0))) {
+      (o.max_rel_error > 0 && (b.ratio < 1 || b.max_tokens > 0 || o.max_keep_fraction < 1))) {
     throw std::invalid_argument(fmt::format(
         "MinimaxKvPolicy: budget {} must be in (0, 1], interval {} >= 1, max_tokens {} >= 0, window {} >= 1, "
         "samples {}, probes {}, n_sink {}, recent_tokens {} >= 0, recent_fraction {} and alpha_safeguard {} in [0, 1], "
         "abstain_tail {}, abstain_heldout {} and max_rel_error {} >= 0, max_keep_fraction {} in (0, 1] (an error "
-        "target sizes the cache itself: budget 1 and no max_tokens)",
+        "target sizes the cache itself: budget 1, no max_tokens and no screening)",
         b.ratio, b.interval, b.max_tokens, o.window, o.samples, o.probes, o.n_sink, o.recent_tokens, o.recent_fraction,
         o.alpha_safeguard, o.abstain_tail, o.abstain_heldout, o.max_rel_error, o.max_keep_fraction));
   }
@@ -356,8 +358,11 @@ void MinimaxKvPolicy::assess_head(Work& w, const KvObservations& obs, int64_t la
 // Screening (MinimaxOptions::max_keep_fraction): where the head's share of its block is more than the fraction f
 // of the block, its k = ceil((share - f n) / (1 - f)) entries of largest G_ii (mean_q p_qi^2 (||v_i - o_q||^2 +
 // gamma^2), KvBlockSummary's diagonal: the first-order error of evicting entry i alone) stay exact, outside the
-// block, and the rest is summarised with share - k entries (then at most f of it). The entries kept exact
-// contribute no error, so the summary of the rest is the same problem on a smaller block.
+// block, and the rest is summarised with share - k entries (at most f of it at the fair share; the allocation may
+// still give the head more). The entries kept exact contribute no first-order error, so the summary of the rest is
+// a summary of a smaller block (its gamma^2, the mass-weighted mean distance, is then that of the rest). The
+// screened entries leave the layer's pool before the allocation, as the exact parts outside the blocks (sinks,
+// recent window) do: they come before the floors and the incompressible blocks.
 void MinimaxKvPolicy::screen_block(Work& w) const {
   const int64_t n = w.size();
   const double f = options_.max_keep_fraction;

@@ -59,7 +59,9 @@ struct MinimaxOptions {
   /// entries it summarises. Where a head's share of its block is larger (merged blocks at budgets >= 0.25), the
   /// block's entries with the largest G_ii (the first-order error of evicting that entry alone) are kept exact
   /// beforehand, k = ceil((share - f n) / (1 - f)) of them, and the rest is summarised with share - k entries, so
-  /// that the greedy path and the fit cost (n - k) (share - k)^2 instead of n share^2. 1: off. Budget mode only.
+  /// that the greedy path and the fit cost (n - k) (share - k)^2 instead of n share^2. The screened entries leave
+  /// the layer's pool first, as the sinks and recent window do. 1: off. Budget mode only (below 1 with an error
+  /// target is refused).
   double max_keep_fraction = 1.0;
   uint64_t seed = 0;             ///< sampled queries and probes
 };
@@ -85,7 +87,7 @@ class MinimaxKvPolicy : public KvPolicy {
   /// Throws std::invalid_argument for a budget outside (0, 1], interval < 1, max_tokens < 0, window < 1,
   /// samples, probes, n_sink or recent_tokens < 0, recent_fraction or alpha_safeguard outside [0, 1],
   /// abstain_tail, abstain_heldout or max_rel_error < 0, max_keep_fraction outside (0, 1], and max_rel_error > 0
-  /// with a budget below 1.
+  /// with a budget below 1, max_tokens or max_keep_fraction below 1.
   explicit MinimaxKvPolicy(const MinimaxOptions& options);
   void after_step(KvCache& cache, const KvStep& step) override;
   bool compresses_by_layer() const override { return true; }
