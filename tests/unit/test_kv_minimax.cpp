@@ -252,57 +252,6 @@ TEST(KvSummary, BlockedPathMatchesItsPlainTwin) {
   }
 }
 
-TEST(KvSummary, ColumnsOnDemandMatchTheFullGram) {
-  // expected_atoms <= n / 8: the Gram's columns are computed per step and G 1, diag G from [Q, n] products; at n /
-  // 8 steps the full Gram is formed after all. Against the summary that forms it at once (same fp32 products,
-  // summed in another order: ~1e-7 relative per entry), the error curves agree to 1e-5 of the first error, the
-  // paths take the same entries but for near-ties, and the weight fits agree, before and after the switch.
-  torch::manual_seed(48);
-  const int64_t n_view = 700;
-  KvHeadView view{torch::randn({n_view, 16}) * 1.5, torch::randn({n_view, 16}), torch::zeros({n_view}),
-                  torch::arange(n_view, torch::kInt64)};
-  const torch::Tensor q = torch::randn({192, 16});
-  const torch::Tensor pos =
-      torch::cat({torch::arange(n_view - 64, n_view, torch::kInt64), torch::full({128}, kKvFutureQuery)});
-  const torch::Tensor block = torch::arange(40, 680, torch::kInt64);  // n = 640: the switch at 80 steps
-  const torch::Tensor probs = kv_head_probs(view, q, 0.25, pos, torch::kFloat);
-  for (const KvSummaryMethod method : {KvSummaryMethod::kAuto, KvSummaryMethod::kBlocked, KvSummaryMethod::kPlain}) {
-    // kBlocked switches to the Schur complement at max(32, n / 8) = 80 steps, where the full Gram is formed.
-    KvBlockSummary full(view, probs, block, torch::kFloat, method);
-    KvBlockSummary lazy(view, probs, block, torch::kFloat, method, 40);
-    EXPECT_GT(lazy.error()[0], 0);
-    EXPECT_NEAR(lazy.error()[0], full.error()[0], 1e-5 * full.error()[0]);
-    for (const int64_t k : {30, 120}) {  // before the switch, then past it
-      full.extend(k);
-      lazy.extend(k);
-      ASSERT_EQ(lazy.order().size(), static_cast<size_t>(k));
-      if (k == 30) EXPECT_NE(lazy.error(), full.error());  // the columns did come from another computation
-      const double scale = full.error()[0];
-      for (int64_t i = 0; i <= k; ++i) EXPECT_NEAR(lazy.error()[i], full.error()[i], 1e-5 * scale) << i;
-      int64_t same = 0;
-      for (int64_t i = 0; i < k; ++i) same += lazy.order()[i] == full.order()[i];
-      EXPECT_GE(same, k * 9 / 10) << k;
-      // The fits agree to the paths' differences (near-ties late in a path change which entries a prefix holds).
-      const KvBlockSummary::Fit a = lazy.fit(k, false), b = full.fit(k, false);
-      EXPECT_NEAR(a.error, b.error, 1e-4 * scale) << k;
-      if (torch::equal(a.atoms, b.atoms)) {
-        EXPECT_LT((a.log_weight - b.log_weight).abs().max().item<double>(), 1e-3) << k;
-      }
-    }
-  }
-  // A larger expectation (> n / 8) forms the full Gram at once, and fp64 always does: the same bits as without one.
-  KvBlockSummary full(view, probs, block), big(view, probs, block, torch::kFloat, KvSummaryMethod::kAuto, 81);
-  big.extend(50);
-  full.extend(50);
-  EXPECT_EQ(big.error(), full.error());
-  const torch::Tensor probs64 = kv_head_probs(view, q, 0.25, pos, torch::kDouble);
-  KvBlockSummary exact(view, probs64, block, torch::kDouble), exact_hint(view, probs64, block, torch::kDouble,
-                                                                           KvSummaryMethod::kAuto, 10);
-  exact.extend(20);
-  exact_hint.extend(20);
-  EXPECT_EQ(exact.error(), exact_hint.error());
-}
-
 TEST(KvSummary, ProbabilitiesGivenOnceAreTheSameSummary) {
   // minimax computes the reference queries' attention once (its estimate) and hands it to the summary: the same
   // Gram, path, errors and weights bit for bit as the summary that computes it itself.

@@ -75,7 +75,7 @@ KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& quer
 }
 
 KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block,
-                               torch::ScalarType dtype, KvSummaryMethod method, int64_t expected_atoms)
+                               torch::ScalarType dtype, KvSummaryMethod method)
     : method_(method) {
   if (probs.dim() != 2 || probs.size(0) < 1 || probs.size(1) != view.length() || probs.scalar_type() != dtype ||
       block.dim() != 1 || block.numel() < 1 || block.scalar_type() != torch::kInt64 ||
@@ -90,11 +90,11 @@ KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& prob
     throw std::invalid_argument(fmt::format("KvBlockSummary: block index outside [0, {})", view.length()));
   }
   torch::NoGradGuard no_grad;
-  init(view, probs, block, dtype, expected_atoms);
+  init(view, probs, block, dtype);
 }
 
 void KvBlockSummary::init(const KvHeadView& view, const torch::Tensor& p, const torch::Tensor& block,
-                          torch::ScalarType dtype, int64_t expected_atoms) {
+                          torch::ScalarType dtype) {
   n_ = block.numel();
   const auto n = static_cast<size_t>(n_);
   const double queries = static_cast<double>(p.size(0));
@@ -109,10 +109,6 @@ void KvBlockSummary::init(const KvHeadView& view, const torch::Tensor& p, const 
       ((block_values_ * block_values_).sum(1).unsqueeze(0) - 2 * u + o2.unsqueeze(1)).clamp_min(0);
   const double mass = probs_.sum().item<double>();
   const double gamma2 = mass > 0 ? (probs_ * dist2).sum().item<double>() / mass : 1.0;
-  if (dtype == torch::kFloat && expected_atoms > 0 && 8 * expected_atoms <= n_) {
-    init_columns(u, o2 + gamma2);
-    return;
-  }
   form_gram(u, o2 + gamma2, dtype);
   c_.assign(n, 0.0);
   remaining_.resize(n);
@@ -147,100 +143,37 @@ void KvBlockSummary::form_gram(const torch::Tensor& u, const torch::Tensor& s, t
     gram = (0.5 * (gram + gram.t())).contiguous();
     gram_.assign(gram.data_ptr<double>(), gram.data_ptr<double>() + n * n);
   } else {
-    // The fast path: p_qi p_qj (s_q - u_qi - u_qj) = b_qi p_qj + p_qi b_qj with b_qi = p_qi (s_q / 2 - u_qi).
-    form_gram_fp32(probs_ * (0.5 * s.unsqueeze(1) - u));
-  }
-}
-
-void KvBlockSummary::form_gram_fp32(const torch::Tensor& b) {
-  // G = (P^T P o V V^T + B^T P + (B^T P)^T) / Q: one [2n, Q] x [Q, n] matmul and V V^T, then one pass over the
-  // upper triangle (each entry formed once, mirrored: G is symmetric by construction).
-  const auto n = static_cast<size_t>(n_);
-  const double queries = static_cast<double>(probs_.size(0));
-  gram_.resize(n * n);
-  const torch::Tensor pp_bp = torch::matmul(torch::cat({probs_, b}, 1).t(), probs_).contiguous();  // [2n, n]
-  const torch::Tensor vv = torch::matmul(block_values_, block_values_.t()).contiguous();         // [n, n]
-  const float* pp = pp_bp.data_ptr<float>();
-  const float* bp = pp + n * n;
-  const float* w = vv.data_ptr<float>();
-  const double inv = 1.0 / queries;
-  double* g = gram_.data();
+    // The fast path: p_qi p_qj (s_q - u_qi - u_qj) = b_qi p_qj + p_qi b_qj with b_qi = p_qi (s_q / 2 - u_qi),
+    // so G = (P^T P o V V^T + B^T P + (B^T P)^T) / Q: one [2n, Q] x [Q, n] matmul and V V^T, then one pass over
+    // the upper triangle (each entry formed once, mirrored: G is symmetric by construction).
+    const torch::Tensor b = probs_ * (0.5 * s.unsqueeze(1) - u);
+    const torch::Tensor pp_bp = torch::matmul(torch::cat({probs_, b}, 1).t(), probs_).contiguous();  // [2n, n]
+    const torch::Tensor vv = torch::matmul(block_values_, block_values_.t()).contiguous();         // [n, n]
+    const float* pp = pp_bp.data_ptr<float>();
+    const float* bp = pp + n * n;
+    const float* w = vv.data_ptr<float>();
+    const double inv = 1.0 / queries;
+    double* g = gram_.data();
     // In tiles of 64 x 64 (the upper triangle's tiles and their mirror images): the transposed reads of bp and
     // writes of g stay in L1/L2 where whole rows (n up to a few thousand) would not. Each entry is the same
     // expression as a plain loop over i <= j computes.
-  constexpr size_t kTile = 64;
-  for (size_t i0 = 0; i0 < n; i0 += kTile) {
-    const size_t i1 = std::min(n, i0 + kTile);
-    for (size_t j0 = i0; j0 < n; j0 += kTile) {
-      const size_t j1 = std::min(n, j0 + kTile);
-      for (size_t i = i0; i < i1; ++i) {
-        for (size_t j = std::max(i, j0); j < j1; ++j) {
-          const double x = (static_cast<double>(pp[i * n + j]) * static_cast<double>(w[i * n + j]) +
-                            static_cast<double>(bp[i * n + j]) + static_cast<double>(bp[j * n + i])) *
-                           inv;
-          g[i * n + j] = x;
-          g[j * n + i] = x;
+    constexpr size_t kTile = 64;
+    for (size_t i0 = 0; i0 < n; i0 += kTile) {
+      const size_t i1 = std::min(n, i0 + kTile);
+      for (size_t j0 = i0; j0 < n; j0 += kTile) {
+        const size_t j1 = std::min(n, j0 + kTile);
+        for (size_t i = i0; i < i1; ++i) {
+          for (size_t j = std::max(i, j0); j < j1; ++j) {
+            const double x = (static_cast<double>(pp[i * n + j]) * static_cast<double>(w[i * n + j]) +
+                              static_cast<double>(bp[i * n + j]) + static_cast<double>(bp[j * n + i])) *
+                             inv;
+            g[i * n + j] = x;
+            g[j * n + i] = x;
+          }
         }
       }
     }
   }
-}
-
-void KvBlockSummary::init_columns(const torch::Tensor& u, const torch::Tensor& s) {
-  // G Q = P^T P o V V^T + B^T P + P^T B with b_qi = p_qi (s_q / 2 - u_qi) (form_gram). Its row sums and
-  // diagonal without the n x n products: (P^T P o V V^T) 1 = sum_q p_qi v_i.y_q with y = P V [Q, dv];
-  // (B^T P) 1 = B^T (P 1); (P^T B) 1 = P^T (B 1); diag: sum_q p_qi^2 ||v_i||^2 + 2 b_qi p_qi. In fp64.
-  const auto n = static_cast<size_t>(n_);
-  const double queries = static_cast<double>(probs_.size(0));
-  on_demand_ = true;
-  b_ = (probs_ * (0.5 * s.unsqueeze(1) - u)).contiguous();
-  pb_ = torch::cat({probs_, b_}, 1).contiguous();  // [Q, 2n]
-  const torch::Tensor p = probs_.to(torch::kDouble), b = b_.to(torch::kDouble), v = block_values_.to(torch::kDouble);
-  const torch::Tensor y = torch::matmul(p, v);  // [Q, dv]
-  const torch::Tensor rows = ((p * torch::matmul(y, v.t())).sum(0) + torch::mv(b.t(), p.sum(1)) +
-                              torch::mv(p.t(), b.sum(1))) / queries;
-  const torch::Tensor diag = ((p * p * (v * v).sum(1).unsqueeze(0)).sum(0) + 2 * (b * p).sum(0)) / queries;
-  const torch::Tensor rc = rows.contiguous(), dc = diag.contiguous();
-  c_.assign(rc.data_ptr<double>(), rc.data_ptr<double>() + n);
-  remaining_.assign(dc.data_ptr<double>(), dc.data_ptr<double>() + n);
-  diag_ = remaining_;
-  total_ = 0;
-  max_diag_ = 0;
-  for (size_t i = 0; i < n; ++i) {
-    total_ += c_[i];
-    max_diag_ = std::max(max_diag_, remaining_[i]);
-  }
-  error_ = {std::max(total_, 0.0)};
-  residual_ = c_;
-  available_.assign(n, 1);
-}
-
-void KvBlockSummary::gram_column(int64_t j, double* out) {
-  const auto n = static_cast<size_t>(n_);
-  if (!on_demand_) {
-    const double* g = gram_.data() + static_cast<size_t>(j) * n;  // G is symmetric: row j = column j
-    std::copy(g, g + n, out);
-    return;
-  }
-  // [P | B]^T [p_j, b_j]: rows [0, n) of column 0 are (P^T P)[:, j], rows [n, 2n) (B^T P)[:, j]; rows [0, n) of
-  // column 1 are (P^T B)[:, j]. With (V V^T)[:, j], the same terms form_gram combines.
-  const torch::Tensor rhs = torch::stack({probs_.select(1, j), b_.select(1, j)}, 1);  // [Q, 2]
-  const torch::Tensor m = torch::matmul(pb_.t(), rhs).contiguous();                   // [2n, 2]
-  const torch::Tensor vv = torch::mv(block_values_, block_values_[j]).contiguous();    // [n]
-  const float* pm = m.data_ptr<float>();
-  const float* w = vv.data_ptr<float>();
-  const double inv = 1.0 / static_cast<double>(probs_.size(0));
-  for (size_t i = 0; i < n; ++i) {
-    out[i] = (static_cast<double>(pm[2 * i]) * static_cast<double>(w[i]) + static_cast<double>(pm[2 * (n + i)]) +
-              static_cast<double>(pm[2 * i + 1])) *
-             inv;
-  }
-}
-
-void KvBlockSummary::form_full_gram() {
-  form_gram_fp32(b_);
-  on_demand_ = false;
-  pb_ = b_ = torch::Tensor();
 }
 
 double KvBlockSummary::relative_error(int64_t k) const {
@@ -270,9 +203,6 @@ void KvBlockSummary::extend(int64_t atoms) {
   double* residual = residual_.data();
   double* remaining = remaining_.data();
   while (static_cast<int64_t>(order_.size()) < atoms) {
-    // Columns on demand cost 8 n Q flops a step at matrix-vector speed; by n / 8 steps the full Gram (4 n^2 Q
-    // at matrix-product speed) is cheaper for what is left.
-    if (on_demand_ && static_cast<int64_t>(order_.size()) >= n_ / 8) form_full_gram();
     // The entry that lowers the residual most: gain r_i^2 / remaining_i among usable entries (first on ties).
     size_t best = n;
     double best_gain = 0;
@@ -335,13 +265,12 @@ void KvBlockSummary::extend(int64_t atoms) {
       reserve_columns(step + 1, step, atoms);
       double* base = chol_.data_ptr<double>();
       double* column = base + static_cast<size_t>(step) * n;
+      const double* g = gram_.data() + best * n;  // G is symmetric: row best = column best
       // column = G[:, best] - sum_s L_s L_s[best], the columns taken so far subtracted in order, four rows per
       // sweep over the column (((c - a0) - a1) - a2) - a3, as one at a time would): a loop on this thread rather
       // than a BLAS dgemv, whose threaded form sums in another order on another number of threads, so that a path
-      // is the same bits whichever thread grows it (minimax grows its heads' paths in parallel, every library call
-      // on its own thread, which also holds for gram_column's products on demand).
-      gram_column(static_cast<int64_t>(best), column);
-      if (on_demand_) columns_.emplace_back(column, column + n);  // the weight fit reads G over the path
+      // is the same bits whichever thread grows it (minimax grows its heads' paths in parallel).
+      std::copy(g, g + n, column);
       int64_t s = 0;
       for (; s + 4 <= step; s += 4) {
         const double* r0 = base + static_cast<size_t>(s) * n;
@@ -378,7 +307,6 @@ void KvBlockSummary::reserve_columns(int64_t rows, int64_t keep, int64_t hint) {
 }
 
 void KvBlockSummary::start_blocked() {
-  if (on_demand_) form_full_gram();
   const auto steps = static_cast<int64_t>(order_.size());
   active_.clear();
   active_at_.assign(static_cast<size_t>(n_), -1);
@@ -448,19 +376,6 @@ KvBlockSummary::Fit KvBlockSummary::fit(int64_t atoms, bool refit_values) const 
   std::vector<double> g(m * m), c(m);
   for (size_t a = 0; a < m; ++a) {
     c[a] = c_[static_cast<size_t>(sel[a])];
-    if (!columns_.empty()) {
-      // Steps taken on demand: G over the path as the path's factor saw it, so that factor and matrix agree: G_ab
-      // (a < b) from the earlier step's column (or the full Gram when both came after the switch to it), the
-      // diagonal from init_columns.
-      for (size_t b = 0; b < m; ++b) {
-        const size_t lo = std::min(a, b), hi = std::max(a, b);
-        const auto row = static_cast<size_t>(sel[hi]);
-        g[a * m + b] = a == b                ? diag_[static_cast<size_t>(sel[a])]
-                       : lo < columns_.size() ? columns_[lo][row]
-                                              : gram_[static_cast<size_t>(sel[lo]) * static_cast<size_t>(n_) + row];
-      }
-      continue;
-    }
     for (size_t b = 0; b < m; ++b) g[a * m + b] = gram_[static_cast<size_t>(sel[a] * n_ + sel[b])];
   }
   // The path's factor of G_SS (its leading m x m block: packed rows), so the fit starts without factorising.

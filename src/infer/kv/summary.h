@@ -46,8 +46,7 @@ enum class KvSummaryMethod {
   /// Per step ~2 n^2 flops at matrix-product speed, where left-looking reads every column so far (k n).
   kBlocked,
   /// The reference twin: left-looking, each step's column G[:, j] - sum_s L_s L_s[j] over the columns taken so
-  /// far, an in-order loop on the calling thread (no BLAS in the subtraction: the same bits on any thread count;
-  /// with columns on demand, G[:, j] itself comes from a matrix product, which minimax runs on one thread).
+  /// far, an in-order loop on the calling thread (no BLAS: the same bits on any thread count).
   kPlain,
 };
 
@@ -79,16 +78,8 @@ class KvBlockSummary {
   /// [Q >= 1, view.length()] = kv_head_probs(view, queries, scale, query_positions, dtype) (minimax computes them
   /// once for its compressibility estimate and the summary). Throws std::invalid_argument as above, and for
   /// probs of another shape or dtype.
-  ///
-  /// expected_atoms (> 0, fp32 only): how long the caller expects the path to grow. When it is at most n / 8, the
-  /// Gram is not formed: each step computes the one column it takes (G[:, j] from [P | B]^T [p_j, b_j] and V v_j,
-  /// the same terms as the full product, 8 n Q flops) and G 1 and diag G come from [Q, n] products, where the
-  /// full Gram costs 4 n^2 Q; once the path reaches n / 8 entries the full Gram is formed after all and the path
-  /// goes on from it. The path takes the same entries as with the full Gram up to rounding (near-ties may swap;
-  /// KvSummary.ColumnsOnDemandMatchTheFullGram). 0: the full Gram at once.
   KvBlockSummary(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block,
-                 torch::ScalarType dtype = torch::kFloat, KvSummaryMethod method = KvSummaryMethod::kAuto,
-                 int64_t expected_atoms = 0);
+                 torch::ScalarType dtype = torch::kFloat, KvSummaryMethod method = KvSummaryMethod::kAuto);
 
   int64_t block_size() const { return n_; }
 
@@ -126,29 +117,16 @@ class KvBlockSummary {
   Fit fit(int64_t atoms, bool refit_values) const;
 
  private:
-  void init(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block, torch::ScalarType dtype,
-            int64_t expected_atoms = 0);
-  // Columns on demand (expected_atoms): G 1, diag G and 1^T G 1 from [Q, n] products, in fp64.
-  void init_columns(const torch::Tensor& u, const torch::Tensor& s);
-  // Writes column j of G (n values) into `out`: from gram_ once formed, else computed from pb_ and the values.
-  void gram_column(int64_t j, double* out);
-  void form_full_gram();  // on demand until now: the full Gram after all (the path's length reached n / 8)
+  void init(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block, torch::ScalarType dtype);
   // gram_ from U = O V^T [Q, n] and s_q = ||o_q||^2 + gamma^2 [Q]: the fp32 fused products or the fp64 expansion.
   void form_gram(const torch::Tensor& u, const torch::Tensor& s, torch::ScalarType dtype);
-  void form_gram_fp32(const torch::Tensor& b);  // form_gram's fp32 path from B = P o (s / 2 - U) [Q, n]
   void reserve_columns(int64_t rows, int64_t keep, int64_t hint);  // chol_ >= rows rows, its first `keep` kept
   void start_blocked();                   // R = G - L L^T over the entries not yet taken
   void flush_block();                     // R -= the pending block's columns; drops taken entries from R
 
   int64_t n_ = 0;
   KvSummaryMethod method_ = KvSummaryMethod::kAuto;
-  std::vector<double> gram_;  // [n, n] row-major, fp64 (empty while columns are computed on demand)
-  bool on_demand_ = false;    // columns computed per step; gram_ not formed
-  torch::Tensor pb_, b_;      // on demand: [Q, 2n] fp32 = [P | B] and B [Q, n] (form_gram's inputs)
-  // Steps taken on demand: G[:, order_[k]] of each (kept after the switch to the full Gram) and diag G from
-  // init_columns: the fit reads G over the path as the path's factor saw it.
-  std::vector<std::vector<double>> columns_;
-  std::vector<double> diag_;
+  std::vector<double> gram_;  // [n, n] row-major, fp64
   std::vector<double> c_;     // G 1
   double total_ = 0;          // 1^T G 1
   double output_energy_ = 0;

@@ -150,12 +150,8 @@ struct MinimaxKvPolicy::Work {
   KvBlockSummary& ensure_summary() {
     if (!summary) {
       // The estimate's probabilities are the summary's (same queries, positions, scale and dtype): computed once.
-      // The allocation first grows the path to one entry past the fair share, and may give a head more: where
-      // twice that is at most n / 8 the summary computes only the Gram columns its path takes (a head that grows
-      // past n / 8 forms the full Gram then, in the allocation's serial loop: the margin keeps that rare).
-      if (!probs.defined()) probs = kv_head_probs(view, refs.queries, scale, refs.positions, torch::kFloat);
-      summary = std::make_unique<KvBlockSummary>(view, probs, block, torch::kFloat, KvSummaryMethod::kAuto,
-                                                 2 * (budget + 1));
+      summary = probs.defined() ? std::make_unique<KvBlockSummary>(view, probs, block)
+                                : std::make_unique<KvBlockSummary>(view, refs.queries, scale, block, refs.positions);
       probs = torch::Tensor();
     }
     return *summary;
