@@ -177,12 +177,12 @@ MinimaxKvPolicy::MinimaxKvPolicy(const MinimaxOptions& o) : options_(o) {
       o.probes < 0 || o.n_sink < 0 || o.recent_tokens < 0 || !(o.recent_fraction >= 0 && o.recent_fraction <= 1) ||
       !(o.alpha_safeguard >= 0 && o.alpha_safeguard <= 1) || !(o.abstain_tail >= 0) || !(o.abstain_heldout >= 0) ||
       !(o.max_rel_error >= 0) || !(o.max_keep_fraction > 0 && o.max_keep_fraction <= 1) ||
-      (o.max_rel_error > 0 && (b.ratio < 1 || b.max_tokens > 0 || o.max_keep_fraction < 1))) {
+      (o.max_rel_error > 0 && (b.ratio < 1 || b.max_tokens > 0))) {
     throw std::invalid_argument(fmt::format(
         "MinimaxKvPolicy: budget {} must be in (0, 1], interval {} >= 1, max_tokens {} >= 0, window {} >= 1, "
         "samples {}, probes {}, n_sink {}, recent_tokens {} >= 0, recent_fraction {} and alpha_safeguard {} in [0, 1], "
         "abstain_tail {}, abstain_heldout {} and max_rel_error {} >= 0, max_keep_fraction {} in (0, 1] (an error "
-        "target sizes the cache itself: budget 1, no max_tokens and no screening)",
+        "target sizes the cache itself: budget 1 and no max_tokens)",
         b.ratio, b.interval, b.max_tokens, o.window, o.samples, o.probes, o.n_sink, o.recent_tokens, o.recent_fraction,
         o.alpha_safeguard, o.abstain_tail, o.abstain_heldout, o.max_rel_error, o.max_keep_fraction));
   }
@@ -346,9 +346,6 @@ void MinimaxKvPolicy::assess_head(Work& w, const KvObservations& obs, int64_t la
                                      observed_positions.index_select(0, held_idx).repeat({g}));
   }
   w.flagged = w.tail > options_.abstain_tail || (options_.abstain_heldout > 0 && w.heldout > options_.abstain_heldout);
-  if (w.flagged) return;
-  if (options_.max_rel_error == 0 && options_.max_keep_fraction < 1) screen_block(w);
-  w.ensure_summary();
 }
 
 // Screening (MinimaxOptions::max_keep_fraction): where the head's share of its block is more than the fraction f
@@ -358,13 +355,15 @@ void MinimaxKvPolicy::assess_head(Work& w, const KvObservations& obs, int64_t la
 // still give the head more). The entries kept exact contribute no first-order error, so the summary of the rest is
 // a summary of a smaller block (its gamma^2, the mass-weighted mean distance, is then that of the rest). The
 // screened entries leave the layer's pool before the allocation, as the exact parts outside the blocks (sinks,
-// recent window) do: they come before the floors and the incompressible blocks.
-void MinimaxKvPolicy::screen_block(Work& w) const {
+// recent window) do, and count towards the head's floor (allocate_budget); `cap` bounds k (the head's floor when
+// the layer has an incompressible block to serve from the pool, so that screening takes nothing it would get).
+void MinimaxKvPolicy::screen_block(Work& w, int64_t cap) const {
   const int64_t n = w.size();
   const double f = options_.max_keep_fraction;
   if (static_cast<double>(w.budget) <= f * static_cast<double>(n)) return;
-  const auto k = std::min<int64_t>(
-      w.budget, static_cast<int64_t>(std::ceil((static_cast<double>(w.budget) - f * static_cast<double>(n)) / (1 - f))));
+  const auto k = std::min<int64_t>({w.budget, cap, static_cast<int64_t>(std::ceil(
+                                                       (static_cast<double>(w.budget) - f * static_cast<double>(n)) /
+                                                       (1 - f)))});
   if (k <= 0 || k >= n) return;
   if (!w.probs.defined()) w.probs = kv_head_probs(w.view, w.refs.queries, w.scale, w.refs.positions, torch::kFloat);
   const torch::Tensor v = w.view.values.to(torch::kFloat);
@@ -449,7 +448,11 @@ void MinimaxKvPolicy::allocate_budget(std::vector<Work>& work, int64_t pool, int
       if (!options_.exceed_budget) flagged.push_back(i);
       continue;
     }
-    const auto floor = static_cast<int64_t>(std::floor(options_.alpha_safeguard * static_cast<double>(w.budget)));
+    // The head's floor counts its screened entries (kept exact, already out of the pool).
+    const auto floor = std::max<int64_t>(
+        static_cast<int64_t>(std::floor(options_.alpha_safeguard * static_cast<double>(w.budget + w.screened))) -
+            w.screened,
+        0);
     w.summary->extend(floor + 1);
     w.atoms = std::min({floor, static_cast<int64_t>(w.summary->order().size()), pool});
     pool -= w.atoms;
@@ -557,6 +560,22 @@ void MinimaxKvPolicy::after_layer(KvCache& cache, int64_t layer, const KvStep& s
   const int threads = at::get_num_threads();
   LibraryCallsOnOneThread one_each;
   for_each_head(threads, work.size(), [&](size_t i) { assess_head(work[i], *obs, layer, n); });
+  // Screening (max_keep_fraction), then each compressible block's summary. Where an incompressible block will be
+  // served from the pool, a head screens at most its floor, so the incompressible block gets what it would get
+  // without screening.
+  const bool serve_flagged =
+      !options_.exceed_budget && std::any_of(work.begin(), work.end(), [](const Work& w) { return w.flagged; });
+  for_each_head(threads, work.size(), [&](size_t i) {
+    Work& w = work[i];
+    if (w.flagged) return;
+    if (options_.max_rel_error == 0 && options_.max_keep_fraction < 1) {
+      const int64_t cap =
+          serve_flagged ? static_cast<int64_t>(std::floor(options_.alpha_safeguard * static_cast<double>(w.budget)))
+                        : w.budget;
+      screen_block(w, cap);
+    }
+    w.ensure_summary();
+  });
   for (const Work& w : work) pool -= w.screened;  // kept exact outside the blocks' summaries
   allocate_budget(work, pool, threads);
   // The weights of every summarised block (an NNLS each), one head per thread; commit_layer then only edits.

@@ -60,9 +60,10 @@ struct MinimaxOptions {
   /// block's entries with the largest G_ii (the first-order error of evicting that entry alone) are kept exact
   /// beforehand, k = ceil((share - f n) / (1 - f)) of them, and the rest is summarised with share - k entries, so
   /// that the greedy path and the fit cost (n - k) (share - k)^2 instead of n share^2. The screened entries leave
-  /// the layer's pool first, as the sinks and recent window do. 1: off. Budget mode only (below 1 with an error
-  /// target is refused).
-  double max_keep_fraction = 1.0;
+  /// the layer's pool first, as the sinks and recent window do, and count towards the head's floor; where the layer
+  /// has an incompressible block to serve from the pool, a head screens at most its floor. 1: off. Budget mode only
+  /// (not applied with an error target). 0.125: chosen on the calibration split (docs/kv_cache.md, "Speed").
+  double max_keep_fraction = 0.125;
   uint64_t seed = 0;             ///< sampled queries and probes
 };
 
@@ -87,7 +88,7 @@ class MinimaxKvPolicy : public KvPolicy {
   /// Throws std::invalid_argument for a budget outside (0, 1], interval < 1, max_tokens < 0, window < 1,
   /// samples, probes, n_sink or recent_tokens < 0, recent_fraction or alpha_safeguard outside [0, 1],
   /// abstain_tail, abstain_heldout or max_rel_error < 0, max_keep_fraction outside (0, 1], and max_rel_error > 0
-  /// with a budget below 1, max_tokens or max_keep_fraction below 1.
+  /// with a budget below 1 or max_tokens (make_kv_policy also refuses max_keep_fraction given with an error target).
   explicit MinimaxKvPolicy(const MinimaxOptions& options);
   void after_step(KvCache& cache, const KvStep& step) override;
   bool compresses_by_layer() const override { return true; }
@@ -115,7 +116,7 @@ class MinimaxKvPolicy : public KvPolicy {
   // after_step's phases, each a section of ../shared/specs/kv-cache-compression.md (named at its definition).
   void restart_if_new(const KvCache& cache);
   std::vector<Work> collect_blocks(const KvCache& cache, int64_t layer, int64_t& pool);
-  void screen_block(Work& w) const;
+  void screen_block(Work& w, int64_t cap) const;
   void assess_head(Work& w, const KvObservations& obs, int64_t layer, int64_t position) const;
   void allocate_budget(std::vector<Work>& work, int64_t pool, int threads) const;
   void commit_layer(KvCache& cache, int64_t layer, std::vector<Work>& work);
