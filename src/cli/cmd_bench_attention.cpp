@@ -187,8 +187,10 @@ void add_bench_attention_command(CLI::App& app) {
                                                     "against sequence length: the tiled softmax vs its reference and "
                                                     "the flexformer variants, with GFLOP/s against the matmul peak");
   auto opt = std::make_shared<BenchAttentionOptions>();
-  sub->add_option("--config", opt->config_path, "YAML config whose model.n_heads, d_model / n_heads and attention.* "
-                                                "(num_features, chunk_size, input_norm, normalizer) are used")
+  sub->add_option("--config", opt->config_path, "YAML config whose model.n_heads, d_model / n_heads, attention.* "
+                                                "(num_features, chunk_size, input_norm, normalizer, tile_q, tile_k) "
+                                                "and run.seed are used; other keys of the file are not read, and "
+                                                "--section.key=value overrides of them are refused")
       ->check(CLI::ExistingFile);
   sub->add_option("--lengths", opt->lengths, "comma-separated sequence lengths, tokens")->capture_default_str();
   sub->add_option("--variants", opt->variants,

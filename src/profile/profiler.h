@@ -186,8 +186,9 @@ std::vector<double> fit_nonnegative_least_squares(const std::vector<std::vector<
 ///   seconds = fixed + linear_flops / linear_rate + attention_flops / attention_rate
 /// (FLOPs from CostModel::flops of the result's shape) with fit_nonnegative_least_squares on relative
 /// residuals (each row divided by its measured seconds), so that the fit minimises relative error. When the
-/// attention or the linear coefficient comes out 0 (the grid did not separate them), it refits seconds = fixed +
-/// (linear + attention flops) / rate and sets attention_separated false (attention_mfu 1).
+/// attention or the linear coefficient comes out 0, or carries under 0.1% of every point's time (the grid did not
+/// separate them), it refits seconds = fixed + (linear + attention flops) / rate and sets attention_separated
+/// false (attention_mfu 1).
 /// Memory: before the grid every parameter gets a gradient and two fp32 tensors of its size (AdamW's moments,
 /// which the trainer holds), so the measured peaks include the trainer's resident state (and every other tensor
 /// alive in the process: call it before building a model of your own, or count that model in the budget);
@@ -224,8 +225,8 @@ ProfileResult profile_model(const Config& cfg, const ProcessGroups* groups, cons
 
 /// profile_model's time fit on result.points (their flops, measured_s and held_out; result.shape for the
 /// predictions): sets fixed_s, the two rates (one joint rate and attention_separated false when either comes out
-/// 0), the device, every point's predicted_s and the time errors. Throws std::runtime_error when even the joint
-/// fit gives FLOPs no cost.
+/// 0 or carries under 0.1% of every point's time), the device, every point's predicted_s and the time errors.
+/// Throws std::runtime_error when even the joint fit gives FLOPs no cost (or under 0.1% of every point's time).
 void fit_profile_time(ProfileResult& result);
 
 /// Writes `result` as JSON to `path`: "device" (the DeviceSpec fields, read back by DeviceSpec::from_profile),

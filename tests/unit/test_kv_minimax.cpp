@@ -732,8 +732,11 @@ TEST(KvMinimax, AnErrorTargetSizesEachBlockByItsPredictedError) {
   EXPECT_LT(kept[2], n / 4);  // a loose target keeps a small cache of this compressible head
   EXPECT_NE(error_of([] { make_kv_policy("minimax", {{"max_rel_error", 0.01}, {"budget", 0.5}}); }).find("budget 1"),
             std::string::npos);
+  // Screening off (1) or no error target (0) is no conflict.
+  EXPECT_EQ(error_of([] { make_kv_policy("minimax", {{"max_rel_error", 0.01}, {"max_keep_fraction", 1}}); }), "");
+  EXPECT_EQ(error_of([] { make_kv_policy("minimax", {{"max_rel_error", 0}, {"max_keep_fraction", 0.5}}); }), "");
   EXPECT_NE(error_of([] { make_kv_policy("minimax", {{"max_rel_error", 0.01}, {"max_keep_fraction", 0.5}}); })
-                .find("max_keep_fraction and max_rel_error were both given"),
+                .find("max_keep_fraction = 0.5 (screening, a budget-mode option) cannot be used with the error target"),
             std::string::npos);
 }
 

@@ -136,11 +136,15 @@ std::shared_ptr<KvPolicy> make_kv_policy(const std::string& name, const KvPolicy
     m.max_rel_error = o.number("max_rel_error", m.max_rel_error, 0.0, 1e300);
     m.refit_values = o.flag("refit_values");
     m.merge = o.flag("merge", m.merge);
-    if (options.count("max_keep_fraction") > 0 && options.count("max_rel_error") > 0) {
-      throw std::invalid_argument("make_kv_policy: minimax: max_keep_fraction and max_rel_error were both given "
-                                  "(screening is a budget-mode device; an error target sizes every block itself)");
-    }
     m.max_keep_fraction = o.number("max_keep_fraction", m.max_keep_fraction, 0.0, 1.0, /*lo_open=*/true);
+    // Screening is a budget-mode device: an explicit fraction below 1 beside an error target would be ignored.
+    if (options.count("max_keep_fraction") > 0 && m.max_keep_fraction < 1 && m.max_rel_error > 0) {
+      throw std::invalid_argument(fmt::format(
+          "make_kv_policy: minimax: max_keep_fraction = {} (screening, a budget-mode option) cannot be used with "
+          "the error target max_rel_error = {} (set by kv.max_rel_bpb, kv-eval --max-rel-bpb or kv-calibrate's "
+          "grid): leave max_keep_fraction out or set it to 1",
+          m.max_keep_fraction, m.max_rel_error));
+    }
     m.seed = static_cast<uint64_t>(o.integer("seed", 0, 0));
     o.finish();
     return std::make_shared<MinimaxKvPolicy>(m);
