@@ -33,6 +33,14 @@ Config serve_config(const std::string& checkpoint, const std::string& config_pat
     }
     cfg.set(key, kv.substr(eq + 1));
   }
+  // An error target sizes one generation's cache from the checkpoint's calibration (dcp generate); the server's
+  // caches are chosen per request (kv_policy, kv_budget, kv_options) and reserved by their budget, which an error
+  // target does not have: refused rather than ignored.
+  if (cfg.kv.max_rel_bpb != 0) {
+    throw ConfigError(fmt::format("kv.max_rel_bpb {}: dcp serve does not take error targets (a request chooses its "
+                                  "cache by kv_policy, kv_budget and kv_options; docs/serve.md)",
+                                  cfg.kv.max_rel_bpb));
+  }
   cfg.validate();
   return cfg;
 }

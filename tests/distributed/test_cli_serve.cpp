@@ -153,6 +153,7 @@ TEST(CliServe, UsageErrorsExitTwoNamingTheValue) {
       {{"--serve.kv_policy=nope"}, "nope"},
       {{"--serve.scheduler=fast"}, "serve.scheduler"},
       {{"--serve.port=70000"}, "serve.port"},
+      {{"--kv.max_rel_bpb=0.01"}, "kv.max_rel_bpb 0.01: dcp serve does not take error targets"},
       // Refused before the server starts, so no "listening" line promises a port file that will not come.
       {{"--port-file", (workdir() / "no_such_folder" / "port").string()}, "no_such_folder does not exist"},
   };

@@ -93,23 +93,27 @@ KvBlockSummary::KvBlockSummary(const KvHeadView& view, const torch::Tensor& prob
   init(view, probs, block, dtype);
 }
 
+KvBlockResponse::KvBlockResponse(const KvHeadView& view, const torch::Tensor& p, const torch::Tensor& block) {
+  const torch::Tensor v = view.values.to(p.scalar_type());
+  const torch::Tensor o = torch::matmul(p, v);  // [Q, dv]
+  probs = p.index_select(1, block).contiguous();  // [Q, n]
+  values = v.index_select(0, block).contiguous();
+  u = torch::matmul(o, values.t()).contiguous();  // u_qi = o_q . v_i
+  o2 = (o * o).sum(1);                             // [Q]
+  dist2 = ((values * values).sum(1).unsqueeze(0) - 2 * u + o2.unsqueeze(1)).clamp_min(0);
+  const double mass = probs.sum().item<double>();
+  gamma2 = mass > 0 ? (probs * dist2).sum().item<double>() / mass : 1.0;
+}
+
 void KvBlockSummary::init(const KvHeadView& view, const torch::Tensor& p, const torch::Tensor& block,
                           torch::ScalarType dtype) {
   n_ = block.numel();
   const auto n = static_cast<size_t>(n_);
-  const double queries = static_cast<double>(p.size(0));
-  const torch::Tensor v = view.values.to(dtype);
-  const torch::Tensor o = torch::matmul(p, v);  // [Q, dv]
-  probs_ = p.index_select(1, block).contiguous();  // [Q, n]
-  block_values_ = v.index_select(0, block).contiguous();
-  const torch::Tensor u = torch::matmul(o, block_values_.t()).contiguous();  // u_qi = o_q . v_i
-  const torch::Tensor o2 = (o * o).sum(1);                                     // [Q]
-  output_energy_ = o2.mean().item<double>();
-  const torch::Tensor dist2 =
-      ((block_values_ * block_values_).sum(1).unsqueeze(0) - 2 * u + o2.unsqueeze(1)).clamp_min(0);
-  const double mass = probs_.sum().item<double>();
-  const double gamma2 = mass > 0 ? (probs_ * dist2).sum().item<double>() / mass : 1.0;
-  form_gram(u, o2 + gamma2, dtype);
+  const KvBlockResponse r(view, p, block);
+  probs_ = r.probs;
+  block_values_ = r.values;
+  output_energy_ = r.o2.mean().item<double>();
+  form_gram(r.u, r.o2 + r.gamma2, dtype);
   c_.assign(n, 0.0);
   remaining_.resize(n);
   total_ = 0;

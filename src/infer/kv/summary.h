@@ -149,6 +149,19 @@ class KvBlockSummary {
   std::vector<double> factor_;      // the path's Cholesky factor L (G over the path in path order), packed rows
 };
 
+/// What KvBlockSummary's first-order error model reads of a block, from the head's attention probabilities
+/// probs [Q, view.length()] (fp32 or fp64; kv_head_probs) over `block` [n] int64 indices into the view, in
+/// probs' dtype: o_q = p_q V over the whole head, the block's probabilities [Q, n] and values [n, value_dim],
+/// u_qi = o_q.v_i [Q, n], ||o_q||^2 [Q], the squared distances ||v_i - o_q||^2 [Q, n] (clamped at 0) and gamma^2,
+/// their mass-weighted mean over the block (1 when the block has no mass): the weight of a mass row. Shared by
+/// the summary's Gram and minimax's screening (which ranks entries by G_ii = mean_q p_qi^2 (dist2_qi + gamma^2)).
+/// No checks: callers validate shapes and indices.
+struct KvBlockResponse {
+  torch::Tensor probs, values, u, o2, dist2;
+  double gamma2 = 1;
+  KvBlockResponse(const KvHeadView& view, const torch::Tensor& probs, const torch::Tensor& block);
+};
+
 /// Non-negative least squares in normal-equation form: argmin over w >= 0 of w^T G w - 2 c^T w, for G [m, m]
 /// (row-major, symmetric positive semi-definite, fp64) and c [m]: the active-set method of Lawson and Hanson
 /// (Solving Least Squares Problems, 1974, ch. 23) on the normal equations as in Bro and De Jong's "fast NNLS"

@@ -147,11 +147,15 @@ struct MinimaxKvPolicy::Work {
   std::optional<KvBlockSummary::Fit> fitted;  // the weights of `atoms` entries, once computed
 
   int64_t size() const { return block.numel(); }
+  // The reference queries' attention over the head (fp32): the estimate's when it computed them, else now.
+  const torch::Tensor& ensure_probs() {
+    if (!probs.defined()) probs = kv_head_probs(view, refs.queries, scale, refs.positions, torch::kFloat);
+    return probs;
+  }
   KvBlockSummary& ensure_summary() {
     if (!summary) {
       // The estimate's probabilities are the summary's (same queries, positions, scale and dtype): computed once.
-      summary = probs.defined() ? std::make_unique<KvBlockSummary>(view, probs, block)
-                                : std::make_unique<KvBlockSummary>(view, refs.queries, scale, block, refs.positions);
+      summary = std::make_unique<KvBlockSummary>(view, ensure_probs(), block);
       probs = torch::Tensor();
     }
     return *summary;
@@ -365,16 +369,8 @@ void MinimaxKvPolicy::screen_block(Work& w, int64_t cap) const {
                                                        (static_cast<double>(w.budget) - f * static_cast<double>(n)) /
                                                        (1 - f)))});
   if (k <= 0 || k >= n) return;
-  if (!w.probs.defined()) w.probs = kv_head_probs(w.view, w.refs.queries, w.scale, w.refs.positions, torch::kFloat);
-  const torch::Tensor v = w.view.values.to(torch::kFloat);
-  const torch::Tensor o = torch::matmul(w.probs, v);                    // [Q, dv]
-  const torch::Tensor pb = w.probs.index_select(1, w.block);             // [Q, n]
-  const torch::Tensor vb = v.index_select(0, w.block);                   // [n, dv]
-  const torch::Tensor o2 = (o * o).sum(1, true);                         // [Q, 1]
-  const torch::Tensor dist2 = ((vb * vb).sum(1).unsqueeze(0) - 2 * torch::matmul(o, vb.t()) + o2).clamp_min(0);
-  const double mass = pb.sum().item<double>();
-  const double gamma2 = mass > 0 ? (pb * dist2).sum().item<double>() / mass : 1.0;
-  const torch::Tensor diag = ((pb * pb) * (dist2 + gamma2)).sum(0).to(torch::kDouble).contiguous();  // Q x G_ii
+  const KvBlockResponse r(w.view, w.ensure_probs(), w.block);
+  const torch::Tensor diag = ((r.probs * r.probs) * (r.dist2 + r.gamma2)).sum(0).to(torch::kDouble).contiguous();  // Q x G_ii
   const double* d = diag.data_ptr<double>();
   std::vector<int64_t> rank(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) rank[static_cast<size_t>(i)] = i;
