@@ -42,7 +42,7 @@ constexpr int64_t kKvDefaultInterval = 64;
 ///   adakv-<scorer>      the scorer's options plus alpha_safeguard (0.2, in [0, 1]); <scorer> one of h2o,
 ///                       snapkv, tova, expected-attention, keydiff (not window: its scores do not compare across
 ///                       heads)
-///   minimax             window (64), samples (64), probes (64), n_sink (4), recent_fraction (0.25),
+///   minimax             window (48), samples (48), probes (48), n_sink (4), recent_fraction (0.25),
 ///                       recent_tokens (0), alpha_safeguard (0.2), abstain_tail (0.5, >= 0), abstain_heldout
 ///                       (0 = off, >= 0), exceed_budget (0), unit_weights (0: the no-bias ablation when 1),
 ///                       max_rel_error (0 = off: an error target, with budget 1), refit_values (0), merge (1:

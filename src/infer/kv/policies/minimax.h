@@ -30,9 +30,11 @@ struct KvHeadRisk {
 /// Options of the minimax policy (make_kv_policy("minimax", ...) documents the names and defaults).
 struct MinimaxOptions {
   KvBudget budget{1.0, 64, 0};
-  int64_t window = 64;           ///< observed queries (the last ones of each query head) in the reference set
-  int64_t samples = 64;          ///< queries drawn from Gaussians fitted to the observed ones (split over a group)
-  int64_t probes = 64;           ///< needle probes: block entries sampled for the compressibility estimate
+  // 48 + 48 + 48 reference queries (64 each before 2026-12-06): chosen on the calibration split for speed
+  // (bench/results/cpu2_202612_kv_minimax_queries_calibration.md); the Gram costs Q n^2.
+  int64_t window = 48;           ///< observed queries (the last ones of each query head) in the reference set
+  int64_t samples = 48;          ///< queries drawn from Gaussians fitted to the observed ones (split over a group)
+  int64_t probes = 48;           ///< needle probes: block entries sampled for the compressibility estimate
   int64_t n_sink = 4;            ///< the first positions stay exact
   double recent_fraction = 0.25; ///< share of the head's budget kept as the exact newest entries
   int64_t recent_tokens = 0;     ///< newest entries kept exact at least (with max_rel_error: 0 = 64)
