@@ -76,6 +76,17 @@ void run(const KvEvalCli& cli) {
         throw CLI::ValidationError(fmt::format("--max-rel-bpb: {} ({})", e.what(), path));
       }
     }
+    // The file's policy spec must run with an error target: a file that names one that cannot is a bad file (exit
+    // 1, naming it), not a usage error.
+    for (const auto& t : o.targets) {
+      try {
+        kv_eval_target_policy(t);
+      } catch (const std::invalid_argument& e) {
+        throw std::runtime_error(fmt::format("KV calibration '{}': field 'policy' ({}) cannot run with an error "
+                                             "target: {}",
+                                             path, t.policy, e.what()));
+      }
+    }
     calibration_note = fmt::format(
         "`{}` (policy {}, {} documents from {} source files of `{}`, split {}, context {}, continuation {}, {}; "
         "coverage {:g}): ",

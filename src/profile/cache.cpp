@@ -234,6 +234,9 @@ CachedProfile resolve_cached_profile(const Config& cfg, const ModelShape& shape,
   lock.reset();
   text = share_text(text, world);
   if (!lead && (!fs::exists(out.path) || read_text(out.path) != text)) write_file_atomically(out.path, text, fmt::format("rank{}.", world.rank()));
+  const json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  out.attention_separated = !(doc.is_object() && doc.contains("fit") && doc["fit"].is_object() &&
+                              doc["fit"].value("attention_separated", true) == false);
   return out;
 }
 

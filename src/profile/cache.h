@@ -33,6 +33,9 @@ struct CachedProfile {
   std::string path;       ///< the profile file the run uses (train.cost_model resolved)
   bool profiled = false;  ///< true when this call measured it (no valid cache for the key)
   double seconds = 0;     ///< wall seconds of the profile, 0 when the cache was used
+  /// The profile's fit.attention_separated: false when its grid could not tell attention's cost from the linear
+  /// layers' and one rate was fitted to all FLOPs (fit_profile_time)
+  bool attention_separated = true;
 };
 
 /// Resolves train.cost_model auto collectively on `world` (every rank calls it):

@@ -3,7 +3,6 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include <fstream>
 
 #include "dcp/profile.h"
 #include "profile/cache.h"
@@ -67,9 +66,7 @@ RunCostModels resolve_cost_models(const Config& cfg, const ModelShape& shape, in
     source = c.path;
     // Say when the profile could not tell attention's cost from the linear layers' (one rate for all FLOPs), as
     // `dcp profile` prints it: the planner then weighs attention like any other FLOP.
-    std::ifstream in(c.path);
-    const json written = json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (written.is_object() && written.contains("fit") && written["fit"].value("attention_separated", true) == false) {
+    if (!c.attention_separated) {
       spdlog::info("train.cost_model auto: the profile's grid did not separate attention from the linear FLOPs: one "
                    "rate fitted to both (fit.attention_separated false in {})",
                    c.path);

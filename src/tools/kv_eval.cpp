@@ -19,18 +19,6 @@ namespace {
 
 bool is_full(const std::string& policy) { return parse_kv_policy_spec(policy).name == "full"; }
 
-// The policy of an error-target row: its spec with the calibrated max_rel_error (budget 1).
-std::shared_ptr<KvPolicy> target_policy(const KvEvalTarget& t) {
-  KvPolicySpec spec = parse_kv_policy_spec(t.policy);
-  for (const char* key : {"budget", "max_tokens", "max_rel_error"}) {
-    if (spec.options.count(key) != 0) {
-      throw std::invalid_argument(fmt::format("kv-eval: error-target policy '{}' sets {}; the target sets it", t.policy,
-                                              key));
-    }
-  }
-  spec.options["max_rel_error"] = t.max_rel_error;
-  return make_kv_policy(spec.name, spec.options);
-}
 
 // The policy of one row: a spec (parse_kv_policy_spec) with the row's budget; `full` takes none.
 std::shared_ptr<KvPolicy> row_policy(const std::string& policy, double budget) {
@@ -242,6 +230,18 @@ KvEvalRow summarize(const std::string& policy, double budget, const RowSamples& 
 
 }  // namespace
 
+std::shared_ptr<KvPolicy> kv_eval_target_policy(const KvEvalTarget& t) {
+  KvPolicySpec spec = parse_kv_policy_spec(t.policy);
+  for (const char* key : {"budget", "max_tokens", "max_rel_error"}) {
+    if (spec.options.count(key) != 0) {
+      throw std::invalid_argument(fmt::format("kv-eval: error-target policy '{}' sets {}; the target sets it", t.policy,
+                                              key));
+    }
+  }
+  spec.options["max_rel_error"] = t.max_rel_error;
+  return make_kv_policy(spec.name, spec.options);
+}
+
 void KvEvalOptions::validate() const {
   if (policies.empty()) throw std::invalid_argument("kv-eval: no policy given");
   if (budgets.empty()) throw std::invalid_argument("kv-eval: no budget given");
@@ -277,7 +277,7 @@ void KvEvalOptions::validate() const {
       throw std::invalid_argument(fmt::format("kv-eval: error target {} with max_rel_error {}: both must be > 0",
                                               t.max_rel_bpb, t.max_rel_error));
     }
-    target_policy(t);
+    kv_eval_target_policy(t);
   }
   if (!paired_against.empty() && std::find(policies.begin(), policies.end(), paired_against) == policies.end()) {
     throw std::invalid_argument(fmt::format("kv-eval: paired_against '{}' is not among the policies", paired_against));
@@ -436,7 +436,7 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
       }
     }
     for (size_t t = 0; t < o.targets.size(); ++t) {
-      record(target_samples[t], run_document(model, doc, o, target_policy(o.targets[t])));
+      record(target_samples[t], run_document(model, doc, o, kv_eval_target_policy(o.targets[t])));
     }
     if (on_document) on_document(static_cast<int64_t>(ref_prefill.size()), static_cast<int64_t>(documents.size()));
   }

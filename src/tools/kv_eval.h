@@ -11,11 +11,13 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "dcp/data.h"
 #include "dcp/kv_cache.h"
+#include "dcp/kv_policy.h"
 #include "dcp/model.h"
 
 namespace dcp {
@@ -30,6 +32,12 @@ struct KvEvalTarget {
   double calibrated_q90 = 0, calibrated_bytes_ratio = 0;
   std::string policy = "minimax";  ///< the spec the target's option is added to (its other options)
 };
+
+/// The policy of an error-target row: t.policy (a spec, parse_kv_policy_spec) with max_rel_error =
+/// t.max_rel_error and budget 1. Throws std::invalid_argument when the spec sets budget, max_tokens or
+/// max_rel_error itself, or when make_kv_policy refuses it (e.g. minimax:max_keep_fraction below 1: screening is a
+/// budget-mode option).
+std::shared_ptr<KvPolicy> kv_eval_target_policy(const KvEvalTarget& t);
 
 /// What one evaluation runs.
 struct KvEvalOptions {

@@ -281,4 +281,15 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   const auto [mcode, mlog] = spawn(with({"--max-rel-bpb", "1", "--calibration", missing}), "eval_missing");
   EXPECT_EQ(mcode, 1) << mlog;
   EXPECT_NE(mlog.find(missing), std::string::npos) << mlog;
+  // A file whose policy cannot run with an error target (screening is a budget-mode option) is a bad file: exit 1,
+  // naming the file and the field, before the model loads.
+  nlohmann::json screened = cal;
+  screened["policy"] = "minimax:max_keep_fraction=0.5";
+  const std::string bad = (dir / "screened.json").string();
+  std::ofstream(bad) << screened.dump(2);
+  const auto [scode, slog] = spawn(with({"--max-rel-bpb", "1", "--calibration", bad}), "eval_screened");
+  EXPECT_EQ(scode, 1) << slog;
+  EXPECT_NE(slog.find("KV calibration '" + bad + "': field 'policy' (minimax:max_keep_fraction=0.5) cannot run"),
+            std::string::npos)
+      << slog;
 }

@@ -730,8 +730,12 @@ TEST(KvMinimax, AnErrorTargetSizesEachBlockByItsPredictedError) {
   EXPECT_GT(kept[0], kept[1]);
   EXPECT_GT(kept[1], kept[2]);
   EXPECT_LT(kept[2], n / 4);  // a loose target keeps a small cache of this compressible head
-  EXPECT_NE(error_of([] { make_kv_policy("minimax", {{"max_rel_error", 0.01}, {"budget", 0.5}}); }).find("budget 1"),
-            std::string::npos);
+  // The conflict is named first, with both values.
+  EXPECT_EQ(error_of([] { make_kv_policy("minimax", {{"max_rel_error", 0.01}, {"budget", 0.5}}); })
+                .rfind("MinimaxKvPolicy: an error target (max_rel_error 0.01) sizes the cache itself and needs budget 1 "
+                       "and max_tokens 0; got budget 0.5 and max_tokens 0",
+                       0),
+            0u);
   // Screening off (1) or no error target (0) is no conflict.
   EXPECT_EQ(error_of([] { make_kv_policy("minimax", {{"max_rel_error", 0.01}, {"max_keep_fraction", 1}}); }), "");
   EXPECT_EQ(error_of([] { make_kv_policy("minimax", {{"max_rel_error", 0}, {"max_keep_fraction", 0.5}}); }), "");

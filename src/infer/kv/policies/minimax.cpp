@@ -177,16 +177,21 @@ struct MinimaxKvPolicy::Work {
 
 MinimaxKvPolicy::MinimaxKvPolicy(const MinimaxOptions& o) : options_(o) {
   const KvBudget& b = o.budget;
+  // The one conflict between valid values gets its own message, its reason first.
+  if (o.max_rel_error > 0 && (b.ratio < 1 || b.max_tokens > 0)) {
+    throw std::invalid_argument(fmt::format(
+        "MinimaxKvPolicy: an error target (max_rel_error {}) sizes the cache itself and needs budget 1 and max_tokens 0; "
+        "got budget {} and max_tokens {}",
+        o.max_rel_error, b.ratio, b.max_tokens));
+  }
   if (!(b.ratio > 0 && b.ratio <= 1) || b.interval < 1 || b.max_tokens < 0 || o.window < 1 || o.samples < 0 ||
       o.probes < 0 || o.n_sink < 0 || o.recent_tokens < 0 || !(o.recent_fraction >= 0 && o.recent_fraction <= 1) ||
       !(o.alpha_safeguard >= 0 && o.alpha_safeguard <= 1) || !(o.abstain_tail >= 0) || !(o.abstain_heldout >= 0) ||
-      !(o.max_rel_error >= 0) || !(o.max_keep_fraction > 0 && o.max_keep_fraction <= 1) ||
-      (o.max_rel_error > 0 && (b.ratio < 1 || b.max_tokens > 0))) {
+      !(o.max_rel_error >= 0) || !(o.max_keep_fraction > 0 && o.max_keep_fraction <= 1)) {
     throw std::invalid_argument(fmt::format(
         "MinimaxKvPolicy: budget {} must be in (0, 1], interval {} >= 1, max_tokens {} >= 0, window {} >= 1, "
         "samples {}, probes {}, n_sink {}, recent_tokens {} >= 0, recent_fraction {} and alpha_safeguard {} in [0, 1], "
-        "abstain_tail {}, abstain_heldout {} and max_rel_error {} >= 0, max_keep_fraction {} in (0, 1] (an error "
-        "target sizes the cache itself: budget 1 and no max_tokens)",
+        "abstain_tail {}, abstain_heldout {} and max_rel_error {} >= 0, max_keep_fraction {} in (0, 1]",
         b.ratio, b.interval, b.max_tokens, o.window, o.samples, o.probes, o.n_sink, o.recent_tokens, o.recent_fraction,
         o.alpha_safeguard, o.abstain_tail, o.abstain_heldout, o.max_rel_error, o.max_keep_fraction));
   }
