@@ -46,7 +46,8 @@ constexpr int64_t kKvDefaultInterval = 64;
 ///                       recent_tokens (0), alpha_safeguard (0.2), abstain_tail (0.5, >= 0), abstain_heldout
 ///                       (0 = off, >= 0), exceed_budget (0), unit_weights (0: the no-bias ablation when 1),
 ///                       max_rel_error (0 = off: an error target, with budget 1), refit_values (0), merge (1:
-///                       binary-counter merges of summaries; 0: each entry summarised once), seed (0)
+///                       binary-counter merges of summaries; 0: each entry summarised once), max_keep_fraction
+///                       (0.125, in (0, 1]: screening; below 1 refused with max_rel_error > 0), seed (0)
 ///                       (MinimaxKvPolicy; the 0-or-1 options are flags)
 /// budget in (0, 1]; interval, window, kernel >= 1; n_sink, max_tokens >= 0. Throws std::invalid_argument naming
 /// the policy and the option: an unknown name (listing the valid ones), an option the policy does not take

@@ -11,6 +11,7 @@
 #include "dcp/infer.h"
 #include "dcp/kv_policies.h"
 #include "tools/kv_calibrate.h"
+#include "tools/kv_eval.h"
 #include "util/number_text.h"
 
 namespace dcp {
@@ -24,12 +25,20 @@ struct KvChoice {
 };
 
 // kv.max_rel_bpb: the calibrated policy (minimax with max_rel_error, CHECKPOINT/kv_calibration.json) plus the
-// --kv.option options. A missing calibration is a runtime error (exit 1), a target it cannot serve a usage error.
+// --kv.option options. A missing calibration, or one whose policy makes no error-target policy, is a runtime error
+// (exit 1, naming the file), a target it cannot serve a usage error.
 std::shared_ptr<KvPolicy> kv_target_policy(const std::string& checkpoint, double max_rel_bpb,
                                            const std::vector<std::string>& options) {
-  const KvCalibration cal = read_kv_calibration(kv_calibration_path(checkpoint));
+  const std::string path = kv_calibration_path(checkpoint);
+  const KvCalibration cal = read_kv_calibration(path);
+  KvEvalTarget t;
   try {
-    const KvEvalTarget t = kv_calibrated_target(cal, max_rel_bpb);
+    t = kv_calibrated_target(cal, max_rel_bpb);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(fmt::format("--kv.max_rel_bpb {}: {}", max_rel_bpb, e.what()));
+  }
+  kv_check_calibration_policy(t, path);
+  try {
     KvPolicySpec spec = parse_kv_policy_spec(t.policy);
     for (const std::string& item : options) add_kv_policy_option(item, spec.options);
     spec.options["max_rel_error"] = t.max_rel_error;

@@ -78,15 +78,7 @@ void run(const KvEvalCli& cli) {
     }
     // The file's policy spec must run with an error target: a file that names one that cannot is a bad file (exit
     // 1, naming it), not a usage error.
-    for (const auto& t : o.targets) {
-      try {
-        kv_eval_target_policy(t);
-      } catch (const std::invalid_argument& e) {
-        throw std::runtime_error(fmt::format("KV calibration '{}': field 'policy' ({}) cannot run with an error "
-                                             "target: {}",
-                                             path, t.policy, e.what()));
-      }
-    }
+    for (const auto& t : o.targets) kv_check_calibration_policy(t, path);
     calibration_note = fmt::format(
         "`{}` (policy {}, {} documents from {} source files of `{}`, split {}, context {}, continuation {}, {}; "
         "coverage {:g}): ",

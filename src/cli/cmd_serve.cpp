@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <pthread.h>
 #include <signal.h>
+#include <spdlog/spdlog.h>
 
 #include <atomic>
 #include <cstdio>
@@ -19,6 +20,16 @@ namespace dcp {
 Config serve_config(const std::string& checkpoint, const std::string& config_path,
                     const std::vector<std::string>& overrides) {
   Config cfg = load_checkpoint_config(checkpoint);
+  // An error target sizes one generation's cache from the checkpoint's calibration (dcp generate); the server's
+  // caches are chosen per request (kv_policy, kv_budget, kv_options) and reserved by their budget, which an error
+  // target does not fix. A checkpoint trained with one still serves (the value is for dcp generate); asked for on
+  // the command line it is refused rather than ignored.
+  if (cfg.kv.max_rel_bpb != 0) {
+    spdlog::warn("the checkpoint's kv.max_rel_bpb {} (an error target, for dcp generate) is not used by the server: "
+                 "requests choose their cache by kv_policy, kv_budget and kv_options",
+                 cfg.kv.max_rel_bpb);
+    cfg.kv.max_rel_bpb = 0;
+  }
   if (!config_path.empty()) {
     const Config file = Config::load(config_path, {});
     cfg.serve = file.serve;
@@ -32,14 +43,11 @@ Config serve_config(const std::string& checkpoint, const std::string& config_pat
                                     "checkpoint's: they fix its weights)", o));
     }
     cfg.set(key, kv.substr(eq + 1));
-  }
-  // An error target sizes one generation's cache from the checkpoint's calibration (dcp generate); the server's
-  // caches are chosen per request (kv_policy, kv_budget, kv_options) and reserved by their budget, which an error
-  // target does not have: refused rather than ignored.
-  if (cfg.kv.max_rel_bpb != 0) {
-    throw ConfigError(fmt::format("kv.max_rel_bpb {}: dcp serve does not take error targets (a request chooses its "
-                                  "cache by kv_policy, kv_budget and kv_options; docs/serve.md)",
-                                  cfg.kv.max_rel_bpb));
+    if (key == "kv.max_rel_bpb" && cfg.kv.max_rel_bpb != 0) {
+      throw ConfigError(fmt::format("{}: the server does not take error targets (a request chooses its cache by "
+                                    "kv_policy, kv_budget and kv_options; docs/serve.md)",
+                                    o));
+    }
   }
   cfg.validate();
   return cfg;

@@ -3,7 +3,6 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-
 #include "dcp/profile.h"
 #include "profile/cache.h"
 #include "profile/profiler.h"

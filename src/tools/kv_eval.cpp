@@ -19,7 +19,6 @@ namespace {
 
 bool is_full(const std::string& policy) { return parse_kv_policy_spec(policy).name == "full"; }
 
-
 // The policy of one row: a spec (parse_kv_policy_spec) with the row's budget; `full` takes none.
 std::shared_ptr<KvPolicy> row_policy(const std::string& policy, double budget) {
   KvPolicySpec spec = parse_kv_policy_spec(policy);
@@ -240,6 +239,16 @@ std::shared_ptr<KvPolicy> kv_eval_target_policy(const KvEvalTarget& t) {
   }
   spec.options["max_rel_error"] = t.max_rel_error;
   return make_kv_policy(spec.name, spec.options);
+}
+
+void kv_check_calibration_policy(const KvEvalTarget& t, const std::string& path) {
+  try {
+    kv_eval_target_policy(t);
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error(fmt::format("KV calibration '{}': field 'policy' ({}) does not make an error-target "
+                                         "policy: {}",
+                                         path, t.policy, e.what()));
+  }
 }
 
 void KvEvalOptions::validate() const {

@@ -39,6 +39,11 @@ struct KvEvalTarget {
 /// budget-mode option).
 std::shared_ptr<KvPolicy> kv_eval_target_policy(const KvEvalTarget& t);
 
+/// Checks that the policy a calibration file names (`path`, read into t by kv_calibrated_target) makes an
+/// error-target policy (kv_eval_target_policy). Throws std::runtime_error naming the file, its policy field and
+/// why (a bad file: exit 1 in dcp kv-eval and dcp generate).
+void kv_check_calibration_policy(const KvEvalTarget& t, const std::string& path);
+
 /// What one evaluation runs.
 struct KvEvalOptions {
   /// Policy specs, "NAME" or "NAME:KEY=VALUE:..." (parse_kv_policy_spec; the budget comes from `budgets`);

@@ -289,7 +289,16 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   std::ofstream(bad) << screened.dump(2);
   const auto [scode, slog] = spawn(with({"--max-rel-bpb", "1", "--calibration", bad}), "eval_screened");
   EXPECT_EQ(scode, 1) << slog;
-  EXPECT_NE(slog.find("KV calibration '" + bad + "': field 'policy' (minimax:max_keep_fraction=0.5) cannot run"),
+  EXPECT_NE(slog.find("KV calibration '" + bad + "': field 'policy' (minimax:max_keep_fraction=0.5) does not make an error-target policy"),
             std::string::npos)
       << slog;
+  // dcp generate reads the checkpoint's own calibration: the same file there is refused the same way.
+  std::ofstream(file) << screened.dump(2);
+  const auto [gcode, glog] = spawn({DCP_BINARY, "generate", "--checkpoint", ckpt.string(), "--prompt", "ab",
+                                    "--max-new-tokens", "2", "--kv.max_rel_bpb", "1"},
+                                   "generate_screened");
+  EXPECT_EQ(gcode, 1) << glog;
+  EXPECT_NE(glog.find("KV calibration '" + file.string() + "': field 'policy' (minimax:max_keep_fraction=0.5)"),
+            std::string::npos)
+      << glog;
 }

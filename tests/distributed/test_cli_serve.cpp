@@ -43,7 +43,9 @@ fs::path checkpoint(const std::string& backend = "softmax") {
   cfg.model.n_layers = 2;
   cfg.model.n_heads = 4;
   cfg.model.d_ff = 128;
-  cfg.attention.backend = backend;
+  // "softmax-target": a softmax checkpoint whose config carries an error target (kv.max_rel_bpb, dcp generate's).
+  cfg.attention.backend = backend == "softmax-target" ? "softmax" : backend;
+  if (backend == "softmax-target") cfg.kv.max_rel_bpb = 0.01;
   cfg.train.precision = "fp32";
   cfg.data.max_seq_len = 512;
   cfg.kv.chunk_tokens = 32;
@@ -153,7 +155,7 @@ TEST(CliServe, UsageErrorsExitTwoNamingTheValue) {
       {{"--serve.kv_policy=nope"}, "nope"},
       {{"--serve.scheduler=fast"}, "serve.scheduler"},
       {{"--serve.port=70000"}, "serve.port"},
-      {{"--kv.max_rel_bpb=0.01"}, "kv.max_rel_bpb 0.01: dcp serve does not take error targets"},
+      {{"--kv.max_rel_bpb=0.01"}, "--kv.max_rel_bpb=0.01: the server does not take error targets"},
       // Refused before the server starts, so no "listening" line promises a port file that will not come.
       {{"--port-file", (workdir() / "no_such_folder" / "port").string()}, "no_such_folder does not exist"},
   };
@@ -181,6 +183,17 @@ TEST(CliServe, UsageErrorsExitTwoNamingTheValue) {
     EXPECT_EQ(exit_code(c.wait(60)), 2) << arg << ": " << c.log();
     EXPECT_NE(c.log().find(expected), std::string::npos) << arg << ": " << c.log();
     EXPECT_EQ(c.log().find("listening"), std::string::npos) << c.log();
+  }
+  // A checkpoint whose config carries an error target still serves (the target is dcp generate's): the log says
+  // it is not used; an explicit --kv.max_rel_bpb=0 is no error either.
+  {
+    auto [target, target_port] = start("target", {"--kv.max_rel_bpb=0"}, "softmax-target");
+    ASSERT_GT(target_port, 0) << target.log();
+    EXPECT_NE(target.log().find("the checkpoint's kv.max_rel_bpb 0.01 (an error target, for dcp generate) is not used"),
+              std::string::npos)
+        << target.log();
+    kill(target.pid, SIGTERM);
+    EXPECT_EQ(exit_code(target.wait(30)), 0) << target.log();
   }
   Child missing = Child::spawn({DCP_BINARY, "serve", "--checkpoint", (workdir() / "none").string()}, {},
                                (workdir() / "missing.log").string());

@@ -252,6 +252,36 @@ TEST(KvSummary, BlockedPathMatchesItsPlainTwin) {
   }
 }
 
+TEST(KvSummary, BlockResponseIsTheExpressionsOfTheFirstOrderModel) {
+  // KvBlockResponse, shared by the summary's Gram and minimax's screening, against its definition written out here
+  // (the expressions both computed inline before): the same bits in either dtype, gamma^2 the mass-weighted mean
+  // distance, and 1 for a block without mass.
+  torch::manual_seed(43);
+  for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+    KvHeadView view{torch::randn({50, 8}), torch::randn({50, 6}), torch::zeros({50}), torch::arange(50, torch::kInt64)};
+    const torch::Tensor p = kv_head_probs(view, torch::randn({30, 8}), 0.4, {}, dtype);
+    const torch::Tensor block = torch::tensor({int64_t{3}, int64_t{7}, int64_t{8}, int64_t{20}, int64_t{41}});
+    const KvBlockResponse r(view, p, block);
+    const torch::Tensor v = view.values.to(dtype);
+    const torch::Tensor o = torch::matmul(p, v);
+    const torch::Tensor pb = p.index_select(1, block), vb = v.index_select(0, block);
+    const torch::Tensor u = torch::matmul(o, vb.t());
+    const torch::Tensor o2 = (o * o).sum(1);
+    const torch::Tensor dist2 = ((vb * vb).sum(1).unsqueeze(0) - 2 * u + o2.unsqueeze(1)).clamp_min(0);
+    EXPECT_TRUE(torch::equal(r.probs, pb));
+    EXPECT_TRUE(torch::equal(r.values, vb));
+    EXPECT_TRUE(torch::equal(r.u, u));
+    EXPECT_TRUE(torch::equal(r.o2, o2));
+    EXPECT_TRUE(torch::equal(r.dist2, dist2));
+    EXPECT_EQ(r.gamma2, (pb * dist2).sum().item<double>() / pb.sum().item<double>());
+    // Each distance is ||v_i - o_q||^2 (to rounding: the expansion cancels).
+    const torch::Tensor direct = (vb.unsqueeze(0) - o.unsqueeze(1)).pow(2).sum(2);
+    EXPECT_LT((r.dist2 - direct).abs().max().item<double>(), dtype == torch::kFloat ? 1e-4 : 1e-12);
+    const KvBlockResponse massless(view, torch::zeros_like(p), block);
+    EXPECT_EQ(massless.gamma2, 1.0);
+  }
+}
+
 TEST(KvSummary, ProbabilitiesGivenOnceAreTheSameSummary) {
   // minimax computes the reference queries' attention once (its estimate) and hands it to the summary: the same
   // Gram, path, errors and weights bit for bit as the summary that computes it itself.
@@ -742,6 +772,19 @@ TEST(KvMinimax, AnErrorTargetSizesEachBlockByItsPredictedError) {
   EXPECT_NE(error_of([] { make_kv_policy("minimax", {{"max_rel_error", 0.01}, {"max_keep_fraction", 0.5}}); })
                 .find("max_keep_fraction = 0.5 (screening, a budget-mode option) cannot be used with the error target"),
             std::string::npos);
+}
+
+TEST(KvMinimax, TheDefaultReferenceSetIs48Observed48Sampled48Probes) {
+  // The defaults docs/kv_cache.md states (chosen on the calibration split,
+  // bench/results/cpu2_202612_kv_minimax_queries_calibration.md); the observation window is what the policy asks
+  // the forward to record.
+  const MinimaxOptions o;
+  EXPECT_EQ(o.window, 48);
+  EXPECT_EQ(o.samples, 48);
+  EXPECT_EQ(o.probes, 48);
+  EXPECT_EQ(o.max_keep_fraction, 0.125);
+  EXPECT_EQ(make_kv_policy("minimax", {{"budget", 0.25}})->needs().window, 48);
+  EXPECT_EQ(make_kv_policy("minimax", {{"budget", 0.25}, {"window", 64}})->needs().window, 64);
 }
 
 TEST(KvMinimax, MaxTokensIsAFixedBudgetThatMergesSummaries) {

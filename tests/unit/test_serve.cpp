@@ -642,6 +642,8 @@ TEST_F(ServeTest, EveryBadInputIsA400NamingTheField) {
        "invalid_value"},
       {R"({"prompt": "a", "kv_policy": "window", "kv_budget": 0.5, "kv_options": {"n_sink": "x"}})", "kv_options",
        "invalid_value"},
+      {R"({"prompt": "a", "kv_policy": "minimax", "kv_budget": 1, "kv_options": {"max_rel_error": 0.05}})",
+       "kv_options", "invalid_value"},
       {R"({"prompt": ")" + std::string(90, 'c') + R"(", "max_tokens": 400, "model": "tiny"})", "max_tokens",
        "context_length_exceeded"},
       {R"({"prompt": "a", "model": "gpt-4"})", "model", "model_not_found", 404},

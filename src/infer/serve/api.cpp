@@ -268,6 +268,11 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
   } catch (const std::invalid_argument& e) {
     return bad("kv_budget", e.what());
   }
+  if (const auto it = r.kv_options.find("max_rel_error"); it != r.kv_options.end() && it->second != 0) {
+    return bad("kv_options", fmt::format("max_rel_error {}: error targets are not served (admission reserves a "
+                                         "session's cache by its kv_budget, which a target does not fix)",
+                                         it->second));
+  }
   try {
     policy = make_kv_policy_with_budget(r.kv_policy, r.kv_budget, r.kv_options);
   } catch (const std::invalid_argument& e) {

@@ -108,8 +108,9 @@ int64_t Scheduler::reservation(const CompletionRequest& r, const KvPolicy& polic
     // make_kv_policy_with_budget: a fraction, or (>= 2) a number of entries per head at fraction 1.
     g.ratio = r.kv_budget <= 1 ? r.kv_budget : 1.0;
     g.max_entries = static_cast<int64_t>(r.kv_budget <= 1 ? option("max_tokens", 0) : r.kv_budget);
-    // What some policy never evicts: its sinks and observation window (4 and 64: the largest defaults among the
-    // policies that have them; minimax's observation window is 48 and protects less, so this over-reserves).
+    // What some policy never evicts: its sinks and observation window (4 and 64, the defaults of the policies that
+    // protect an observation window: snapkv, adakv-snapkv; minimax's `window` counts observed queries and protects
+    // no entry, its exact entries being n_sink and the recent share of its budget).
     g.protect = static_cast<int64_t>(option("n_sink", 4) + option("window", 64));
     g.interval = std::max<int64_t>(1, static_cast<int64_t>(option("interval", static_cast<double>(kKvDefaultInterval))));
     g.by_layer = policy.compresses_by_layer();

@@ -138,7 +138,8 @@ struct MinimaxKvPolicy::Work {
   int64_t screened = 0; // entries screened out of the block before its summary, kept exact (max_keep_fraction)
   double scale = 0;
   References refs;
-  torch::Tensor probs;  // [Q, view length] fp32 attention of the reference queries, when the estimate computed it
+  torch::Tensor probs;  // [Q, view length] fp32 attention of the reference queries, once the estimate or screening
+                        // computed it (ensure_probs); freed when the summary is built
   std::unique_ptr<KvBlockSummary> summary;
   int64_t atoms = 0;    // allocated
   bool flagged = false; // judged incompressible (an abstention)
@@ -177,11 +178,12 @@ struct MinimaxKvPolicy::Work {
 
 MinimaxKvPolicy::MinimaxKvPolicy(const MinimaxOptions& o) : options_(o) {
   const KvBudget& b = o.budget;
-  // The one conflict between valid values gets its own message, its reason first.
+  // An error target with a budget is a conflict between valid values: its own message, the reason first
+  // (max_keep_fraction below 1 with an error target is refused by make_kv_policy).
   if (o.max_rel_error > 0 && (b.ratio < 1 || b.max_tokens > 0)) {
     throw std::invalid_argument(fmt::format(
-        "MinimaxKvPolicy: an error target (max_rel_error {}) sizes the cache itself and needs budget 1 and max_tokens 0; "
-        "got budget {} and max_tokens {}",
+        "MinimaxKvPolicy: an error target (max_rel_error {}) sizes the cache itself and needs budget 1 and "
+        "max_tokens 0; got budget {} and max_tokens {}",
         o.max_rel_error, b.ratio, b.max_tokens));
   }
   if (!(b.ratio > 0 && b.ratio <= 1) || b.interval < 1 || b.max_tokens < 0 || o.window < 1 || o.samples < 0 ||
@@ -375,7 +377,8 @@ void MinimaxKvPolicy::screen_block(Work& w, int64_t cap) const {
                                                        (1 - f)))});
   if (k <= 0 || k >= n) return;
   const KvBlockResponse r(w.view, w.ensure_probs(), w.block);
-  const torch::Tensor diag = ((r.probs * r.probs) * (r.dist2 + r.gamma2)).sum(0).to(torch::kDouble).contiguous();  // Q x G_ii
+  // Q x G_ii, entry by entry
+  const torch::Tensor diag = ((r.probs * r.probs) * (r.dist2 + r.gamma2)).sum(0).to(torch::kDouble).contiguous();
   const double* d = diag.data_ptr<double>();
   std::vector<int64_t> rank(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) rank[static_cast<size_t>(i)] = i;

@@ -30,8 +30,9 @@ struct KvHeadRisk {
 /// Options of the minimax policy (make_kv_policy("minimax", ...) documents the names and defaults).
 struct MinimaxOptions {
   KvBudget budget{1.0, 64, 0};
-  // 48 + 48 + 48 reference queries (64 each before 2026-12-06): chosen on the calibration split for speed
-  // (bench/results/cpu2_202612_kv_minimax_queries_calibration.md); the Gram costs Q n^2.
+  // Q = group x window + samples + probes reference queries, 48 each (64 before 2026-12-06; without GQA Q = 144):
+  // chosen on the calibration split for speed (bench/results/cpu2_202612_kv_minimax_queries_calibration.md); the
+  // Gram of a block of n entries costs Q n^2.
   int64_t window = 48;           ///< observed queries (the last ones of each query head) in the reference set
   int64_t samples = 48;          ///< queries drawn from Gaussians fitted to the observed ones (split over a group)
   int64_t probes = 48;           ///< needle probes: block entries sampled for the compressibility estimate
