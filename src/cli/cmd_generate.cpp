@@ -35,11 +35,18 @@ std::shared_ptr<KvPolicy> kv_target_policy(const std::string& checkpoint, double
   try {
     t = kv_calibrated_target(cal, max_rel_bpb);
   } catch (const std::invalid_argument& e) {
-    throw ConfigError(fmt::format("--kv.max_rel_bpb {}: {}", max_rel_bpb, e.what()));
+    throw ConfigError(fmt::format("{} ({})", e.what(), path));
   }
   kv_check_calibration_policy(t, path);
   try {
     KvPolicySpec spec = parse_kv_policy_spec(t.policy);
+    KvPolicyOptions given;
+    for (const std::string& item : options) add_kv_policy_option(item, given);
+    for (const char* key : {"budget", "max_tokens", "max_rel_error"}) {
+      if (given.count(key) != 0) {
+        throw std::invalid_argument(fmt::format("--kv.option {}: the error target sets it", key));
+      }
+    }
     for (const std::string& item : options) add_kv_policy_option(item, spec.options);
     spec.options["max_rel_error"] = t.max_rel_error;
     return make_kv_policy(spec.name, spec.options);
@@ -115,11 +122,20 @@ void add_generate_command(CLI::App& app) {
     }
     if (kv->max_rel_bpb >= 0) cfg.kv.max_rel_bpb = kv->max_rel_bpb;
     if (cfg.attention.backend == "softmax" && cfg.kv.max_rel_bpb > 0) {
+      // The target sizes minimax's cache itself: a policy or budget beside it would be silently dropped.
+      if (!kv->policy.empty() || kv->budget > 0) {
+        throw ConfigError(fmt::format("kv.max_rel_bpb {} ({}) is an error target: minimax sizes the cache itself, so "
+                                      "--kv.policy and --kv.budget cannot be given with it (--kv.max_rel_bpb 0 "
+                                      "turns it off)",
+                                      cfg.kv.max_rel_bpb,
+                                      kv->max_rel_bpb >= 0 ? "--kv.max_rel_bpb" : "the checkpoint's config"));
+      }
       opt->kv_policy = kv_target_policy(*checkpoint, cfg.kv.max_rel_bpb, kv->options);
     } else if (cfg.attention.backend == "softmax") {
       opt->kv_policy = kv_policy_from_cli(cfg.kv.policy, cfg.kv.budget, kv->options);
     } else if (!kv->policy.empty() || kv->budget > 0 || !kv->options.empty() || kv->max_rel_bpb > 0) {
-      throw ConfigError(fmt::format("--kv.policy, --kv.budget and --kv.option need a softmax checkpoint ({} is "
+      throw ConfigError(fmt::format("--kv.policy, --kv.budget, --kv.option and --kv.max_rel_bpb need a softmax "
+                                    "checkpoint ({} is "
                                     "attention.backend {})", *checkpoint, cfg.attention.backend));
     }
     // The run's train.precision, resolved on this CPU (auto may differ from the machine that trained).

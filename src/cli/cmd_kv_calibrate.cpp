@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 
 #include "cli/commands.h"
 #include "cli/kv_inputs.h"
@@ -13,6 +15,14 @@
 
 namespace dcp {
 namespace {
+
+namespace fs = std::filesystem;
+
+// Messages of the shared kv-eval code name this command.
+std::string as_kv_calibrate(std::string message) {
+  if (message.rfind("kv-eval: ", 0) == 0) message.replace(0, 7, "kv-calibrate");
+  return message;
+}
 
 struct KvCalibrateCli {
   std::string checkpoint, data_path, split = "calibration", policy = "minimax", out;
@@ -38,9 +48,17 @@ void run(const KvCalibrateCli& cli) {
   try {
     o.validate();
   } catch (const std::invalid_argument& e) {
-    throw CLI::ValidationError(e.what());
+    throw CLI::ValidationError(as_kv_calibrate(e.what()));
   }
   const std::string out = cli.out.empty() ? kv_calibration_path(cli.checkpoint) : cli.out;
+  {
+    // The file must be writable before the calibration runs (minutes), not after: a probe beside it, removed.
+    std::error_code ec;
+    const std::string probe = out + ".probe";
+    const bool ok = !fs::is_directory(out, ec) && static_cast<bool>(std::ofstream(probe));
+    fs::remove(probe, ec);
+    if (!ok) throw CLI::ValidationError(fmt::format("--out '{}': cannot write this file", out));
+  }
   KvModel m = load_kv_model(cli.checkpoint, cfg, cli.threads, "kv-calibrate");
   Corpus corpus;
   const KvEvalSource source = kv_eval_source(cfg.data, cli.data_path, cli.split == "all" ? "" : cli.split, corpus);
@@ -51,7 +69,8 @@ void run(const KvCalibrateCli& cli) {
   try {
     docs = choose_kv_eval_documents(corpus, source.ids, pick);
   } catch (const std::invalid_argument& e) {
-    throw CLI::ValidationError(fmt::format("{} (split {} of {})", e.what(), source.split, source.data_path));
+    throw CLI::ValidationError(fmt::format("{} (split {} of {})", as_kv_calibrate(e.what()), source.split,
+                                           source.data_path));
   }
   const double load_start = load_average_1min();
   KvCalibration c = run_kv_calibration(m.model, docs.documents, o, [](int64_t done, int64_t total) {

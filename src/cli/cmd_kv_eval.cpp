@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -27,6 +28,7 @@ namespace {
 struct KvEvalCli {
   std::string checkpoint, data_path, policies = "all", budgets = "0.05,0.1,0.25,0.5", out;
   std::string split, max_rel_bpb, calibration, paired_against;
+  bool max_rel_bpb_given = false;  // --max-rel-bpb on the command line (an empty list is then an error)
   int64_t context = 1024, continuation = 128, max_docs = 32, chunk_tokens = 0, threads = 0;
   uint64_t seed = 0;
   bool json = false, head_ablation = false;
@@ -64,10 +66,16 @@ void run(const KvEvalCli& cli) {
   o.chunk_tokens = cli.chunk_tokens > 0 ? cli.chunk_tokens : cfg.kv.chunk_tokens;
   o.chunk_pairs = cfg.kv.chunk_pairs;  // the checkpoint's, as dcp generate and dcp serve use it
   std::string calibration_note;
-  if (!cli.max_rel_bpb.empty()) {
+  if (cli.max_rel_bpb_given) {
     // Error targets: minimax sized by the checkpoint's calibration (dcp kv-calibrate).
     const std::string path = cli.calibration.empty() ? kv_calibration_path(cli.checkpoint) : cli.calibration;
     const std::vector<double> targets = kv_parse_numbers(cli.max_rel_bpb, "--max-rel-bpb");
+    for (size_t i = 0; i < targets.size(); ++i) {
+      if (std::find(targets.begin(), targets.begin() + static_cast<std::ptrdiff_t>(i), targets[i]) !=
+          targets.begin() + static_cast<std::ptrdiff_t>(i)) {
+        throw CLI::ValidationError(fmt::format("--max-rel-bpb: target {} is given twice", targets[i]));
+      }
+    }
     const KvCalibration cal = read_kv_calibration(path);  // a missing or bad file: exit 1 with its name
     for (double t : targets) {
       try {
@@ -167,16 +175,20 @@ void add_kv_eval_command(CLI::App& app) {
                   "calibration or evaluation: one half of the documents by source file (disjoint halves; kv-calibrate "
                   "uses calibration); default: all of them")
       ->check(CLI::IsMember({"calibration", "evaluation"}));
-  sub->add_option("--max-rel-bpb", cli->max_rel_bpb,
+  auto* max_rel_bpb = sub->add_option("--max-rel-bpb", cli->max_rel_bpb,
                   "comma list of error targets (relative bits-per-byte increase, e.g. 0.005,0.01,0.02): one minimax "
                   "row each, sized by the checkpoint's calibration (dcp kv-calibrate)");
   sub->add_option("--calibration", cli->calibration,
-                  "the calibration file of --max-rel-bpb (default: CHECKPOINT/kv_calibration.json)");
+                  "the calibration file of --max-rel-bpb (default: CHECKPOINT/kv_calibration.json)")
+      ->needs(max_rel_bpb);
   sub->add_option("--paired-against", cli->paired_against,
                   "the policy compared per document with every other at each budget (default: minimax when run)");
   sub->add_flag("--json", cli->json, "print the results as one JSON object instead of the markdown report");
   sub->add_option("--out", cli->out, "write PREFIX.md, PREFIX.csv and PREFIX.png (gnuplot)");
-  sub->callback([cli] { run(*cli); });
+  sub->callback([cli, max_rel_bpb] {
+    cli->max_rel_bpb_given = max_rel_bpb->count() > 0;
+    run(*cli);
+  });
 }
 
 }  // namespace dcp

@@ -2,6 +2,8 @@
 // the calibration file (src/tools/kv_calibrate.h).
 #include "tools/kv_calibrate.h"
 
+#include "dcp/kv_policies.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -14,14 +16,33 @@ namespace dcp {
 
 void KvCalibrationOptions::validate() const {
   if (grid.empty() || targets.empty()) throw std::invalid_argument("kv-calibrate: the grid and the targets must not be empty");
-  for (double g : grid) {
-    if (!(g > 0)) throw std::invalid_argument(fmt::format("kv-calibrate: grid value {} must be > 0", g));
+  for (size_t i = 0; i < grid.size(); ++i) {
+    if (!(grid[i] > 0)) throw std::invalid_argument(fmt::format("kv-calibrate: grid value {} must be > 0", grid[i]));
+    if (std::find(grid.begin(), grid.begin() + static_cast<std::ptrdiff_t>(i), grid[i]) != grid.begin() + static_cast<std::ptrdiff_t>(i)) {
+      throw std::invalid_argument(fmt::format("kv-calibrate: grid value {} is given twice", grid[i]));
+    }
   }
-  for (double t : targets) {
-    if (!(t > 0)) throw std::invalid_argument(fmt::format("kv-calibrate: target {} must be > 0", t));
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (!(targets[i] > 0)) throw std::invalid_argument(fmt::format("kv-calibrate: target {} must be > 0", targets[i]));
+    if (std::find(targets.begin(), targets.begin() + static_cast<std::ptrdiff_t>(i), targets[i]) !=
+        targets.begin() + static_cast<std::ptrdiff_t>(i)) {
+      throw std::invalid_argument(fmt::format("kv-calibrate: target {} is given twice", targets[i]));
+    }
   }
   if (!(coverage > 0 && coverage < 1)) {
     throw std::invalid_argument(fmt::format("kv-calibrate: coverage {} must lie in (0, 1)", coverage));
+  }
+  // Only minimax sizes its cache by an error target; the grid sets max_rel_error (and budget 1) itself.
+  const KvPolicySpec spec = parse_kv_policy_spec(policy);
+  if (spec.name != "minimax") {
+    throw std::invalid_argument(fmt::format("kv-calibrate: --policy {}: only minimax takes an error target "
+                                            "(max_rel_error)",
+                                            policy));
+  }
+  for (const char* key : {"budget", "max_tokens", "max_rel_error"}) {
+    if (spec.options.count(key) != 0) {
+      throw std::invalid_argument(fmt::format("kv-calibrate: --policy {} sets {}; the grid sets it", policy, key));
+    }
   }
   KvEvalOptions o = eval;
   o.policies = {"full"};
@@ -122,6 +143,7 @@ KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::strin
   c.continuation = static_cast<int64_t>(number(j, "continuation", ""));
   c.documents = static_cast<int64_t>(number(j, "documents", ""));
   c.source_files = static_cast<int64_t>(number(j, "source_files", ""));
+  if (!(c.coverage > 0 && c.coverage < 1)) throw fail("coverage", fmt::format("{} is not in (0, 1)", c.coverage));
   c.checkpoint = j.value("checkpoint", std::string());
   c.data_path = j.value("data_path", std::string());
   c.split = j.value("split", std::string());
@@ -143,9 +165,13 @@ KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::strin
     ch.max_rel_error = number(p, "max_rel_error", at);
     ch.q90 = number(p, "q90", at);
     ch.bytes_ratio = number(p, "bytes_ratio", at);
-    if (!(ch.max_rel_bpb > 0) || ch.max_rel_error < 0) throw fail(at + "max_rel_bpb", "must be > 0 (max_rel_error >= 0)");
+    if (!(ch.max_rel_bpb > 0)) throw fail(at + "max_rel_bpb", fmt::format("{} must be > 0", ch.max_rel_bpb));
+    if (!(ch.max_rel_error >= 0)) {
+      throw fail(at + "max_rel_error", fmt::format("{} must be >= 0 (0: no grid value met the target)", ch.max_rel_error));
+    }
     c.choices.push_back(ch);
   }
+  if (c.choices.empty()) throw fail("choices", "is empty (no target was calibrated)");
   std::sort(c.choices.begin(), c.choices.end(),
             [](const auto& a, const auto& b) { return a.max_rel_bpb < b.max_rel_bpb; });
   return c;
@@ -176,9 +202,15 @@ KvEvalTarget kv_calibrated_target(const KvCalibration& c, double max_rel_bpb) {
                                             max_rel_bpb, c.choices.empty() ? 0.0 : c.choices.front().max_rel_bpb));
   }
   if (!(use->max_rel_error > 0)) {
-    throw std::invalid_argument(fmt::format("KV error target {}: on the calibration documents no max_rel_error of the "
-                                            "grid kept {:.0f}% of documents within {} (re-calibrate with a finer grid)",
-                                            max_rel_bpb, 100 * c.coverage, use->max_rel_bpb));
+    const std::string fallback =
+        use->max_rel_bpb < max_rel_bpb * (1 - 1e-12)
+            ? fmt::format(" (it takes the choice of the calibrated target {}, the largest listed at or below it)",
+                          use->max_rel_bpb)
+            : "";
+    throw std::invalid_argument(fmt::format("KV error target {}{}: on the calibration documents no max_rel_error of "
+                                            "the grid kept {:.0f}% of documents within {} (re-calibrate with a "
+                                            "finer grid)",
+                                            max_rel_bpb, fallback, 100 * c.coverage, use->max_rel_bpb));
   }
   KvEvalTarget t;
   t.max_rel_bpb = max_rel_bpb;

@@ -188,6 +188,8 @@ TEST(CliKvEval, UsageErrorsExit2NamingTheValue) {
       {{"--continuation", "0"}, "--continuation: Value 0 not in range"},
       {{"--context", "400", "--continuation", "32"}, "none of the 7 documents has the 433 tokens needed"},
       {{"--out", "/proc/kv/report"}, "--out '/proc/kv/report': cannot write"},
+      {{"--max-rel-bpb", "0.01,0.01"}, "--max-rel-bpb: target 0.01 is given twice"},
+      {{"--calibration", "x.json"}, "--calibration requires --max-rel-bpb"},
   };
   int i = 0;
   for (const auto& [extra, message] : cases) {
@@ -292,6 +294,34 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   EXPECT_NE(slog.find("KV calibration '" + bad + "': field 'policy' (minimax:max_keep_fraction=0.5) does not make an error-target policy"),
             std::string::npos)
       << slog;
+  // A file without choices is a bad file (exit 1) naming the field.
+  nlohmann::json empty = cal;
+  empty["choices"] = nlohmann::json::array();
+  const std::string no_choices = (dir / "no_choices.json").string();
+  std::ofstream(no_choices) << empty.dump(2);
+  const auto [ncode, nlog] = spawn(with({"--max-rel-bpb", "1", "--calibration", no_choices}), "eval_no_choices");
+  EXPECT_EQ(ncode, 1) << nlog;
+  EXPECT_NE(nlog.find("KV calibration '" + no_choices + "': field 'choices' is empty"), std::string::npos) << nlog;
+  // kv-calibrate refuses, before any document runs: a policy other than minimax, a repeated grid value, an --out
+  // it cannot write.
+  for (const auto& [extra, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--policy", "window"}, "kv-calibrate: --policy window: only minimax takes an error target"},
+           {{"--grid", "0.1,0.1"}, "kv-calibrate: grid value 0.1 is given twice"},
+           {{"--out", (dir / "no_such_folder" / "cal.json").string()}, "cannot write this file"}}) {
+    std::vector<std::string> args{DCP_BINARY, "kv-calibrate", "--checkpoint", ckpt.string(), "--data.path",
+                                  setup().corpus.string(), "--split", "all", "--context", "128", "--continuation", "32"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto [ucode, ulog] = spawn(args, "calibrate_usage");
+    EXPECT_EQ(ucode, 2) << extra.front() << ": " << ulog;
+    EXPECT_NE(ulog.find(message), std::string::npos) << ulog;
+    EXPECT_EQ(ulog.find("document 1/"), std::string::npos) << ulog;
+  }
+  // dcp generate with an error target refuses a policy or budget beside it (they would be dropped).
+  const auto [pcode, plog] = spawn({DCP_BINARY, "generate", "--checkpoint", ckpt.string(), "--prompt", "ab",
+                                    "--max-new-tokens", "2", "--kv.max_rel_bpb", "1", "--kv.policy", "window"},
+                                   "generate_policy");
+  EXPECT_EQ(pcode, 2) << plog;
+  EXPECT_NE(plog.find("--kv.policy and --kv.budget cannot be given with it"), std::string::npos) << plog;
   // dcp generate reads the checkpoint's own calibration: the same file there is refused the same way.
   std::ofstream(file) << screened.dump(2);
   const auto [gcode, glog] = spawn({DCP_BINARY, "generate", "--checkpoint", ckpt.string(), "--prompt", "ab",

@@ -177,13 +177,17 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
   at::set_num_threads(1);
   Transformer model = dcp::test::sharp_model(3, Precision::kFp32, 3);
   const int64_t chunk = 16;
-  for (const std::string& name : {"window", "snapkv", "minimax", "h2o"}) {
+  const std::vector<std::pair<std::string, KvPolicyOptions>> policies{
+      {"window", {}}, {"snapkv", {}}, {"minimax", {}}, {"minimax", {{"recent_tokens", 40}}},
+      {"minimax", {{"recent_tokens", 150}}}, {"h2o", {}}};
+  for (const auto& [name, options] : policies) {
     for (double budget : {0.25, 0.5, 20.0}) {
       for (int64_t prompt : {1, 15, 16, 17, 100, 230}) {
         for (int64_t max_tokens : {1, 70}) {
          for (int64_t pairs : {0, 200}) {  // tokens only; chunks of 14 at first, single tokens from 100 on
-          SCOPED_TRACE(fmt::format("{}@{} prompt {} max_tokens {} chunk_pairs {}", name, budget, prompt, max_tokens, pairs));
-          auto recorder = std::make_shared<PeakRecorder>(make_kv_policy_with_budget(name, budget));
+          SCOPED_TRACE(fmt::format("{}@{} ({} options) prompt {} max_tokens {} chunk_pairs {}", name, budget,
+                                   options.size(), prompt, max_tokens, pairs));
+          auto recorder = std::make_shared<PeakRecorder>(make_kv_policy_with_budget(name, budget, options));
           DecodeSession session(model, chunk, recorder, pairs);
           const std::vector<int64_t> tokens = dcp::test::random_tokens(prompt + max_tokens, 5 + prompt);
           session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + prompt));
@@ -192,7 +196,7 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
           g.compresses = true;
           g.ratio = budget <= 1 ? budget : 1;
           g.max_entries = budget <= 1 ? 0 : static_cast<int64_t>(budget);
-          g.protect = 4 + 64;
+          g.protect = serve::kv_protected_entries(name, options);
           const int64_t reserved = serve::kv_peak_entries(prompt, max_tokens, chunk, pairs, 3, g) * 4 *
                                    session.cache().entry_bytes();
           EXPECT_LE(recorder->peak, reserved);

@@ -96,6 +96,17 @@ int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk
   return peak;
 }
 
+int64_t kv_protected_entries(const std::string& policy, const std::map<std::string, double>& options) {
+  auto option = [&](const char* key, double fallback) {
+    const auto it = options.find(key);
+    return it == options.end() ? fallback : it->second;
+  };
+  // minimax: its sinks and recent entries sit outside the layer's pool, so short contexts hold more than the
+  // budget; 64 bounds that below recent_tokens 64 (KvReservation.NoSessionHoldsMoreThanItsReservation).
+  if (policy == "minimax") return static_cast<int64_t>(option("n_sink", 4) + std::max(64.0, option("recent_tokens", 0)));
+  return static_cast<int64_t>(option("n_sink", 4) + option("window", 64));
+}
+
 int64_t Scheduler::reservation(const CompletionRequest& r, const KvPolicy& policy) const {
   if (recurrent_) return state_bytes_;  // whatever the prompt and max_tokens
   KvGrowth g;
@@ -108,10 +119,7 @@ int64_t Scheduler::reservation(const CompletionRequest& r, const KvPolicy& polic
     // make_kv_policy_with_budget: a fraction, or (>= 2) a number of entries per head at fraction 1.
     g.ratio = r.kv_budget <= 1 ? r.kv_budget : 1.0;
     g.max_entries = static_cast<int64_t>(r.kv_budget <= 1 ? option("max_tokens", 0) : r.kv_budget);
-    // What some policy never evicts: its sinks and observation window (4 and 64, the defaults of the policies that
-    // protect an observation window: snapkv, adakv-snapkv; minimax's `window` counts observed queries and protects
-    // no entry, its exact entries being n_sink and the recent share of its budget).
-    g.protect = static_cast<int64_t>(option("n_sink", 4) + option("window", 64));
+    g.protect = kv_protected_entries(r.kv_policy, r.kv_options);
     g.interval = std::max<int64_t>(1, static_cast<int64_t>(option("interval", static_cast<double>(kKvDefaultInterval))));
     g.by_layer = policy.compresses_by_layer();
   }

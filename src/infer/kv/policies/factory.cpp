@@ -121,7 +121,8 @@ std::shared_ptr<KvPolicy> make_kv_policy(const std::string& name, const KvPolicy
   if (name == "minimax") {
     MinimaxOptions m;
     m.budget = o.budget();
-    // Reference queries cost Q x entries fp64 per head: bounded so that a typo cannot ask for terabytes.
+    // Reference queries cost Q x entries fp32 probabilities and Q n^2 Gram flops per head: bounded so that a typo
+    // cannot ask for terabytes.
     m.window = o.integer("window", m.window, 1, 65536);
     m.samples = o.integer("samples", m.samples, 0, 65536);
     m.probes = o.integer("probes", m.probes, 0, 65536);
