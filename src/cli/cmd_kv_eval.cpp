@@ -4,7 +4,6 @@
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -70,11 +69,8 @@ void run(const KvEvalCli& cli) {
     // Error targets: minimax sized by the checkpoint's calibration (dcp kv-calibrate).
     const std::string path = cli.calibration.empty() ? kv_calibration_path(cli.checkpoint) : cli.calibration;
     const std::vector<double> targets = kv_parse_numbers(cli.max_rel_bpb, "--max-rel-bpb");
-    for (size_t i = 0; i < targets.size(); ++i) {
-      if (std::find(targets.begin(), targets.begin() + static_cast<std::ptrdiff_t>(i), targets[i]) !=
-          targets.begin() + static_cast<std::ptrdiff_t>(i)) {
-        throw CLI::ValidationError(fmt::format("--max-rel-bpb: target {} is given twice", targets[i]));
-      }
+    if (const auto t = kv_first_repeat(targets); t != targets.end()) {
+      throw CLI::ValidationError(fmt::format("--max-rel-bpb: target {} is given twice", *t));
     }
     const KvCalibration cal = read_kv_calibration(path);  // a missing or bad file: exit 1 with its name
     for (double t : targets) {

@@ -2,8 +2,6 @@
 // the calibration file (src/tools/kv_calibrate.h).
 #include "tools/kv_calibrate.h"
 
-#include "dcp/kv_policies.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -12,22 +10,23 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "dcp/kv_policies.h"
+
 namespace dcp {
 
 void KvCalibrationOptions::validate() const {
   if (grid.empty() || targets.empty()) throw std::invalid_argument("kv-calibrate: the grid and the targets must not be empty");
-  for (size_t i = 0; i < grid.size(); ++i) {
-    if (!(grid[i] > 0)) throw std::invalid_argument(fmt::format("kv-calibrate: grid value {} must be > 0", grid[i]));
-    if (std::find(grid.begin(), grid.begin() + static_cast<std::ptrdiff_t>(i), grid[i]) != grid.begin() + static_cast<std::ptrdiff_t>(i)) {
-      throw std::invalid_argument(fmt::format("kv-calibrate: grid value {} is given twice", grid[i]));
-    }
+  for (double g : grid) {
+    if (!(g > 0)) throw std::invalid_argument(fmt::format("kv-calibrate: grid value {} must be > 0", g));
   }
-  for (size_t i = 0; i < targets.size(); ++i) {
-    if (!(targets[i] > 0)) throw std::invalid_argument(fmt::format("kv-calibrate: target {} must be > 0", targets[i]));
-    if (std::find(targets.begin(), targets.begin() + static_cast<std::ptrdiff_t>(i), targets[i]) !=
-        targets.begin() + static_cast<std::ptrdiff_t>(i)) {
-      throw std::invalid_argument(fmt::format("kv-calibrate: target {} is given twice", targets[i]));
-    }
+  for (double t : targets) {
+    if (!(t > 0)) throw std::invalid_argument(fmt::format("kv-calibrate: target {} must be > 0", t));
+  }
+  if (const auto g = kv_first_repeat(grid); g != grid.end()) {
+    throw std::invalid_argument(fmt::format("kv-calibrate: grid value {} is given twice", *g));
+  }
+  if (const auto t = kv_first_repeat(targets); t != targets.end()) {
+    throw std::invalid_argument(fmt::format("kv-calibrate: target {} is given twice", *t));
   }
   if (!(coverage > 0 && coverage < 1)) {
     throw std::invalid_argument(fmt::format("kv-calibrate: coverage {} must lie in (0, 1)", coverage));

@@ -176,15 +176,6 @@ class HeadCut : public KvPolicy {
   int64_t layer_, head_, context_;
 };
 
-// The first element equal to an earlier one, or end().
-template <class T>
-typename std::vector<T>::const_iterator first_repeat(const std::vector<T>& v) {
-  for (auto it = v.begin(); it != v.end(); ++it) {
-    if (std::find(v.begin(), it, *it) != it) return it;
-  }
-  return v.end();
-}
-
 struct RowSamples {
   std::vector<double> bpb, bpb_full, accuracy, accuracy_full, exact, exact_full, rel, attn, kv_bytes, kv_bytes_full,
       kv_bytes_mean, kv_bytes_max, kv_bytes_full_mean, prefill, decode, abstained;
@@ -272,10 +263,10 @@ void KvEvalOptions::validate() const {
                                             kKvAblationSinks, kKvAblationRecent, context));
   }
   // A repeated row would only cost time; bad names and options fail before any document runs.
-  if (const auto p = first_repeat(policies); p != policies.end()) {
+  if (const auto p = kv_first_repeat(policies); p != policies.end()) {
     throw std::invalid_argument(fmt::format("kv-eval: policy '{}' is given twice", *p));
   }
-  if (const auto b = first_repeat(budgets); b != budgets.end()) {
+  if (const auto b = kv_first_repeat(budgets); b != budgets.end()) {
     throw std::invalid_argument(fmt::format("kv-eval: budget {} is given twice", *b));
   }
   for (const auto& p : policies) {

@@ -8,6 +8,7 @@
 // "`dcp kv-eval`" describes every field and what is not measured.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <functional>
@@ -32,6 +33,15 @@ struct KvEvalTarget {
   double calibrated_q90 = 0, calibrated_bytes_ratio = 0;
   std::string policy = "minimax";  ///< the spec the target's option is added to (its other options)
 };
+
+/// The first element of `v` equal to an earlier one, or v.end() (repeated list items are usage errors).
+template <class T>
+typename std::vector<T>::const_iterator kv_first_repeat(const std::vector<T>& v) {
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (std::find(v.begin(), it, *it) != it) return it;
+  }
+  return v.end();
+}
 
 /// The policy of an error-target row: t.policy (a spec, parse_kv_policy_spec) with max_rel_error =
 /// t.max_rel_error and budget 1. Throws std::invalid_argument when the spec sets budget, max_tokens or

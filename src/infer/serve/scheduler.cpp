@@ -103,7 +103,9 @@ int64_t kv_protected_entries(const std::string& policy, const std::map<std::stri
   };
   // minimax: its sinks and recent entries sit outside the layer's pool, so short contexts hold more than the
   // budget; 64 bounds that below recent_tokens 64 (KvReservation.NoSessionHoldsMoreThanItsReservation).
-  if (policy == "minimax") return static_cast<int64_t>(option("n_sink", 4) + std::max(64.0, option("recent_tokens", 0)));
+  if (policy == "minimax") {
+    return static_cast<int64_t>(option("n_sink", 4) + std::max(64.0, option("recent_tokens", 0)));
+  }
   return static_cast<int64_t>(option("n_sink", 4) + option("window", 64));
 }
 
