@@ -3,8 +3,6 @@
 #include <fmt/format.h>
 
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 
 #include "cli/commands.h"
 #include "cli/kv_inputs.h"
@@ -15,8 +13,6 @@
 
 namespace dcp {
 namespace {
-
-namespace fs = std::filesystem;
 
 // Messages of the shared kv-eval code name this command.
 std::string as_kv_calibrate(std::string message) {
@@ -51,13 +47,9 @@ void run(const KvCalibrateCli& cli) {
     throw CLI::ValidationError(as_kv_calibrate(e.what()));
   }
   const std::string out = cli.out.empty() ? kv_calibration_path(cli.checkpoint) : cli.out;
-  {
-    // The file must be writable before the calibration runs (minutes), not after: a probe beside it, removed.
-    std::error_code ec;
-    const std::string probe = out + ".probe";
-    const bool ok = !fs::is_directory(out, ec) && static_cast<bool>(std::ofstream(probe));
-    fs::remove(probe, ec);
-    if (!ok) throw CLI::ValidationError(fmt::format("--out '{}': cannot write this file", out));
+  // The file must be writable before the calibration runs (minutes), not after.
+  if (!can_create_beside(out)) {
+    throw CLI::ValidationError(fmt::format("kv-calibrate: --out '{}': cannot write this file", out));
   }
   KvModel m = load_kv_model(cli.checkpoint, cfg, cli.threads, "kv-calibrate");
   Corpus corpus;

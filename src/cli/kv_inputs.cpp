@@ -4,6 +4,9 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -40,14 +43,23 @@ KvModel load_kv_model(const std::string& checkpoint, const Config& cfg, int64_t 
   return m;
 }
 
+bool can_create_beside(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return false;
+  const std::string probe = fmt::format("{}.probe.{}", path, ::getpid());
+  std::FILE* f = std::fopen(probe.c_str(), "wx");  // exclusive: never an existing file
+  if (f == nullptr) return false;
+  std::fclose(f);
+  fs::remove(probe, ec);
+  return true;
+}
+
 void check_kv_out_prefix(const std::string& prefix) {
   const fs::path md = prefix + ".md";
   std::error_code ec;
   if (!md.parent_path().empty()) fs::create_directories(md.parent_path(), ec);
   // A probe file beside the report, removed again: a failed run leaves no empty report behind.
-  const fs::path probe_path = md.string() + ".probe";
-  const bool ok = !ec && static_cast<bool>(std::ofstream(probe_path));
-  fs::remove(probe_path, ec);
+  const bool ok = !ec && can_create_beside(md.string());
   if (!ok) {
     throw CLI::ValidationError(fmt::format("--out '{}': cannot write a file in '{}'", prefix,
                                            md.parent_path().empty() ? "." : md.parent_path().string()));

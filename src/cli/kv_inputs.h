@@ -29,6 +29,11 @@ KvModel load_kv_model(const std::string& checkpoint, const Config& cfg, int64_t 
 /// `--out PREFIX` must be writable before a run that can take minutes: throws CLI::ValidationError naming it.
 void check_kv_out_prefix(const std::string& prefix);
 
+/// Whether a file can be created beside `path` (in its folder): a probe file of a new name (path + ".probe." + the
+/// process id, created exclusively, so no existing file is touched) is created and removed. False when the folder
+/// does not exist or cannot be written, or `path` is a folder.
+bool can_create_beside(const std::string& path);
+
 /// A comma list of items (no empty one). Throws CLI::ValidationError naming `option`.
 std::vector<std::string> kv_split_list(const std::string& text, const std::string& option);
 /// A comma list of numbers in (0, hi]. Throws CLI::ValidationError naming `option` and the item.

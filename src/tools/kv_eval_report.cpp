@@ -390,13 +390,19 @@ void run_and_report_kv_eval(Transformer& model, const KvEvalOptions& o, KvEvalRe
     const std::string csv = out + ".csv", png = out + ".png";
     write_text(out + ".md", kv_eval_markdown(result, info));
     write_text(csv, kv_eval_csv(result));
-    if (gnuplot_available()) {
+    // The figure plots the budget rows of the policies other than full: with none, there is nothing to draw.
+    const bool plottable = std::any_of(result.options.policies.begin(), result.options.policies.end(),
+                                       [](const std::string& p) { return parse_kv_policy_spec(p).name != "full"; });
+    const bool drawn = plottable && gnuplot_available();
+    if (!plottable) {
+      fmt::print(stderr, "kv-eval: {} not drawn: no policy but full has budget rows to plot\n", png);
+    } else if (drawn) {
       run_gnuplot(kv_eval_gnuplot_script(result, csv, png), out + ".gnuplot", out + ".gnuplot.log");
     } else {
       fmt::print(stderr, "kv-eval: warning: gnuplot not found in PATH, {} not drawn (scripts/install-deps.sh "
                          "installs gnuplot-nox)\n", png);
     }
-    fmt::print(stderr, "kv-eval: wrote {}.md, {}{}\n", out, csv, gnuplot_available() ? ", " + png : "");
+    fmt::print(stderr, "kv-eval: wrote {}.md, {}{}\n", out, csv, drawn ? ", " + png : "");
   }
 }
 

@@ -280,6 +280,13 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   EXPECT_EQ(bcode, 2) << blog;
   EXPECT_NE(blog.find("lists no target at or below it"), std::string::npos) << blog;
   const std::string missing = (dir / "none.json").string();
+  // Only full and error-target rows: the report and CSV are written, the figure (budget rows) is not, exit 0.
+  const std::string prefix = (dir / "targets_only").string();
+  const auto [ocode, olog] = spawn(with({"--max-rel-bpb", "1", "--out", prefix}), "eval_out");
+  EXPECT_EQ(ocode, 0) << olog;
+  EXPECT_TRUE(fs::exists(prefix + ".md")) << olog;
+  EXPECT_TRUE(fs::exists(prefix + ".csv")) << olog;
+  EXPECT_NE(olog.find("not drawn: no policy but full has budget rows to plot"), std::string::npos) << olog;
   const auto [mcode, mlog] = spawn(with({"--max-rel-bpb", "1", "--calibration", missing}), "eval_missing");
   EXPECT_EQ(mcode, 1) << mlog;
   EXPECT_NE(mlog.find(missing), std::string::npos) << mlog;
@@ -307,7 +314,7 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   for (const auto& [extra, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--policy", "window"}, "kv-calibrate: --policy window: only minimax takes an error target"},
            {{"--grid", "0.1,0.1"}, "kv-calibrate: grid value 0.1 is given twice"},
-           {{"--out", (dir / "no_such_folder" / "cal.json").string()}, "cannot write this file"}}) {
+           {{"--out", (dir / "no_such_folder" / "cal.json").string()}, "kv-calibrate: --out"}}) {
     std::vector<std::string> args{DCP_BINARY, "kv-calibrate", "--checkpoint", ckpt.string(), "--data.path",
                                   setup().corpus.string(), "--split", "all", "--context", "128", "--continuation", "32"};
     args.insert(args.end(), extra.begin(), extra.end());

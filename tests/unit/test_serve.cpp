@@ -179,9 +179,9 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
   const int64_t chunk = 16;
   const std::vector<std::pair<std::string, KvPolicyOptions>> policies{
       {"window", {}}, {"snapkv", {}}, {"minimax", {}}, {"minimax", {{"recent_tokens", 40}}},
-      {"minimax", {{"recent_tokens", 150}}}, {"h2o", {}}};
+      {"minimax", {{"recent_tokens", 150}}}, {"minimax", {{"recent_fraction", 1}, {"n_sink", 8}}}, {"h2o", {}}};
   for (const auto& [name, options] : policies) {
-    for (double budget : {0.25, 0.5, 20.0}) {
+    for (double budget : {0.25, 0.5, 0.9, 20.0}) {
       for (int64_t prompt : {1, 15, 16, 17, 100, 230}) {
         for (int64_t max_tokens : {1, 70}) {
          for (int64_t pairs : {0, 200}) {  // tokens only; chunks of 14 at first, single tokens from 100 on
