@@ -40,14 +40,11 @@ std::shared_ptr<KvPolicy> kv_target_policy(const std::string& checkpoint, double
   kv_check_calibration_policy(t, path);
   try {
     KvPolicySpec spec = parse_kv_policy_spec(t.policy);
-    KvPolicyOptions given;
-    for (const std::string& item : options) add_kv_policy_option(item, given);
-    for (const char* key : {"budget", "max_tokens", "max_rel_error"}) {
-      if (given.count(key) != 0) {
-        throw std::invalid_argument(fmt::format("--kv.option {}: the error target sets it", key));
-      }
-    }
+    // The file's spec sets none of the target's options (kv_check_calibration_policy): any now is a --kv.option.
     for (const std::string& item : options) add_kv_policy_option(item, spec.options);
+    if (const char* key = kv_target_set_option(spec.options)) {
+      throw std::invalid_argument(fmt::format("--kv.option {}: the error target sets it", key));
+    }
     spec.options["max_rel_error"] = t.max_rel_error;
     return make_kv_policy(spec.name, spec.options);
   } catch (const std::invalid_argument& e) {

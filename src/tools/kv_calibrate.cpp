@@ -38,10 +38,8 @@ void KvCalibrationOptions::validate() const {
                                             "(max_rel_error)",
                                             policy));
   }
-  for (const char* key : {"budget", "max_tokens", "max_rel_error"}) {
-    if (spec.options.count(key) != 0) {
-      throw std::invalid_argument(fmt::format("kv-calibrate: --policy {} sets {}; the grid sets it", policy, key));
-    }
+  if (const char* key = kv_target_set_option(spec.options)) {
+    throw std::invalid_argument(fmt::format("kv-calibrate: --policy {} sets {}; the grid sets it", policy, key));
   }
   KvEvalOptions o = eval;
   o.policies = {"full"};

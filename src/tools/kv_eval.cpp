@@ -220,13 +220,18 @@ KvEvalRow summarize(const std::string& policy, double budget, const RowSamples& 
 
 }  // namespace
 
+const char* kv_target_set_option(const KvPolicyOptions& options) {
+  for (const char* key : {"budget", "max_tokens", "max_rel_error"}) {
+    if (options.count(key) != 0) return key;
+  }
+  return nullptr;
+}
+
 std::shared_ptr<KvPolicy> kv_eval_target_policy(const KvEvalTarget& t) {
   KvPolicySpec spec = parse_kv_policy_spec(t.policy);
-  for (const char* key : {"budget", "max_tokens", "max_rel_error"}) {
-    if (spec.options.count(key) != 0) {
-      throw std::invalid_argument(fmt::format("kv-eval: error-target policy '{}' sets {}; the target sets it", t.policy,
-                                              key));
-    }
+  if (const char* key = kv_target_set_option(spec.options)) {
+    throw std::invalid_argument(fmt::format("kv-eval: error-target policy '{}' sets {}; the target sets it", t.policy,
+                                            key));
   }
   spec.options["max_rel_error"] = t.max_rel_error;
   return make_kv_policy(spec.name, spec.options);

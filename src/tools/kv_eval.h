@@ -18,6 +18,7 @@
 
 #include "dcp/data.h"
 #include "dcp/kv_cache.h"
+#include "dcp/kv_policies.h"
 #include "dcp/kv_policy.h"
 #include "dcp/model.h"
 
@@ -42,6 +43,10 @@ typename std::vector<T>::const_iterator kv_first_repeat(const std::vector<T>& v)
   }
   return v.end();
 }
+
+/// The first of the options an error target sets itself (budget, max_tokens, max_rel_error) that `options` gives,
+/// or nullptr: what kv-eval, kv-calibrate and generate refuse beside a target.
+const char* kv_target_set_option(const KvPolicyOptions& options);
 
 /// The policy of an error-target row: t.policy (a spec, parse_kv_policy_spec) with max_rel_error =
 /// t.max_rel_error and budget 1. Throws std::invalid_argument when the spec sets budget, max_tokens or
