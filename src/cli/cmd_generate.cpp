@@ -27,10 +27,8 @@ struct KvChoice {
 // kv.max_rel_bpb: the calibrated policy (minimax with max_rel_error, CHECKPOINT/kv_calibration.json) plus the
 // --kv.option options. A missing calibration, or one whose policy makes no error-target policy, is a runtime error
 // (exit 1, naming the file), a target it cannot serve a usage error.
-std::shared_ptr<KvPolicy> kv_target_policy(const std::string& checkpoint, double max_rel_bpb,
+std::shared_ptr<KvPolicy> kv_target_policy(const KvCalibration& cal, const std::string& path, double max_rel_bpb,
                                            const std::vector<std::string>& options) {
-  const std::string path = kv_calibration_path(checkpoint);
-  const KvCalibration cal = read_kv_calibration(path);
   KvEvalTarget t;
   try {
     t = kv_calibrated_target(cal, max_rel_bpb);
@@ -111,6 +109,8 @@ void add_generate_command(CLI::App& app) {
     // Warnings (a fallback to checkpoint.old, a checkpoint without manifest) go to stderr: stdout is the text.
     spdlog::set_default_logger(spdlog::stderr_color_mt("generate"));
     Config cfg = load_checkpoint_config(*checkpoint);
+    KvCalibration calibration;
+    std::string calibration_path;  // set when an error target reads the calibration
     if (!kv->policy.empty()) cfg.kv.policy = kv->policy;
     if (kv->budget > 0) {
       cfg.kv.budget = kv->budget;
@@ -127,7 +127,14 @@ void add_generate_command(CLI::App& app) {
                                       cfg.kv.max_rel_bpb,
                                       kv->max_rel_bpb >= 0 ? "--kv.max_rel_bpb" : "the checkpoint's config"));
       }
-      opt->kv_policy = kv_target_policy(*checkpoint, cfg.kv.max_rel_bpb, kv->options);
+      if (kv->max_rel_bpb < 0 && (cfg.kv.policy != "full" || cfg.kv.budget != 1)) {
+        spdlog::warn("the checkpoint's config sets kv.max_rel_bpb {}: minimax sized by its calibration serves, not "
+                     "its kv.policy {} at kv.budget {} (--kv.max_rel_bpb 0 turns the target off)",
+                     cfg.kv.max_rel_bpb, cfg.kv.policy, cfg.kv.budget);
+      }
+      calibration_path = kv_calibration_path(*checkpoint);
+      calibration = read_kv_calibration(calibration_path);
+      opt->kv_policy = kv_target_policy(calibration, calibration_path, cfg.kv.max_rel_bpb, kv->options);
     } else if (cfg.attention.backend == "softmax") {
       opt->kv_policy = kv_policy_from_cli(cfg.kv.policy, cfg.kv.budget, kv->options);
     } else if (!kv->policy.empty() || kv->budget > 0 || !kv->options.empty() || kv->max_rel_bpb > 0) {
@@ -138,6 +145,11 @@ void add_generate_command(CLI::App& app) {
     // The run's train.precision, resolved on this CPU (auto may differ from the machine that trained).
     Transformer model(cfg.model, cfg.attention, resolve_precision(cfg.train.precision).precision);
     load_checkpoint(*checkpoint, model, nullptr);
+    if (!calibration_path.empty()) {
+      // The calibration must be of these weights (exit 1, naming both fingerprints, when it is not).
+      const std::string w = kv_check_calibration_weights(calibration, kv_weights_fingerprint(model), calibration_path);
+      if (!w.empty()) spdlog::warn("{}", w);
+    }
     opt->context = cfg.data.max_seq_len;
     opt->chunk_tokens = *chunk_tokens > 0 ? *chunk_tokens : cfg.kv.chunk_tokens;
     opt->chunk_pairs = *chunk_pairs >= 0 ? *chunk_pairs : cfg.kv.chunk_pairs;

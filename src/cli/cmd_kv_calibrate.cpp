@@ -2,6 +2,7 @@
 // calibration (tools/kv_calibrate.h) and writes it beside the checkpoint.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdio>
 
 #include "cli/commands.h"
@@ -13,12 +14,6 @@
 
 namespace dcp {
 namespace {
-
-// Messages of the shared kv-eval code name this command.
-std::string as_kv_calibrate(std::string message) {
-  if (message.rfind("kv-eval: ", 0) == 0) message.replace(0, 7, "kv-calibrate");
-  return message;
-}
 
 struct KvCalibrateCli {
   std::string checkpoint, data_path, split = "calibration", policy = "minimax", out;
@@ -44,7 +39,7 @@ void run(const KvCalibrateCli& cli) {
   try {
     o.validate();
   } catch (const std::invalid_argument& e) {
-    throw CLI::ValidationError(as_kv_calibrate(e.what()));
+    throw CLI::ValidationError(e.what());
   }
   const std::string out = cli.out.empty() ? kv_calibration_path(cli.checkpoint) : cli.out;
   // The file must be writable before the calibration runs (minutes), not after.
@@ -61,8 +56,16 @@ void run(const KvCalibrateCli& cli) {
   try {
     docs = choose_kv_eval_documents(corpus, source.ids, pick);
   } catch (const std::invalid_argument& e) {
-    throw CLI::ValidationError(fmt::format("{} (split {} of {})", as_kv_calibrate(e.what()), source.split,
+    throw CLI::ValidationError(fmt::format("{} (split {} of {})", e.what(), source.split,
                                            source.data_path));
+  }
+  // Fewer documents than the conformal bound needs would make every choice "none": refused before running.
+  const auto chosen = static_cast<int64_t>(docs.documents.size());
+  if (chosen < kv_conformal_min_documents(o.coverage)) {
+    throw CLI::ValidationError(fmt::format(
+        "kv-calibrate: {} documents cannot bound coverage {:g} (split conformal needs at least {}): raise --max-docs, "
+        "lower --coverage or use more documents (split {} of {})",
+        chosen, o.coverage, kv_conformal_min_documents(o.coverage), source.split, source.data_path));
   }
   const double load_start = load_average_1min();
   KvCalibration c = run_kv_calibration(m.model, docs.documents, o, [](int64_t done, int64_t total) {
@@ -78,18 +81,24 @@ void run(const KvCalibrateCli& cli) {
              "{}, policy {}, {} threads, 1-minute load average {:.2f} at the start, {:.2f} at the end.\n\n",
              cli.checkpoint, m.description, c.documents, c.source_files, c.data_path, c.split, c.context,
              c.continuation, c.policy, m.threads, load_start, load_average_1min());
-  fmt::print("| max_rel_error | mean rel bpb increase | q{:g} | bytes / full |\n|---|---|---|---|\n", 100 * c.coverage);
+  fmt::print("A target takes the largest max_rel_error whose conformal bound (the {}-th smallest of the {} documents' "
+             "increases: split conformal prediction, P(a new document's increase <= bound) >= {:g}) is within it.\n\n",
+             kv_conformal_rank(c.documents, c.coverage), c.documents,
+             c.coverage);
+  fmt::print("| max_rel_error | mean rel bpb increase | q{:g} | conformal bound | bytes / full |\n|---|---|---|---|---|\n",
+             100 * c.coverage);
   for (const auto& p : c.grid) {
-    fmt::print("| {:g} | {:+.3f}% | {:+.3f}% | {:.3f} |\n", p.max_rel_error, 100 * p.mean, 100 * p.q90, p.bytes_ratio);
+    fmt::print("| {:g} | {:+.3f}% | {:+.3f}% | {} | {:.3f} |\n", p.max_rel_error, 100 * p.mean, 100 * p.q90,
+               std::isfinite(p.bound) ? fmt::format("{:+.3f}%", 100 * p.bound) : std::string("+inf"), p.bytes_ratio);
   }
-  fmt::print("\n| max_rel_bpb | chosen max_rel_error | its q{:g} | bytes / full |\n|---|---|---|---|\n",
+  fmt::print("\n| max_rel_bpb | chosen max_rel_error | its q{:g} | its bound | bytes / full |\n|---|---|---|---|---|\n",
              100 * c.coverage);
   for (const auto& ch : c.choices) {
     if (ch.max_rel_error > 0) {
-      fmt::print("| {:g} | {:g} | {:+.3f}% | {:.3f} |\n", ch.max_rel_bpb, ch.max_rel_error, 100 * ch.q90,
-                 ch.bytes_ratio);
+      fmt::print("| {:g} | {:g} | {:+.3f}% | {:+.3f}% | {:.3f} |\n", ch.max_rel_bpb, ch.max_rel_error, 100 * ch.q90,
+                 100 * ch.bound, ch.bytes_ratio);
     } else {
-      fmt::print("| {:g} | none of the grid met it | - | - |\n", ch.max_rel_bpb);
+      fmt::print("| {:g} | none of the grid met it | - | - | - |\n", ch.max_rel_bpb);
     }
   }
   std::fflush(stdout);
@@ -140,7 +149,8 @@ void add_kv_calibrate_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   sub->add_option("--threads", cli->threads, "intra-op threads (default: the checkpoint's train.threads, else every core)")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}));
-  sub->add_option("--out", cli->out, "the calibration file (default: CHECKPOINT/kv_calibration.json)");
+  sub->add_option("--out", cli->out, "the calibration file (default: CHECKPOINT/kv_calibration.json)")
+      ->check(non_empty_path_validator());
   sub->callback([cli] { run(*cli); });
 }
 

@@ -30,7 +30,7 @@ struct KvEvalCli {
   bool max_rel_bpb_given = false;  // --max-rel-bpb on the command line (an empty list is then an error)
   int64_t context = 1024, continuation = 128, max_docs = 32, chunk_tokens = 0, threads = 0;
   uint64_t seed = 0;
-  bool json = false, head_ablation = false;
+  bool json = false, head_ablation = false, allow_overlap = false;
 };
 
 std::vector<std::string> parse_policies(const std::string& text) {
@@ -65,14 +65,15 @@ void run(const KvEvalCli& cli) {
   o.chunk_tokens = cli.chunk_tokens > 0 ? cli.chunk_tokens : cfg.kv.chunk_tokens;
   o.chunk_pairs = cfg.kv.chunk_pairs;  // the checkpoint's, as dcp generate and dcp serve use it
   std::string calibration_note;
+  KvCalibration cal;
+  const std::string path = cli.calibration.empty() ? kv_calibration_path(cli.checkpoint) : cli.calibration;
   if (cli.max_rel_bpb_given) {
     // Error targets: minimax sized by the checkpoint's calibration (dcp kv-calibrate).
-    const std::string path = cli.calibration.empty() ? kv_calibration_path(cli.checkpoint) : cli.calibration;
     const std::vector<double> targets = kv_parse_numbers(cli.max_rel_bpb, "--max-rel-bpb");
     if (const auto t = kv_first_repeat(targets); t != targets.end()) {
       throw CLI::ValidationError(fmt::format("--max-rel-bpb: target {} is given twice", *t));
     }
-    const KvCalibration cal = read_kv_calibration(path);  // a missing or bad file: exit 1 with its name
+    cal = read_kv_calibration(path);  // a missing or bad file: exit 1 with its name
     for (double t : targets) {
       try {
         o.targets.push_back(kv_calibrated_target(cal, t));
@@ -100,16 +101,45 @@ void run(const KvEvalCli& cli) {
     throw CLI::ValidationError(e.what());
   }
   if (!cli.out.empty()) check_kv_out_prefix(cli.out);
-  KvModel m = load_kv_model(cli.checkpoint, cfg, cli.threads, "kv-eval");
+  check_kv_checkpoint(cli.checkpoint, cfg, "kv-eval");  // before the corpus loads
 
   // The checkpoint's data config (max_seq_len cuts documents as in training); --data.path is read whole.
   Corpus corpus;
-  const KvEvalSource source = kv_eval_source(cfg.data, cli.data_path, cli.split, corpus);
+  const KvEvalSource source = kv_eval_source(cfg.data, cli.data_path, cli.split == "all" ? "" : cli.split, corpus);
   KvEvalReportInfo info;
   try {
     info.documents = choose_kv_eval_documents(corpus, source.ids, o);
   } catch (const std::invalid_argument& e) {
     throw CLI::ValidationError(fmt::format("{} (split {} of {})", e.what(), source.split, source.data_path));
+  }
+  if (cli.max_rel_bpb_given) {
+    // A held-out check of the targets must not reuse the calibration's source files (issue 27 item 5).
+    const std::vector<std::string> overlap = kv_calibration_overlap(cal, info.documents.documents);
+    if (cal.sources.empty()) {
+      const std::string w = fmt::format("KV calibration '{}' records no source files (written before 2026-12-06): "
+                                        "its overlap with the evaluated documents is not checked", path);
+      fmt::print(stderr, "kv-eval: warning: {}\n", w);
+      calibration_note += "**Warning:** " + w + ". ";
+    } else if (!overlap.empty() && !cli.allow_overlap) {
+      throw CLI::ValidationError(fmt::format(
+          "--max-rel-bpb: {} of the evaluated documents' source files were calibration documents of '{}' (first: "
+          "'{}'), so the check would not be held out: evaluate another split (kv-calibrate takes --split "
+          "calibration by default, kv-eval --split evaluation is its complement) or pass --allow-calibration-overlap",
+          overlap.size(), path, overlap.front()));
+    } else if (!overlap.empty()) {
+      calibration_note += fmt::format("**Not held out** (--allow-calibration-overlap): {} of the evaluated documents' "
+                                      "source files were calibration documents. ",
+                                      overlap.size());
+    }
+  }
+  KvModel m = load_kv_model(cli.checkpoint, cfg, cli.threads, "kv-eval");
+  if (cli.max_rel_bpb_given) {
+    // The calibration must be of these weights (exit 1, naming both fingerprints, when it is not).
+    const std::string w = kv_check_calibration_weights(cal, kv_weights_fingerprint(m.model), path);
+    if (!w.empty()) {
+      fmt::print(stderr, "kv-eval: warning: {}\n", w);
+      calibration_note += "**Warning:** " + w + ". ";
+    }
   }
   info.command = own_command_line();
   info.checkpoint = cli.checkpoint;
@@ -169,18 +199,24 @@ void add_kv_eval_command(CLI::App& app) {
                             kKvAblationSinks, kKvAblationRecent));
   sub->add_option("--split", cli->split,
                   "calibration or evaluation: one half of the documents by source file (disjoint halves; kv-calibrate "
-                  "uses calibration); default: all of them")
-      ->check(CLI::IsMember({"calibration", "evaluation"}));
+                  "uses calibration), or all (the default)")
+      ->check(CLI::IsMember({"calibration", "evaluation", "all"}));
   auto* max_rel_bpb = sub->add_option("--max-rel-bpb", cli->max_rel_bpb,
                   "comma list of error targets (relative bits-per-byte increase, e.g. 0.005,0.01,0.02): one minimax "
                   "row each, sized by the checkpoint's calibration (dcp kv-calibrate)");
   sub->add_option("--calibration", cli->calibration,
                   "the calibration file of --max-rel-bpb (default: CHECKPOINT/kv_calibration.json)")
+      ->check(non_empty_path_validator())
+      ->needs(max_rel_bpb);
+  sub->add_flag("--allow-calibration-overlap", cli->allow_overlap,
+                "evaluate error targets on documents whose source files the calibration used (refused by default: "
+                "the check is then not held out; the report says so)")
       ->needs(max_rel_bpb);
   sub->add_option("--paired-against", cli->paired_against,
                   "the policy compared per document with every other at each budget (default: minimax when run)");
   sub->add_flag("--json", cli->json, "print the results as one JSON object instead of the markdown report");
-  sub->add_option("--out", cli->out, "write PREFIX.md, PREFIX.csv and PREFIX.png (gnuplot)");
+  sub->add_option("--out", cli->out, "write PREFIX.md, PREFIX.csv and PREFIX.png (gnuplot)")
+      ->check(non_empty_path_validator());
   sub->callback([cli, max_rel_bpb] {
     cli->max_rel_bpb_given = max_rel_bpb->count() > 0;
     run(*cli);

@@ -38,6 +38,10 @@ std::vector<int64_t> sp_sizes_for(const Config& cfg, int64_t world_size, const s
 CLI::Validator finite_number_validator(const std::string& unit, double min = 0, bool zero_ok = false,
                                        double max = std::numeric_limits<double>::infinity());
 
+/// The CLI11 check of a path option: an empty text (`--out ""`) is refused ("must not be empty: leave the option
+/// out for its default") instead of silently meaning the default.
+CLI::Validator non_empty_path_validator();
+
 /// Prints a fatal error: to the run's log (and, on rank 0, the terminal) once logging is set up, else to
 /// stderr with the rank.
 void report_error(const std::string& message);

@@ -20,13 +20,17 @@
 namespace dcp {
 namespace fs = std::filesystem;
 
-KvModel load_kv_model(const std::string& checkpoint, const Config& cfg, int64_t threads, const std::string& command) {
+void check_kv_checkpoint(const std::string& checkpoint, const Config& cfg, const std::string& command) {
   if (cfg.attention.backend != "softmax") {
     throw CLI::ValidationError(fmt::format("--checkpoint '{}': attention.backend is '{}'; {} needs a softmax model "
                                            "(flexformer models decode from recurrent states, with no KV cache to "
                                            "compress)",
                                            checkpoint, cfg.attention.backend, command));
   }
+}
+
+KvModel load_kv_model(const std::string& checkpoint, const Config& cfg, int64_t threads, const std::string& command) {
+  check_kv_checkpoint(checkpoint, cfg, command);
   KvModel m;
   m.cfg = cfg;
   // --threads, else the trainer's rule (train.threads, else every core of this one process).

@@ -20,6 +20,10 @@ struct KvModel {
   std::string description;  ///< e.g. "d_model 128, 4 layers, 4 heads (4 K/V heads), bf16"
 };
 
+/// Throws CLI::ValidationError (exit 2) naming `checkpoint` when its config `cfg` is not a softmax model (no KV cache
+/// to compress); `command` names the subcommand.
+void check_kv_checkpoint(const std::string& checkpoint, const Config& cfg, const std::string& command);
+
 /// Loads `cfg` (load_checkpoint_config of `checkpoint`) and its weights in eval mode, with `threads` intra-op
 /// threads (0 = the trainer's rule: train.threads, else every core). `command` names the subcommand in errors.
 /// Throws CLI::ValidationError (exit 2) for a checkpoint whose attention is not softmax, and what load_checkpoint

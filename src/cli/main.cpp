@@ -18,6 +18,14 @@
 
 namespace dcp {
 
+CLI::Validator non_empty_path_validator() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        return text.empty() ? "must not be empty: leave the option out for its default" : "";
+      },
+      "PATH");
+}
+
 CLI::Validator finite_number_validator(const std::string& unit, double min, bool zero_ok, double max) {
   return CLI::Validator(
       [unit, min, zero_ok, max](std::string& text) -> std::string {

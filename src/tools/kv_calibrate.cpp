@@ -3,10 +3,13 @@
 #include "tools/kv_calibrate.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 
@@ -71,12 +74,17 @@ KvCalibration run_kv_calibration(Transformer& model, const std::vector<KvEvalDoc
   c.continuation = o.continuation;
   c.documents = static_cast<int64_t>(documents.size());
   c.source_files = r.source_files;
+  for (const auto& d : documents) c.sources.push_back(kv_source_file(d.source));
+  std::sort(c.sources.begin(), c.sources.end());
+  c.sources.erase(std::unique(c.sources.begin(), c.sources.end()), c.sources.end());
+  c.weights = kv_weights_fingerprint(model);
   for (const auto& row : r.rows) {
     if (row.max_rel_error <= 0) continue;  // full
     KvCalibrationPoint p;
     p.max_rel_error = row.max_rel_error;
     p.mean = row.rel_bpb_increase.value;
     p.q90 = kv_quantile_with_ci(row.rel_per_document, options.coverage).value;
+    p.bound = kv_conformal_bound(row.rel_per_document, options.coverage);
     p.bytes_ratio = row.kv_bytes_mean / row.kv_bytes_full_mean;
     c.grid.push_back(p);
   }
@@ -84,9 +92,10 @@ KvCalibration run_kv_calibration(Transformer& model, const std::vector<KvEvalDoc
     KvCalibration::Choice choice;
     choice.max_rel_bpb = t;
     for (const auto& p : c.grid) {  // ascending: the last one that holds is the largest
-      if (p.q90 <= t) {
+      if (p.bound <= t) {
         choice.max_rel_error = p.max_rel_error;
         choice.q90 = p.q90;
+        choice.bound = p.bound;
         choice.bytes_ratio = p.bytes_ratio;
       }
     }
@@ -98,12 +107,15 @@ KvCalibration run_kv_calibration(Transformer& model, const std::vector<KvEvalDoc
 nlohmann::json kv_calibration_json(const KvCalibration& c) {
   nlohmann::json grid = nlohmann::json::array(), choices = nlohmann::json::array();
   for (const auto& p : c.grid) {
-    grid.push_back({{"max_rel_error", p.max_rel_error}, {"mean", p.mean}, {"q90", p.q90}, {"bytes_ratio", p.bytes_ratio}});
+    // +inf (too few documents to bound) is written as null.
+    grid.push_back({{"max_rel_error", p.max_rel_error}, {"mean", p.mean}, {"q90", p.q90}, {"bytes_ratio", p.bytes_ratio},
+                    {"bound", std::isfinite(p.bound) ? nlohmann::json(p.bound) : nlohmann::json(nullptr)}});
   }
   for (const auto& ch : c.choices) {
     choices.push_back({{"max_rel_bpb", ch.max_rel_bpb},
                        {"max_rel_error", ch.max_rel_error},
                        {"q90", ch.q90},
+                       {"bound", ch.bound},
                        {"bytes_ratio", ch.bytes_ratio}});
   }
   return {{"format", "dcp-kv-calibration-1"},
@@ -117,6 +129,8 @@ nlohmann::json kv_calibration_json(const KvCalibration& c) {
           {"data_path", c.data_path},
           {"split", c.split},
           {"date", c.date},
+          {"weights", c.weights},
+          {"sources", c.sources},
           {"grid", grid},
           {"choices", choices}};
 }
@@ -145,14 +159,31 @@ KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::strin
   c.data_path = j.value("data_path", std::string());
   c.split = j.value("split", std::string());
   c.date = j.value("date", std::string());
+  if (j.contains("weights")) {
+    if (!j["weights"].is_string()) throw fail("weights", "is not a string");
+    c.weights = j["weights"].get<std::string>();
+  }
+  if (j.contains("sources")) {
+    if (!j["sources"].is_array()) throw fail("sources", "is not an array");
+    for (const auto& s : j["sources"]) {
+      if (!s.is_string()) throw fail("sources", fmt::format("holds {}, not a string", s.dump()));
+      c.sources.push_back(s.get<std::string>());
+    }
+    std::sort(c.sources.begin(), c.sources.end());
+  }
   for (const char* list : {"grid", "choices"}) {
     if (!j.contains(list) || !j[list].is_array()) throw fail(list, "is missing or not an array");
   }
   for (size_t i = 0; i < j["grid"].size(); ++i) {
     const auto& p = j["grid"][i];
     const std::string at = fmt::format("grid[{}].", i);
-    c.grid.push_back({number(p, "max_rel_error", at), number(p, "mean", at), number(p, "q90", at),
-                      number(p, "bytes_ratio", at)});
+    KvCalibrationPoint point{number(p, "max_rel_error", at), number(p, "mean", at), number(p, "q90", at),
+                             number(p, "bytes_ratio", at)};
+    // Files before 2026-12-06 chose by q90 and have no bound; null is +inf.
+    point.bound = !p.contains("bound") ? point.q90
+                  : p["bound"].is_null() ? std::numeric_limits<double>::infinity()
+                                         : number(p, "bound", at);
+    c.grid.push_back(point);
   }
   for (size_t i = 0; i < j["choices"].size(); ++i) {
     const auto& p = j["choices"][i];
@@ -161,10 +192,13 @@ KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::strin
     ch.max_rel_bpb = number(p, "max_rel_bpb", at);
     ch.max_rel_error = number(p, "max_rel_error", at);
     ch.q90 = number(p, "q90", at);
+    ch.bound = p.contains("bound") ? number(p, "bound", at) : ch.q90;
     ch.bytes_ratio = number(p, "bytes_ratio", at);
     if (!(ch.max_rel_bpb > 0)) throw fail(at + "max_rel_bpb", fmt::format("{} must be > 0", ch.max_rel_bpb));
-    if (!(ch.max_rel_error >= 0)) {
-      throw fail(at + "max_rel_error", fmt::format("{} must be >= 0 (0: no grid value met the target)", ch.max_rel_error));
+    // kv-calibrate's --grid takes values up to 1e6; a larger one is not a file it wrote.
+    if (!(ch.max_rel_error >= 0 && ch.max_rel_error <= 1e6)) {
+      throw fail(at + "max_rel_error",
+                 fmt::format("{} must lie in [0, 1e6] (0: no grid value met the target)", ch.max_rel_error));
     }
     c.choices.push_back(ch);
   }
@@ -172,6 +206,67 @@ KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::strin
   std::sort(c.choices.begin(), c.choices.end(),
             [](const auto& a, const auto& b) { return a.max_rel_bpb < b.max_rel_bpb; });
   return c;
+}
+
+double kv_conformal_bound(std::vector<double> values, double coverage) {
+  if (!(coverage > 0 && coverage < 1)) {
+    throw std::invalid_argument(fmt::format("kv_conformal_bound: coverage {} must lie in (0, 1)", coverage));
+  }
+  const auto n = static_cast<int64_t>(values.size());
+  const int64_t rank = kv_conformal_rank(n, coverage);
+  if (rank > n) return std::numeric_limits<double>::infinity();
+  std::nth_element(values.begin(), values.begin() + (rank - 1), values.end());
+  return values[static_cast<size_t>(rank - 1)];
+}
+
+int64_t kv_conformal_rank(int64_t n, double coverage) {
+  // Less a hair, so that e.g. 33 x 0.9 = 29.700000000000003 stays 30 and 10 x 0.9 stays 9.
+  return static_cast<int64_t>(std::ceil(static_cast<double>(n + 1) * coverage - 1e-9));
+}
+
+int64_t kv_conformal_min_documents(double coverage) {
+  return static_cast<int64_t>(std::ceil(coverage / (1 - coverage) - 1e-9));
+}
+
+std::string kv_weights_fingerprint(Transformer& model) {
+  torch::NoGradGuard no_grad;
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64, fed byte by byte
+  auto feed = [&h](const void* data, size_t bytes) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  };
+  for (const auto& item : model->named_parameters()) {
+    const torch::Tensor t = item.value().detach().to(torch::kCPU, torch::kFloat).contiguous();
+    const std::string head = fmt::format("{}:{}|", item.key(), fmt::join(t.sizes(), ","));
+    feed(head.data(), head.size());
+    feed(t.data_ptr(), static_cast<size_t>(t.numel()) * sizeof(float));
+  }
+  return fmt::format("{:016x}", h);
+}
+
+std::string kv_check_calibration_weights(const KvCalibration& c, const std::string& weights, const std::string& path) {
+  if (c.weights.empty()) {
+    return fmt::format("KV calibration '{}' records no weights fingerprint (written before 2026-12-06): it cannot be "
+                       "checked against this checkpoint's model; run dcp kv-calibrate again to tie it",
+                       path);
+  }
+  if (c.weights != weights) {
+    throw std::runtime_error(fmt::format("KV calibration '{}' was made for other weights (fingerprint {}, checkpoint "
+                                         "'{}'); this checkpoint's are {}: run dcp kv-calibrate on this checkpoint",
+                                         path, c.weights, c.checkpoint, weights));
+  }
+  return "";
+}
+
+std::vector<std::string> kv_calibration_overlap(const KvCalibration& c, const std::vector<KvEvalDocument>& documents) {
+  std::vector<std::string> out;
+  for (const auto& d : documents) {
+    const std::string file = kv_source_file(d.source);
+    if (std::binary_search(c.sources.begin(), c.sources.end(), file)) out.push_back(file);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
 }
 
 std::string kv_calibration_path(const std::string& checkpoint) {

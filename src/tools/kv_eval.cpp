@@ -25,7 +25,7 @@ std::shared_ptr<KvPolicy> row_policy(const std::string& policy, double budget) {
   if (spec.name == "full") return make_kv_policy(spec.name, spec.options);
   for (const char* key : {"budget", "max_tokens"}) {
     if (spec.options.count(key) != 0) {
-      throw std::invalid_argument(fmt::format("kv-eval: policy '{}' sets {}; budgets come from the budget list",
+      throw std::invalid_argument(fmt::format("KV evaluation: policy '{}' sets {}; budgets come from the budget list",
                                               policy, key));
     }
   }
@@ -63,7 +63,7 @@ class RecordingFullCache : public KvPolicy {
  private:
   const torch::Tensor& recorded(const std::vector<torch::Tensor>& v, int64_t layer) const {
     if (layer < 0 || layer >= static_cast<int64_t>(v.size())) {
-      throw std::logic_error(fmt::format("kv-eval: the reference run recorded no queries of layer {}", layer));
+      throw std::logic_error(fmt::format("KV evaluation: the reference run recorded no queries of layer {}", layer));
     }
     return v[static_cast<size_t>(layer)];
   }
@@ -98,7 +98,7 @@ struct DocRun {
 DocRun run_document(Transformer& model, const KvEvalDocument& doc, const KvEvalOptions& o,
                     const std::shared_ptr<KvPolicy>& policy) {
   if (static_cast<int64_t>(doc.tokens.size()) < o.context + o.continuation + 1) {
-    throw std::invalid_argument(fmt::format("kv-eval: document '{}' has {} tokens, fewer than context {} + "
+    throw std::invalid_argument(fmt::format("KV evaluation: document '{}' has {} tokens, fewer than context {} + "
                                             "continuation {} + 1",
                                             doc.source, doc.tokens.size(), o.context, o.continuation));
   }
@@ -127,7 +127,7 @@ DocRun run_document(Transformer& model, const KvEvalDocument& doc, const KvEvalO
     r.correct += logits.argmax().item<int64_t>() == target;
   }
   if (!std::isfinite(nats)) {
-    throw std::runtime_error(fmt::format("kv-eval: non-finite log-probability on document '{}' (the model's "
+    throw std::runtime_error(fmt::format("KV evaluation: non-finite log-probability on document '{}' (the model's "
                                          "logits are not finite)",
                                          doc.source));
   }
@@ -230,7 +230,7 @@ const char* kv_target_set_option(const KvPolicyOptions& options) {
 std::shared_ptr<KvPolicy> kv_eval_target_policy(const KvEvalTarget& t) {
   KvPolicySpec spec = parse_kv_policy_spec(t.policy);
   if (const char* key = kv_target_set_option(spec.options)) {
-    throw std::invalid_argument(fmt::format("kv-eval: error-target policy '{}' sets {}; the target sets it", t.policy,
+    throw std::invalid_argument(fmt::format("KV evaluation: error-target policy '{}' sets {}; the target sets it", t.policy,
                                             key));
   }
   spec.options["max_rel_error"] = t.max_rel_error;
@@ -248,10 +248,10 @@ void kv_check_calibration_policy(const KvEvalTarget& t, const std::string& path)
 }
 
 void KvEvalOptions::validate() const {
-  if (policies.empty()) throw std::invalid_argument("kv-eval: no policy given");
-  if (budgets.empty()) throw std::invalid_argument("kv-eval: no budget given");
+  if (policies.empty()) throw std::invalid_argument("KV evaluation: no policy given");
+  if (budgets.empty()) throw std::invalid_argument("KV evaluation: no budget given");
   for (double b : budgets) {
-    if (!(b > 0 && b <= 1)) throw std::invalid_argument(fmt::format("kv-eval: budget {} outside (0, 1]", b));
+    if (!(b > 0 && b <= 1)) throw std::invalid_argument(fmt::format("KV evaluation: budget {} outside (0, 1]", b));
   }
   const std::pair<const char*, int64_t> counts[] = {{"context", context},
                                                     {"continuation", continuation},
@@ -259,33 +259,33 @@ void KvEvalOptions::validate() const {
                                                     {"chunk_tokens", chunk_tokens},
                                                     {"bootstrap_resamples", bootstrap_resamples}};
   for (const auto& [name, v] : counts) {
-    if (v < 1) throw std::invalid_argument(fmt::format("kv-eval: {} {} must be >= 1", name, v));
+    if (v < 1) throw std::invalid_argument(fmt::format("KV evaluation: {} {} must be >= 1", name, v));
   }
-  if (chunk_pairs < 0) throw std::invalid_argument(fmt::format("kv-eval: chunk_pairs {} must be >= 0", chunk_pairs));
+  if (chunk_pairs < 0) throw std::invalid_argument(fmt::format("KV evaluation: chunk_pairs {} must be >= 0", chunk_pairs));
   if (head_ablation && context <= kKvAblationSinks + kKvAblationRecent) {
-    throw std::invalid_argument(fmt::format("kv-eval: head ablation keeps {} + {} entries per head: context {} must "
+    throw std::invalid_argument(fmt::format("KV evaluation: head ablation keeps {} + {} entries per head: context {} must "
                                             "be longer for the cut to remove anything",
                                             kKvAblationSinks, kKvAblationRecent, context));
   }
   // A repeated row would only cost time; bad names and options fail before any document runs.
   if (const auto p = kv_first_repeat(policies); p != policies.end()) {
-    throw std::invalid_argument(fmt::format("kv-eval: policy '{}' is given twice", *p));
+    throw std::invalid_argument(fmt::format("KV evaluation: policy '{}' is given twice", *p));
   }
   if (const auto b = kv_first_repeat(budgets); b != budgets.end()) {
-    throw std::invalid_argument(fmt::format("kv-eval: budget {} is given twice", *b));
+    throw std::invalid_argument(fmt::format("KV evaluation: budget {} is given twice", *b));
   }
   for (const auto& p : policies) {
     for (double b : budgets) row_policy(p, b);
   }
   for (const auto& t : targets) {
     if (!(t.max_rel_bpb > 0) || !(t.max_rel_error > 0)) {
-      throw std::invalid_argument(fmt::format("kv-eval: error target {} with max_rel_error {}: both must be > 0",
+      throw std::invalid_argument(fmt::format("KV evaluation: error target {} with max_rel_error {}: both must be > 0",
                                               t.max_rel_bpb, t.max_rel_error));
     }
     kv_eval_target_policy(t);
   }
   if (!paired_against.empty() && std::find(policies.begin(), policies.end(), paired_against) == policies.end()) {
-    throw std::invalid_argument(fmt::format("kv-eval: paired_against '{}' is not among the policies", paired_against));
+    throw std::invalid_argument(fmt::format("KV evaluation: paired_against '{}' is not among the policies", paired_against));
   }
 }
 
@@ -296,7 +296,7 @@ std::string kv_source_file(const std::string& source) {
 
 std::vector<int64_t> kv_eval_split(const Corpus& corpus, const std::vector<int64_t>& ids, const std::string& side) {
   if (side != "calibration" && side != "evaluation") {
-    throw std::invalid_argument(fmt::format("kv-eval: split '{}' is neither calibration nor evaluation", side));
+    throw std::invalid_argument(fmt::format("KV evaluation: split '{}' is neither calibration nor evaluation", side));
   }
   const bool want_calibration = side == "calibration";
   std::vector<int64_t> out;
@@ -312,7 +312,7 @@ std::vector<int64_t> kv_eval_split(const Corpus& corpus, const std::vector<int64
 KvEvalSource kv_eval_source(const DataConfig& data_config, const std::string& data_path, const std::string& half,
                             Corpus& corpus) {
   if (!half.empty() && half != "calibration" && half != "evaluation") {
-    throw std::invalid_argument(fmt::format("kv-eval: --split '{}' must be calibration or evaluation (or absent)", half));
+    throw std::invalid_argument(fmt::format("KV evaluation: --split '{}' must be calibration or evaluation (or absent)", half));
   }
   DataConfig data = data_config;
   const bool own = data_path.empty();
@@ -352,7 +352,7 @@ KvEvalDocuments choose_kv_eval_documents(const Corpus& corpus, const std::vector
   out.too_short = out.available - static_cast<int64_t>(eligible.size());
   if (eligible.empty()) {
     throw std::invalid_argument(fmt::format(
-        "kv-eval: none of the {} documents has the {} tokens needed (context {} + continuation {} + 1, BOS "
+        "KV evaluation: none of the {} documents has the {} tokens needed (context {} + continuation {} + 1, BOS "
         "included); the longest has {} (documents are cut at the checkpoint's data.max_seq_len)",
         out.available, out.required_tokens, o.context, o.continuation, longest));
   }
@@ -376,7 +376,7 @@ KvEvalDocuments choose_kv_eval_documents(const Corpus& corpus, const std::vector
 KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& documents,
                          const KvEvalOptions& o, const std::function<void(int64_t, int64_t)>& on_document) {
   o.validate();
-  if (documents.empty()) throw std::invalid_argument("kv-eval: no document to evaluate");
+  if (documents.empty()) throw std::invalid_argument("KV evaluation: no document to evaluate");
   model->eval();
   torch::NoGradGuard no_grad;
   const int64_t layers = model->cfg.n_layers, heads = model->cfg.kv_heads();
@@ -399,7 +399,7 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
     for (int64_t l = 0; l < layers; ++l) {
       const torch::Tensor& pos = recorder->positions(l);
       if (pos.numel() != o.continuation || pos[0].item<int64_t>() != o.context) {
-        throw std::logic_error(fmt::format("kv-eval: layer {} recorded {} queries from position {}, expected {} "
+        throw std::logic_error(fmt::format("KV evaluation: layer {} recorded {} queries from position {}, expected {} "
                                            "from {}",
                                            l, pos.numel(), pos.numel() ? pos[0].item<int64_t>() : -1,
                                            o.continuation, o.context));

@@ -190,6 +190,7 @@ TEST(CliKvEval, UsageErrorsExit2NamingTheValue) {
       {{"--out", "/proc/kv/report"}, "--out '/proc/kv/report': cannot write"},
       {{"--max-rel-bpb", "0.01,0.01"}, "--max-rel-bpb: target 0.01 is given twice"},
       {{"--calibration", "x.json"}, "--calibration requires --max-rel-bpb"},
+      {{"--out", ""}, "--out: must not be empty"},
   };
   int i = 0;
   for (const auto& [extra, message] : cases) {
@@ -229,7 +230,7 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   };
   const auto [code, log] = spawn({DCP_BINARY, "kv-calibrate", "--checkpoint", ckpt.string(), "--data.path",
                                   setup().corpus.string(), "--split", "all", "--context", "128", "--continuation",
-                                  "32", "--grid", "0.5,0.02", "--targets", "1,0.01"},
+                                  "32", "--grid", "0.5,0.02", "--targets", "1,0.01", "--coverage", "0.8"},
                                  "calibrate");
   ASSERT_EQ(code, 0) << log;
   EXPECT_NE(log.find("| max_rel_error | mean rel bpb increase |"), std::string::npos) << log;
@@ -257,11 +258,23 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   const std::vector<std::string> eval = {DCP_BINARY, "kv-eval", "--checkpoint", ckpt.string(), "--data.path",
                                          setup().corpus.string(), "--context", "128", "--continuation", "32",
                                          "--policies", "full", "--budgets", "1"};
+  EXPECT_EQ(cal["weights"].get<std::string>().size(), 16u) << cal.dump();
+  ASSERT_FALSE(cal["sources"].empty()) << cal.dump();
+  // The calibration used every document (--split all): evaluating them again is not a held-out check, refused
+  // before the model loads unless asked for, and then said in the report.
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = eval;
+    a.push_back("--allow-calibration-overlap");
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
+  {
+    std::vector<std::string> a = eval;
+    a.insert(a.end(), {"--max-rel-bpb", "1", "--split", "all"});
+    const auto [code2, log2] = spawn(a, "eval_overlap");
+    EXPECT_EQ(code2, 2) << log2;
+    EXPECT_NE(log2.find("were calibration documents of '" + file.string() + "'"), std::string::npos) << log2;
+  }
   const auto [ecode, elog] = spawn(with({"--max-rel-bpb", "1", "--json"}), "eval_target");
   ASSERT_EQ(ecode, 0) << elog;
   const size_t start = elog.find("\n{");
@@ -275,6 +288,33 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   EXPECT_GE(row["within_target"].get<double>(), 0.0);
   EXPECT_LE(row["within_target"].get<double>(), 1.0);
   EXPECT_NE(j["calibration"].get<std::string>().find("kv_calibration.json"), std::string::npos);
+  EXPECT_NE(j["calibration"].get<std::string>().find("**Not held out**"), std::string::npos) << j["calibration"];
+  // A calibration of other weights is refused (exit 1) naming both fingerprints; one without a fingerprint or
+  // sources (written before they were recorded) runs with a warning.
+  nlohmann::json other = cal;
+  other["weights"] = "0123456789abcdef";
+  const std::string other_file = (dir / "other_weights.json").string();
+  std::ofstream(other_file) << other.dump(2);
+  const auto [wcode, wlog] = spawn(with({"--max-rel-bpb", "1", "--calibration", other_file}), "eval_other_weights");
+  EXPECT_EQ(wcode, 1) << wlog;
+  EXPECT_NE(wlog.find("was made for other weights (fingerprint 0123456789abcdef"), std::string::npos) << wlog;
+  nlohmann::json old_file = cal;
+  old_file.erase("weights");
+  old_file.erase("sources");
+  const std::string old_path = (dir / "old_format.json").string();
+  std::ofstream(old_path) << old_file.dump(2);
+  const auto [ocode2, olog2] = spawn(with({"--max-rel-bpb", "1", "--calibration", old_path}), "eval_old_format");
+  EXPECT_EQ(ocode2, 0) << olog2;
+  EXPECT_NE(olog2.find("records no weights fingerprint"), std::string::npos) << olog2;
+  EXPECT_NE(olog2.find("records no source files"), std::string::npos) << olog2;
+  // A choice no kv-calibrate grid can hold is a bad file.
+  nlohmann::json huge = cal;
+  huge["choices"][0]["max_rel_error"] = 1e300;
+  const std::string huge_path = (dir / "huge.json").string();
+  std::ofstream(huge_path) << huge.dump(2);
+  const auto [hcode, hlog] = spawn(with({"--max-rel-bpb", "1", "--calibration", huge_path}), "eval_huge");
+  EXPECT_EQ(hcode, 1) << hlog;
+  EXPECT_NE(hlog.find("must lie in [0, 1e6]"), std::string::npos) << hlog;
 
   const auto [bcode, blog] = spawn(with({"--max-rel-bpb", "0.001"}), "eval_below");
   EXPECT_EQ(bcode, 2) << blog;
@@ -314,7 +354,9 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   for (const auto& [extra, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--policy", "window"}, "kv-calibrate: --policy window: only minimax takes an error target"},
            {{"--grid", "0.1,0.1"}, "kv-calibrate: grid value 0.1 is given twice"},
-           {{"--out", (dir / "no_such_folder" / "cal.json").string()}, "kv-calibrate: --out"}}) {
+           {{"--out", (dir / "no_such_folder" / "cal.json").string()}, "kv-calibrate: --out"},
+           {{"--out", ""}, "must not be empty"},
+           {{"--max-docs", "3"}, "3 documents cannot bound coverage 0.9 (split conformal needs at least 9)"}}) {
     std::vector<std::string> args{DCP_BINARY, "kv-calibrate", "--checkpoint", ckpt.string(), "--data.path",
                                   setup().corpus.string(), "--split", "all", "--context", "128", "--continuation", "32"};
     args.insert(args.end(), extra.begin(), extra.end());

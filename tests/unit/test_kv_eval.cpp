@@ -206,6 +206,62 @@ TEST(KvCalibration, ChoosesTheLargestErrorBoundWithinEachTargetAndRoundTrips) {
             std::string::npos);
 }
 
+// Split conformal's rank ceil((n + 1) coverage), by hand; +inf when it exceeds n.
+TEST(KvCalibration, ConformalBoundIsTheCeilNPlusOneCoverageSmallest) {
+  std::vector<double> ten{10, 9, 8, 7, 6, 5, 4, 3, 2, 1};
+  EXPECT_EQ(kv_conformal_bound(ten, 0.9), 10);  // ceil(11 x 0.9) = 10
+  EXPECT_EQ(kv_conformal_bound(ten, 0.8), 9);   // ceil(8.8) = 9
+  EXPECT_EQ(kv_conformal_bound(ten, 0.5), 6);   // ceil(5.5) = 6
+  std::vector<double> n32(32);
+  for (size_t i = 0; i < n32.size(); ++i) n32[i] = static_cast<double>(31 - i);
+  EXPECT_EQ(kv_conformal_bound(n32, 0.9), 29);  // ceil(33 x 0.9) = 30th smallest of 0..31
+  EXPECT_TRUE(std::isinf(kv_conformal_bound({1, 2, 3}, 0.9)));
+  EXPECT_EQ(kv_conformal_min_documents(0.9), 9);
+  EXPECT_EQ(kv_conformal_min_documents(0.8), 4);
+  EXPECT_TRUE(std::isinf(kv_conformal_bound(std::vector<double>(8, 0.0), 0.9)));
+  EXPECT_EQ(kv_conformal_bound(std::vector<double>(9, 0.0), 0.9), 0.0);
+  EXPECT_NE(error_of([] { kv_conformal_bound({1}, 1.0); }).find("coverage 1 must lie in (0, 1)"), std::string::npos);
+}
+
+// A calibration is tied to its model by the weights fingerprint and to its documents by their source files.
+TEST(KvCalibration, RecordsTheWeightsAndSourcesAndRefusesOtherWeights) {
+  Transformer a = dcp::test::sharp_model(3), b = dcp::test::sharp_model(3), c = dcp::test::sharp_model(4);
+  const std::string fa = kv_weights_fingerprint(a);
+  EXPECT_EQ(fa.size(), 16u);
+  EXPECT_EQ(kv_weights_fingerprint(b), fa);  // the same weights
+  EXPECT_NE(kv_weights_fingerprint(c), fa);
+  {
+    torch::NoGradGuard no_grad;
+    b->parameters()[0].view(-1)[0].add_(1e-3f);  // one weight changed
+  }
+  EXPECT_NE(kv_weights_fingerprint(b), fa);
+  KvCalibration cal;
+  cal.checkpoint = "ckpt";
+  cal.weights = fa;
+  cal.sources = {"x/a.py", "x/b.py"};
+  cal.choices = {{0.01, 0.02, 0.006, 0.6}};
+  const KvCalibration back = kv_calibration_from_json(kv_calibration_json(cal), "test");
+  EXPECT_EQ(back.weights, fa);
+  EXPECT_EQ(back.sources, cal.sources);
+  EXPECT_EQ(kv_check_calibration_weights(back, fa, "f.json"), "");
+  EXPECT_NE(error_of([&] { kv_check_calibration_weights(back, kv_weights_fingerprint(c), "f.json"); })
+                .find("KV calibration 'f.json' was made for other weights (fingerprint " + fa + ", checkpoint 'ckpt')"),
+            std::string::npos);
+  KvCalibration old = back;
+  old.weights.clear();
+  EXPECT_NE(kv_check_calibration_weights(old, fa, "f.json").find("records no weights fingerprint"), std::string::npos);
+  // Overlap by source file: a document of a file the calibration used, whatever its part (#k).
+  std::vector<KvEvalDocument> docs(3);
+  docs[0].source = "x/b.py#2";
+  docs[1].source = "x/c.py";
+  docs[2].source = "x/b.py";
+  EXPECT_EQ(kv_calibration_overlap(back, docs), std::vector<std::string>{"x/b.py"});
+  // A choice no kv-calibrate grid could hold is a bad file.
+  nlohmann::json j = kv_calibration_json(cal);
+  j["choices"][0]["max_rel_error"] = 1e300;
+  EXPECT_NE(error_of([&] { kv_calibration_from_json(j, "f.json"); }).find("must lie in [0, 1e6]"), std::string::npos);
+}
+
 TEST(KvAttentionRelErr, ZeroForTheSameEntriesPositiveWhenEvictedAndBiasCountsCopies) {
   const KvHeadView full = random_view(40, 16, 1);
   const torch::Tensor q = torch::randn({5, 16}) * 2;

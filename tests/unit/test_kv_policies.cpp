@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dcp/config.h"
@@ -116,6 +117,29 @@ TEST(KvPolicies, CompressedDecodeStaysWithinBudgetAndChangesTheLogits) {
     }
     const torch::Tensor got = session_logits(model, tokens, 50, make_kv_policy(name, {{"budget", 0.5}, {"interval", 1}}));
     EXPECT_GT((got - full).abs().max().item<double>(), 1e-4) << name << ": evicting half the cache changed nothing";
+  }
+}
+
+// What each policy keeps whatever its budget (the serve reservation's floor), from its definition: sinks for window
+// and expected-attention, the newest entry for tova, nothing beyond the budget for h2o's recent share, snapkv's
+// window and keydiff, minimax's sinks and max(64, recent_tokens).
+TEST(KvPolicies, ProtectedEntriesAreWhatEachDefinitionKeepsWhateverTheBudget) {
+  const std::vector<std::tuple<std::string, KvPolicyOptions, int64_t>> cases{
+      {"full", {}, 0},
+      {"window", {}, 4},
+      {"window", {{"n_sink", 9}}, 9},
+      {"h2o", {}, 0},
+      {"snapkv", {{"window", 200}}, 0},
+      {"tova", {}, 1},
+      {"expected-attention", {{"n_sink", 7}}, 7},
+      {"keydiff", {}, 0},
+      {"adakv-snapkv", {}, 0},
+      {"adakv-tova", {}, 1},
+      {"adakv-expected-attention", {}, 4},
+      {"minimax", {}, 4 + 64},
+      {"minimax", {{"recent_tokens", 100}, {"n_sink", 2}}, 2 + 100}};
+  for (const auto& [name, options, expected] : cases) {
+    EXPECT_EQ(make_kv_policy(name, options)->protected_entries(), expected) << name << " " << options.size();
   }
 }
 

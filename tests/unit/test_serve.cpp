@@ -139,6 +139,7 @@ class PeakRecorder : public KvPolicy {
     inner_->after_layer(cache, layer, step);
   }
   KvObservationNeeds needs() const override { return inner_->needs(); }
+  int64_t protected_entries() const override { return inner_->protected_entries(); }
   int64_t peak = 0;
 
  private:
@@ -179,10 +180,17 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
   const int64_t chunk = 16;
   const std::vector<std::pair<std::string, KvPolicyOptions>> policies{
       {"window", {}}, {"snapkv", {}}, {"minimax", {}}, {"minimax", {{"recent_tokens", 40}}},
-      {"minimax", {{"recent_tokens", 150}}}, {"minimax", {{"recent_fraction", 1}, {"n_sink", 8}}}, {"h2o", {}}};
-  for (const auto& [name, options] : policies) {
-    for (double budget : {0.25, 0.5, 0.9, 20.0}) {
-      for (int64_t prompt : {1, 15, 16, 17, 100, 230}) {
+      {"minimax", {{"recent_tokens", 150}}}, {"minimax", {{"recent_fraction", 1}, {"n_sink", 8}}}, {"h2o", {}},
+      // Every scorer's KvPolicy::protected_entries(), large sinks included, on fewer cases each.
+      {"window", {{"n_sink", 40}}}, {"tova", {}}, {"expected-attention", {{"n_sink", 30}}}, {"keydiff", {}},
+      {"adakv-expected-attention", {{"n_sink", 30}}}};
+  for (size_t i = 0; i < policies.size(); ++i) {
+    const auto& [name, options] = policies[i];
+    const bool few = i >= 7;
+    const std::vector<double> budgets = few ? std::vector<double>{0.25, 20.0} : std::vector<double>{0.25, 0.5, 0.9, 20.0};
+    const std::vector<int64_t> prompts = few ? std::vector<int64_t>{1, 17, 230} : std::vector<int64_t>{1, 15, 16, 17, 100, 230};
+    for (double budget : budgets) {
+      for (int64_t prompt : prompts) {
         for (int64_t max_tokens : {1, 70}) {
          for (int64_t pairs : {0, 200}) {  // tokens only; chunks of 14 at first, single tokens from 100 on
           SCOPED_TRACE(fmt::format("{}@{} ({} options) prompt {} max_tokens {} chunk_pairs {}", name, budget,
@@ -196,7 +204,7 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
           g.compresses = true;
           g.ratio = budget <= 1 ? budget : 1;
           g.max_entries = budget <= 1 ? 0 : static_cast<int64_t>(budget);
-          g.protect = serve::kv_protected_entries(name, options);
+          g.protect = recorder->protected_entries();
           const int64_t reserved = serve::kv_peak_entries(prompt, max_tokens, chunk, pairs, 3, g) * 4 *
                                    session.cache().entry_bytes();
           EXPECT_LE(recorder->peak, reserved);

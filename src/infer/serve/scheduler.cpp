@@ -96,19 +96,6 @@ int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk
   return peak;
 }
 
-int64_t kv_protected_entries(const std::string& policy, const std::map<std::string, double>& options) {
-  auto option = [&](const char* key, double fallback) {
-    const auto it = options.find(key);
-    return it == options.end() ? fallback : it->second;
-  };
-  // minimax: its sinks and recent entries sit outside the layer's pool, so short contexts hold more than the
-  // budget; 64 bounds that below recent_tokens 64 (KvReservation.NoSessionHoldsMoreThanItsReservation).
-  if (policy == "minimax") {
-    return static_cast<int64_t>(option("n_sink", 4) + std::max(64.0, option("recent_tokens", 0)));
-  }
-  return static_cast<int64_t>(option("n_sink", 4) + option("window", 64));
-}
-
 int64_t Scheduler::reservation(const CompletionRequest& r, const KvPolicy& policy) const {
   if (recurrent_) return state_bytes_;  // whatever the prompt and max_tokens
   KvGrowth g;
@@ -121,7 +108,7 @@ int64_t Scheduler::reservation(const CompletionRequest& r, const KvPolicy& polic
     // make_kv_policy_with_budget: a fraction, or (>= 2) a number of entries per head at fraction 1.
     g.ratio = r.kv_budget <= 1 ? r.kv_budget : 1.0;
     g.max_entries = static_cast<int64_t>(r.kv_budget <= 1 ? option("max_tokens", 0) : r.kv_budget);
-    g.protect = kv_protected_entries(r.kv_policy, r.kv_options);
+    g.protect = policy.protected_entries();
     g.interval = std::max<int64_t>(1, static_cast<int64_t>(option("interval", static_cast<double>(kKvDefaultInterval))));
     g.by_layer = policy.compresses_by_layer();
   }

@@ -54,17 +54,10 @@ struct KvGrowth {
   bool compresses = false;  ///< false: policy full, every token kept
   double ratio = 1;         ///< the kept fraction of the tokens seen (KvBudget::per_head)
   int64_t max_entries = 0;  ///< a cap on the entries per head (a kv_budget >= 2, or the option max_tokens); 0 = none
-  int64_t protect = 0;      ///< entries a policy never evicts (kv_protected_entries)
+  int64_t protect = 0;      ///< entries a policy keeps whatever its budget (KvPolicy::protected_entries)
   int64_t interval = 64;    ///< decoding compresses when the next position is a multiple of it
   bool by_layer = true;     ///< the policy compresses layer by layer inside the forward (compresses_by_layer)
 };
-
-/// The entries per head a compressing policy keeps whatever its budget, from its name and its request's options
-/// (absent ones at their defaults): minimax's sinks and max(64, recent_tokens) (its `window` counts observed
-/// queries and protects no entry; 64 bounds what its sinks and recent share hold beyond a short context's budget);
-/// every other policy's sinks and observation window (4 + 64, the largest defaults among them: snapkv's window, a
-/// conservative bound for the rest).
-int64_t kv_protected_entries(const std::string& policy, const std::map<std::string, double>& options);
 
 /// The most cache entries, summed over the `layers` layers of one KV head, that a session holds at any moment:
 /// `prompt_tokens` (BOS included) prefilled in chunks of prefill_chunk_length(seen, left, chunk_tokens,

@@ -29,6 +29,7 @@ class ExpectedAttentionScorer : public KvScorer {
   }
   torch::Tensor score(const KvCache& cache, const KvObservations* observations, int64_t layer, int64_t head,
                       int64_t budget) const override;
+  int64_t protected_entries() const override { return n_sink_; }
 
  private:
   int64_t n_future_, n_sink_;

@@ -73,11 +73,11 @@ at::Generator generator(uint64_t seed, int64_t layer, int64_t head, int64_t posi
   return at::make_generator<at::CPUGeneratorImpl>(h);
 }
 
-// Newest entries kept exact: with an error target, recent_tokens (64 when 0); else at least recent_tokens and
+// Newest entries kept exact: with an error target, recent_tokens (kMinimaxTargetRecentTokens when 0); else at least recent_tokens and
 // recent_fraction of the head's budget, that share at most what the budget leaves beside the sinks (so a
 // recent_fraction near 1 does not keep n_sink entries over the budget; recent_tokens may, as documented).
 int64_t recent_entries(const MinimaxOptions& o, int64_t per_head) {
-  if (o.max_rel_error > 0) return o.recent_tokens > 0 ? o.recent_tokens : 64;
+  if (o.max_rel_error > 0) return o.recent_tokens > 0 ? o.recent_tokens : kMinimaxTargetRecentTokens;
   const auto share = static_cast<int64_t>(std::ceil(o.recent_fraction * static_cast<double>(per_head)));
   return std::max(o.recent_tokens, std::min(share, std::max<int64_t>(0, per_head - o.n_sink)));
 }

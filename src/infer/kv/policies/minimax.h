@@ -4,6 +4,7 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -27,6 +28,11 @@ struct KvHeadRisk {
   int64_t abstentions = 0;  ///< blocks of the head judged incompressible so far in the sequence
 };
 
+/// The newest entries an error target keeps exact per head when recent_tokens is 0: 16, chosen on the calibration
+/// split against 32 and 64 (the default before 2026-12-06) for the smallest cache at the chosen points of targets
+/// 0.005, 0.01 and 0.02 (bench/results/cpu2_202612_kv_error_targets_recent_calibration.md).
+constexpr int64_t kMinimaxTargetRecentTokens = 16;
+
 /// Options of the minimax policy (make_kv_policy("minimax", ...) documents the names and defaults).
 struct MinimaxOptions {
   KvBudget budget{1.0, 64, 0};
@@ -38,7 +44,7 @@ struct MinimaxOptions {
   int64_t probes = 48;           ///< needle probes: block entries sampled for the compressibility estimate
   int64_t n_sink = 4;            ///< the first positions stay exact
   double recent_fraction = 0.25; ///< share of the head's budget kept as the exact newest entries
-  int64_t recent_tokens = 0;     ///< newest entries kept exact at least (with max_rel_error: 0 = 64)
+  int64_t recent_tokens = 0;     ///< newest entries kept exact at least (with max_rel_error: 0 = kMinimaxTargetRecentTokens)
   double alpha_safeguard = 0.2;  ///< per-head floor of the budget allocation (Ada-KV's)
   double abstain_tail = 0.5;     ///< a block is incompressible when its spectral tail exceeds this (>= 1: never)
   double abstain_heldout = 0;    ///< ... or its held-out relative error exceeds this (0: not computed)
@@ -100,6 +106,13 @@ class MinimaxKvPolicy : public KvPolicy {
   void reset() override;
   /// The heads with at least one block judged incompressible in this sequence.
   std::vector<std::pair<int64_t, int64_t>> abstained_heads() const override;
+  /// n_sink + max(64, recent_tokens): the sinks and the recent window sit outside the layer's pool, so a short
+  /// context holds more than its budget's share; 64 bounds that when recent_tokens is below 64 (checked against
+  /// the bytes sessions hold by KvReservation.NoSessionHoldsMoreThanItsReservation). With exceed_budget an
+  /// incompressible block may hold more still (docs/serve.md counts such sessions).
+  int64_t protected_entries() const override {
+    return options_.n_sink + std::max<int64_t>(64, options_.recent_tokens);
+  }
   /// One per (layer, head), layer-major, as of the latest compression that gave the head a block (empty before
   /// the first).
   const std::vector<KvHeadRisk>& risks() const { return risks_; }

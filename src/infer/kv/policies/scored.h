@@ -21,6 +21,7 @@ class ScoredKvPolicy : public KvPolicy {
   bool compresses_by_layer() const override { return true; }
   void after_layer(KvCache& cache, int64_t layer, const KvStep& step) override;
   KvObservationNeeds needs() const override { return scorer_->needs(); }
+  int64_t protected_entries() const override { return scorer_->protected_entries(); }
 
  private:
   std::shared_ptr<const KvScorer> scorer_;

@@ -23,6 +23,9 @@ class KvScorer {
   /// them throws std::invalid_argument when they are null or hold no queries of `layer` yet.
   virtual torch::Tensor score(const KvCache& cache, const KvObservations* observations, int64_t layer, int64_t head,
                               int64_t budget) const = 0;
+  /// The entries of a head this scorer protects whatever the budget (sinks, the newest entry); 0 when what it
+  /// protects is sized inside the budget (H2O's recent share, SnapKV's window) or it protects nothing.
+  virtual int64_t protected_entries() const { return 0; }
 };
 
 /// When a policy compresses and how much: keep a budget ratio in (0, 1] of the tokens seen, at most max_tokens

@@ -19,6 +19,7 @@ class TovaScorer : public KvScorer {
   KvObservationNeeds needs() const override { return {0, true}; }
   torch::Tensor score(const KvCache& cache, const KvObservations* observations, int64_t layer, int64_t head,
                       int64_t budget) const override;
+  int64_t protected_entries() const override { return 1; }  // the newest entry
 };
 
 }  // namespace dcp

@@ -20,6 +20,7 @@ class WindowScorer : public KvScorer {
   explicit WindowScorer(int64_t n_sink) : n_sink_(n_sink) {}
   torch::Tensor score(const KvCache& cache, const KvObservations*, int64_t layer, int64_t head,
                       int64_t budget) const override;
+  int64_t protected_entries() const override { return n_sink_; }
 
  private:
   int64_t n_sink_;
