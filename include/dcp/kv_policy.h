@@ -47,7 +47,8 @@ class KvPolicy {
   /// The (layer, head) pairs the policy keeps exact because it judged their context incompressible (minimax's
   /// abstention, dcp/kv_policies.h), in layer-major order; empty for a policy that never abstains.
   virtual std::vector<std::pair<int64_t, int64_t>> abstained_heads() const { return {}; }
-  /// The entries per (layer, KV head) a compression keeps whatever its budget (protected entries, docs/glossary.md):
+  /// The entries per (layer, KV head) a compression keeps whatever its budget (the protected entries beyond it,
+  /// docs/glossary.md "protected entry"):
   /// after a compression over s tokens a head holds at most min(s, max(its budget's share, protected_entries())).
   /// The serve scheduler reserves memory by it (serve::kv_peak_entries). 0 (the default): the budget alone.
   virtual int64_t protected_entries() const { return 0; }

@@ -81,7 +81,7 @@ void run(const KvCalibrateCli& cli) {
              "{}, policy {}, {} threads, 1-minute load average {:.2f} at the start, {:.2f} at the end.\n\n",
              cli.checkpoint, m.description, c.documents, c.source_files, c.data_path, c.split, c.context,
              c.continuation, c.policy, m.threads, load_start, load_average_1min());
-  fmt::print("A target takes the largest max_rel_error whose conformal bound (the {}-th smallest of the {} documents' "
+  fmt::print("A target takes the largest max_rel_error whose conformal bound (rank {} from the smallest of the {} documents' "
              "increases: split conformal prediction, P(a new document's increase <= bound) >= {:g}) is within it.\n\n",
              kv_conformal_rank(c.documents, c.coverage), c.documents,
              c.coverage);

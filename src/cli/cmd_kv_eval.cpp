@@ -62,6 +62,7 @@ void run(const KvEvalCli& cli) {
   o.head_ablation = cli.head_ablation;
   o.paired_against = cli.paired_against;
   const Config cfg = load_checkpoint_config(cli.checkpoint);
+  check_kv_checkpoint(cli.checkpoint, cfg, "kv-eval");  // before the calibration and the corpus are read
   o.chunk_tokens = cli.chunk_tokens > 0 ? cli.chunk_tokens : cfg.kv.chunk_tokens;
   o.chunk_pairs = cfg.kv.chunk_pairs;  // the checkpoint's, as dcp generate and dcp serve use it
   std::string calibration_note;
@@ -90,8 +91,10 @@ void run(const KvEvalCli& cli) {
         path, cal.policy, cal.documents, cal.source_files, cal.data_path, cal.split, cal.context, cal.continuation,
         cal.date, cal.coverage);
     for (const auto& t : o.targets) {
-      calibration_note += fmt::format("max_rel_bpb {:g} -> max_rel_error {:g} (q90 {:+.2f}%, bytes {:.3f}); ",
-                                      t.max_rel_bpb, t.max_rel_error, 100 * t.calibrated_q90, t.calibrated_bytes_ratio);
+      calibration_note += fmt::format("max_rel_bpb {:g} -> max_rel_error {:g} (q{:g} {:+.2f}%, conformal bound "
+                                      "{:+.2f}%, bytes {:.3f}); ",
+                                      t.max_rel_bpb, t.max_rel_error, 100 * cal.coverage, 100 * t.calibrated_q90,
+                                      100 * t.calibrated_bound, t.calibrated_bytes_ratio);
     }
   }
   // Usage errors (a policy name or option, a count) exit 2 before the model and the corpus are loaded.
@@ -101,7 +104,6 @@ void run(const KvEvalCli& cli) {
     throw CLI::ValidationError(e.what());
   }
   if (!cli.out.empty()) check_kv_out_prefix(cli.out);
-  check_kv_checkpoint(cli.checkpoint, cfg, "kv-eval");  // before the corpus loads
 
   // The checkpoint's data config (max_seq_len cuts documents as in training); --data.path is read whole.
   Corpus corpus;
@@ -121,11 +123,16 @@ void run(const KvEvalCli& cli) {
       fmt::print(stderr, "kv-eval: warning: {}\n", w);
       calibration_note += "**Warning:** " + w + ". ";
     } else if (!overlap.empty() && !cli.allow_overlap) {
+      const std::string hint =
+          cal.split == "calibration"   ? "evaluate --split evaluation, its complement"
+          : cal.split == "evaluation" ? "evaluate --split calibration, its complement"
+                                      : fmt::format("the calibration used split '{}': calibrate again with --split "
+                                                    "calibration and evaluate --split evaluation",
+                                                    cal.split);
       throw CLI::ValidationError(fmt::format(
-          "--max-rel-bpb: {} of the evaluated documents' source files were calibration documents of '{}' (first: "
-          "'{}'), so the check would not be held out: evaluate another split (kv-calibrate takes --split "
-          "calibration by default, kv-eval --split evaluation is its complement) or pass --allow-calibration-overlap",
-          overlap.size(), path, overlap.front()));
+          "--max-rel-bpb: {} of the evaluated documents' source files {} calibration documents of '{}' (first: "
+          "'{}'), so the check would not be held out: {}, or pass --allow-calibration-overlap",
+          overlap.size(), overlap.size() == 1 ? "was one of the" : "were", path, overlap.front(), hint));
     } else if (!overlap.empty()) {
       calibration_note += fmt::format("**Not held out** (--allow-calibration-overlap): {} of the evaluated documents' "
                                       "source files were calibration documents. ",

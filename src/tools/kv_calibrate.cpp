@@ -118,7 +118,7 @@ nlohmann::json kv_calibration_json(const KvCalibration& c) {
                        {"bound", ch.bound},
                        {"bytes_ratio", ch.bytes_ratio}});
   }
-  return {{"format", "dcp-kv-calibration-1"},
+  nlohmann::json j = {{"format", "dcp-kv-calibration-1"},
           {"policy", c.policy},
           {"coverage", c.coverage},
           {"context", c.context},
@@ -129,10 +129,11 @@ nlohmann::json kv_calibration_json(const KvCalibration& c) {
           {"data_path", c.data_path},
           {"split", c.split},
           {"date", c.date},
-          {"weights", c.weights},
           {"sources", c.sources},
           {"grid", grid},
           {"choices", choices}};
+  if (!c.weights.empty()) j["weights"] = c.weights;  // absent: not checkable (an empty one is a bad file)
+  return j;
 }
 
 KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::string& what) {
@@ -160,7 +161,10 @@ KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::strin
   c.split = j.value("split", std::string());
   c.date = j.value("date", std::string());
   if (j.contains("weights")) {
-    if (!j["weights"].is_string()) throw fail("weights", "is not a string");
+    if (!j["weights"].is_string() || j["weights"].get<std::string>().empty()) {
+      throw fail("weights", fmt::format("is {}, not a fingerprint (leave the field out for a file without one)",
+                                        j["weights"].dump()));
+    }
     c.weights = j["weights"].get<std::string>();
   }
   if (j.contains("sources")) {
@@ -193,6 +197,9 @@ KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::strin
     ch.max_rel_error = number(p, "max_rel_error", at);
     ch.q90 = number(p, "q90", at);
     ch.bound = p.contains("bound") ? number(p, "bound", at) : ch.q90;
+    if (ch.max_rel_error > 0 && !(ch.bound <= ch.max_rel_bpb)) {
+      throw fail(at + "bound", fmt::format("{} exceeds the target {} it was chosen for", ch.bound, ch.max_rel_bpb));
+    }
     ch.bytes_ratio = number(p, "bytes_ratio", at);
     if (!(ch.max_rel_bpb > 0)) throw fail(at + "max_rel_bpb", fmt::format("{} must be > 0", ch.max_rel_bpb));
     // kv-calibrate's --grid takes values up to 1e6; a larger one is not a file it wrote.
@@ -225,7 +232,10 @@ int64_t kv_conformal_rank(int64_t n, double coverage) {
 }
 
 int64_t kv_conformal_min_documents(double coverage) {
-  return static_cast<int64_t>(std::ceil(coverage / (1 - coverage) - 1e-9));
+  // The smallest n whose rank is at most n, so that the two agree by construction (about c / (1 - c)).
+  int64_t n = 1;
+  while (kv_conformal_rank(n, coverage) > n) ++n;
+  return n;
 }
 
 std::string kv_weights_fingerprint(Transformer& model) {
@@ -300,14 +310,15 @@ KvEvalTarget kv_calibrated_target(const KvCalibration& c, double max_rel_bpb) {
                           use->max_rel_bpb)
             : "";
     throw std::invalid_argument(fmt::format("KV error target {}{}: on the calibration documents no max_rel_error of "
-                                            "the grid kept {:.0f}% of documents within {} (re-calibrate with a "
-                                            "finer grid)",
-                                            max_rel_bpb, fallback, 100 * c.coverage, use->max_rel_bpb));
+                                            "the grid had its conformal bound at coverage {:g} within {} "
+                                            "(re-calibrate with a finer grid or more documents)",
+                                            max_rel_bpb, fallback, c.coverage, use->max_rel_bpb));
   }
   KvEvalTarget t;
   t.max_rel_bpb = max_rel_bpb;
   t.max_rel_error = use->max_rel_error;
   t.calibrated_q90 = use->q90;
+  t.calibrated_bound = use->bound;
   t.calibrated_bytes_ratio = use->bytes_ratio;
   t.policy = c.policy;
   return t;

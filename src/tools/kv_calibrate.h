@@ -36,7 +36,8 @@ double kv_conformal_bound(std::vector<double> values, double coverage);
 /// kv_conformal_bound's rank among n values: ceil((n + 1) coverage) (may exceed n).
 int64_t kv_conformal_rank(int64_t n, double coverage);
 
-/// The fewest calibration documents whose conformal bound is finite at `coverage`: ceil(coverage / (1 - coverage)).
+/// The fewest calibration documents whose conformal bound is finite at `coverage` (the smallest n with
+/// kv_conformal_rank(n, coverage) <= n, about coverage / (1 - coverage)); coverage in (0, 1).
 int64_t kv_conformal_min_documents(double coverage);
 
 /// The calibration of one model: what kv.max_rel_bpb targets map to.

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <chrono>
 #include <cmath>
 #include <random>
@@ -291,7 +292,15 @@ void KvEvalOptions::validate() const {
 
 std::string kv_source_file(const std::string& source) {
   const auto hash = source.rfind('#');
-  return hash == std::string::npos ? source : source.substr(0, hash);
+  const std::string file = hash == std::string::npos ? source : source.substr(0, hash);
+  // The folder resolved (symlinks, "..", a relative spelling of --data.path), the file name kept as it is: a file
+  // read through another spelling of its folder is the same source file, on the same side of the split, and a real
+  // folder's names (the default corpus) are unchanged.
+  const std::filesystem::path p(file);
+  std::error_code ec;
+  const std::filesystem::path dir =
+      std::filesystem::weakly_canonical(p.has_parent_path() ? p.parent_path() : std::filesystem::path("."), ec);
+  return ec ? file : (dir / p.filename()).string();
 }
 
 std::vector<int64_t> kv_eval_split(const Corpus& corpus, const std::vector<int64_t>& ids, const std::string& side) {
@@ -468,6 +477,7 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
     row.target = target.max_rel_bpb;
     row.max_rel_error = target.max_rel_error;
     row.calibrated_q90 = target.calibrated_q90;
+    row.calibrated_bound = target.calibrated_bound;
     row.calibrated_bytes_ratio = target.calibrated_bytes_ratio;
     double within = 0;
     for (double v : row.rel_per_document) within += v <= target.max_rel_bpb ? 1.0 : 0.0;

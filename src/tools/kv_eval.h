@@ -33,6 +33,7 @@ struct KvEvalTarget {
   /// relative increase (the prediction for held-out documents) and the bytes held over the full cache's.
   double calibrated_q90 = 0, calibrated_bytes_ratio = 0;
   std::string policy = "minimax";  ///< the spec the target's option is added to (its other options)
+  double calibrated_bound = 0;  ///< the choice's conformal bound (what it was chosen on; its q90 for older files)
 };
 
 /// The first element of `v` equal to an earlier one, or v.end() (repeated list items are usage errors).
@@ -139,6 +140,7 @@ struct KvEvalRow {
   double target = 0;         ///< an error-target row's max_rel_bpb (its budget is then 1); 0 = a budget row
   double max_rel_error = 0;  ///< an error-target row's calibrated max_rel_error
   double calibrated_q90 = 0, calibrated_bytes_ratio = 0;  ///< an error-target row's prediction (KvEvalTarget)
+  double calibrated_bound = 0;                             ///< its conformal bound (KvEvalTarget)
   double within_target = 0;  ///< an error-target row: the fraction of documents whose increase is <= target
   int64_t documents = 0;
   double bpb = 0;       ///< bits per byte of the continuation with the policy: -sum log2 p / continuation
@@ -260,7 +262,9 @@ KvEvalStat kv_quantile_with_ci(const std::vector<double>& values, double q, doub
 /// "evaluation"). Throws std::invalid_argument for another side.
 std::vector<int64_t> kv_eval_split(const Corpus& corpus, const std::vector<int64_t>& ids, const std::string& side);
 
-/// The source file of a sample's source "path#chunk": what comes before the last '#' (the whole text without one).
+/// The source file of a sample's source "path#chunk": what comes before the last '#' (the whole text without one),
+/// its folder made canonical (std::filesystem::weakly_canonical: symlinks and ".." resolved, absolute), its file
+/// name kept: the same file under another spelling of the corpus path is the same source file.
 std::string kv_source_file(const std::string& source);
 
 /// The plain mean (a statistic for bootstrap_stat). Throws std::invalid_argument for no values.

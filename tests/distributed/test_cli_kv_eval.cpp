@@ -274,6 +274,7 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
     const auto [code2, log2] = spawn(a, "eval_overlap");
     EXPECT_EQ(code2, 2) << log2;
     EXPECT_NE(log2.find("were calibration documents of '" + file.string() + "'"), std::string::npos) << log2;
+    EXPECT_NE(log2.find("calibrate again with --split calibration"), std::string::npos) << log2;
   }
   const auto [ecode, elog] = spawn(with({"--max-rel-bpb", "1", "--json"}), "eval_target");
   ASSERT_EQ(ecode, 0) << elog;

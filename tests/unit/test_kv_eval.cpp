@@ -3,9 +3,12 @@
 // writers, and kv_policy_names (every name is one make_kv_policy builds).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <set>
 #include <string>
@@ -223,6 +226,25 @@ TEST(KvCalibration, ConformalBoundIsTheCeilNPlusOneCoverageSmallest) {
   EXPECT_NE(error_of([] { kv_conformal_bound({1}, 1.0); }).find("coverage 1 must lie in (0, 1)"), std::string::npos);
 }
 
+// The same file through another spelling of its folder (relative, "..", a symlink) is the same source file.
+TEST(KvEvalSplit, SourceFileIsTheSameWhateverTheFolderSpelling) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / fmt::format("dcp_kv_source_{}", ::getpid());
+  fs::create_directories(root / "real");
+  std::ofstream(root / "real" / "a.py") << "x";
+  fs::create_directory_symlink(root / "real", root / "link");
+  const std::string real = kv_source_file((root / "real" / "a.py").string() + "#3");
+  EXPECT_EQ(real, (fs::canonical(root / "real") / "a.py").string());
+  EXPECT_EQ(kv_source_file((root / "link" / "a.py").string()), real);
+  EXPECT_EQ(kv_source_file((root / "link" / ".." / "real" / "a.py").string() + "#1"), real);
+  const fs::path cwd = fs::current_path();
+  fs::current_path(root);
+  EXPECT_EQ(kv_source_file("real/a.py"), real);
+  EXPECT_EQ(kv_source_file("./link/a.py#2"), real);
+  fs::current_path(cwd);
+  fs::remove_all(root);
+}
+
 // A calibration is tied to its model by the weights fingerprint and to its documents by their source files.
 TEST(KvCalibration, RecordsTheWeightsAndSourcesAndRefusesOtherWeights) {
   Transformer a = dcp::test::sharp_model(3), b = dcp::test::sharp_model(3), c = dcp::test::sharp_model(4);
@@ -238,7 +260,7 @@ TEST(KvCalibration, RecordsTheWeightsAndSourcesAndRefusesOtherWeights) {
   KvCalibration cal;
   cal.checkpoint = "ckpt";
   cal.weights = fa;
-  cal.sources = {"x/a.py", "x/b.py"};
+  cal.sources = {kv_source_file("x/a.py"), kv_source_file("x/b.py")};
   cal.choices = {{0.01, 0.02, 0.006, 0.6}};
   const KvCalibration back = kv_calibration_from_json(kv_calibration_json(cal), "test");
   EXPECT_EQ(back.weights, fa);
@@ -255,7 +277,7 @@ TEST(KvCalibration, RecordsTheWeightsAndSourcesAndRefusesOtherWeights) {
   docs[0].source = "x/b.py#2";
   docs[1].source = "x/c.py";
   docs[2].source = "x/b.py";
-  EXPECT_EQ(kv_calibration_overlap(back, docs), std::vector<std::string>{"x/b.py"});
+  EXPECT_EQ(kv_calibration_overlap(back, docs), std::vector<std::string>{kv_source_file("x/b.py")});
   // A choice no kv-calibrate grid could hold is a bad file.
   nlohmann::json j = kv_calibration_json(cal);
   j["choices"][0]["max_rel_error"] = 1e300;
