@@ -212,6 +212,12 @@ KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::strin
   if (c.choices.empty()) throw fail("choices", "is empty (no target was calibrated)");
   std::sort(c.choices.begin(), c.choices.end(),
             [](const auto& a, const auto& b) { return a.max_rel_bpb < b.max_rel_bpb; });
+  for (size_t i = 1; i < c.choices.size(); ++i) {
+    if (c.choices[i].max_rel_bpb == c.choices[i - 1].max_rel_bpb) {
+      throw fail("choices", fmt::format("lists the target {} twice (kv-calibrate writes one choice per target)",
+                                        c.choices[i].max_rel_bpb));
+    }
+  }
   return c;
 }
 

@@ -282,6 +282,10 @@ TEST(KvCalibration, RecordsTheWeightsAndSourcesAndRefusesOtherWeights) {
   nlohmann::json j = kv_calibration_json(cal);
   j["choices"][0]["max_rel_error"] = 1e300;
   EXPECT_NE(error_of([&] { kv_calibration_from_json(j, "f.json"); }).find("must lie in [0, 1e6]"), std::string::npos);
+  nlohmann::json twice = kv_calibration_json(cal);
+  twice["choices"].push_back(twice["choices"][0]);
+  EXPECT_NE(error_of([&] { kv_calibration_from_json(twice, "f.json"); }).find("field 'choices' lists the target 0.01 twice"),
+            std::string::npos);
 }
 
 TEST(KvAttentionRelErr, ZeroForTheSameEntriesPositiveWhenEvictedAndBiasCountsCopies) {
