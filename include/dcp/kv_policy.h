@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -19,6 +20,18 @@ struct KvStep {
   int64_t tokens = 0;          ///< tokens the step appended to every head of every layer
   /// What the queries did, recorded as the policy's needs() asked; null when it asked for nothing.
   const KvObservations* observations = nullptr;
+};
+
+/// When a policy compresses and how much: keep a budget ratio in (0, 1] of the tokens seen, at most max_tokens
+/// entries per head (0 = no cap: a fixed total budget, as kvpress's DecodingPress target_size), compress after
+/// every prefill chunk and in decoding when the next position is a multiple of interval (>= 1).
+struct KvBudget {
+  double ratio = 1.0;
+  int64_t interval = 1;
+  int64_t max_tokens = 0;
+  /// Entries one head of `layer` may keep: ceil(ratio * cache.next_position(layer)), capped at max_tokens.
+  int64_t per_head(const KvCache& cache, int64_t layer) const;
+  bool due(const KvStep& step) const;
 };
 
 /// The seam for KV-cache compression policies (dcp/kv_policies.h; spec sections 4 and 8): called after every
@@ -52,6 +65,10 @@ class KvPolicy {
   /// after a compression over s tokens a head holds at most min(s, max(its budget's share, protected_entries())).
   /// The serve scheduler reserves memory by it (serve::kv_peak_entries). 0 (the default): the budget alone.
   virtual int64_t protected_entries() const { return 0; }
+  /// How much and when the policy compresses, as make_kv_policy built it from its options (the serve scheduler
+  /// reserves memory by it); nullopt for a policy that never compresses (full). With minimax's error target
+  /// (max_rel_error > 0) the ratio and max_tokens are unused: the target sizes each block.
+  virtual std::optional<KvBudget> budget() const { return std::nullopt; }
 };
 
 /// The policy "full": keeps every entry.

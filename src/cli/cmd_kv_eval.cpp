@@ -51,6 +51,36 @@ std::vector<double> parse_budgets(const std::string& text) {
   return kv_parse_numbers(text, "--budgets");
 }
 
+// A held-out check of error targets must not reuse the calibration's source files (issue 27 item 5). Returns what
+// the report says about it ("" when the documents are held out; a warning when the file records no sources; "Not
+// held out" with --allow-calibration-overlap); throws CLI::ValidationError (exit 2) on an overlap without it.
+std::string held_out_note(const KvCalibration& cal, const std::string& path, const std::vector<KvEvalDocument>& documents,
+                          bool allow_overlap) {
+  if (cal.sources.empty()) {
+    const std::string w = fmt::format("KV calibration '{}' records no source files (written before 2026-12-06): "
+                                      "its overlap with the evaluated documents is not checked", path);
+    fmt::print(stderr, "kv-eval: warning: {}\n", w);
+    return "**Warning:** " + w + ". ";
+  }
+  const std::vector<std::string> overlap = kv_calibration_overlap(cal, documents);
+  if (overlap.empty()) return "";
+  if (allow_overlap) {
+    return fmt::format("**Not held out** (--allow-calibration-overlap): {} of the evaluated documents' source files "
+                       "were calibration documents. ",
+                       overlap.size());
+  }
+  const std::string hint = cal.split == "calibration"  ? "evaluate --split evaluation, its complement"
+                           : cal.split == "evaluation" ? "evaluate --split calibration, its complement"
+                                                       : fmt::format("the calibration used split '{}': calibrate again "
+                                                                     "with --split calibration and evaluate --split "
+                                                                     "evaluation",
+                                                                     cal.split);
+  throw CLI::ValidationError(fmt::format(
+      "--max-rel-bpb: {} of the evaluated documents' source files {} calibration documents of '{}' (first: '{}'), so "
+      "the check would not be held out: {}, or pass --allow-calibration-overlap",
+      overlap.size(), overlap.size() == 1 ? "was one of the" : "were", path, overlap.front(), hint));
+}
+
 void run(const KvEvalCli& cli) {
   KvEvalOptions o;
   o.policies = parse_policies(cli.policies);
@@ -114,31 +144,7 @@ void run(const KvEvalCli& cli) {
   } catch (const std::invalid_argument& e) {
     throw CLI::ValidationError(fmt::format("{} (split {} of {})", e.what(), source.split, source.data_path));
   }
-  if (cli.max_rel_bpb_given) {
-    // A held-out check of the targets must not reuse the calibration's source files (issue 27 item 5).
-    const std::vector<std::string> overlap = kv_calibration_overlap(cal, info.documents.documents);
-    if (cal.sources.empty()) {
-      const std::string w = fmt::format("KV calibration '{}' records no source files (written before 2026-12-06): "
-                                        "its overlap with the evaluated documents is not checked", path);
-      fmt::print(stderr, "kv-eval: warning: {}\n", w);
-      calibration_note += "**Warning:** " + w + ". ";
-    } else if (!overlap.empty() && !cli.allow_overlap) {
-      const std::string hint =
-          cal.split == "calibration"   ? "evaluate --split evaluation, its complement"
-          : cal.split == "evaluation" ? "evaluate --split calibration, its complement"
-                                      : fmt::format("the calibration used split '{}': calibrate again with --split "
-                                                    "calibration and evaluate --split evaluation",
-                                                    cal.split);
-      throw CLI::ValidationError(fmt::format(
-          "--max-rel-bpb: {} of the evaluated documents' source files {} calibration documents of '{}' (first: "
-          "'{}'), so the check would not be held out: {}, or pass --allow-calibration-overlap",
-          overlap.size(), overlap.size() == 1 ? "was one of the" : "were", path, overlap.front(), hint));
-    } else if (!overlap.empty()) {
-      calibration_note += fmt::format("**Not held out** (--allow-calibration-overlap): {} of the evaluated documents' "
-                                      "source files were calibration documents. ",
-                                      overlap.size());
-    }
-  }
+  if (cli.max_rel_bpb_given) calibration_note += held_out_note(cal, path, info.documents.documents, cli.allow_overlap);
   KvModel m = load_kv_model(cli.checkpoint, cfg, cli.threads, "kv-eval");
   if (cli.max_rel_bpb_given) {
     // The calibration must be of these weights (exit 1, naming both fingerprints, when it is not).

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "dcp/data.h"
+#include "util/hash.h"
 
 namespace dcp {
 namespace {
@@ -158,14 +159,7 @@ std::string classify_document(std::string_view text) {
   return "";
 }
 
-uint64_t fnv1a64(std::string_view s) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (const char c : s) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
+uint64_t fnv1a64(std::string_view s) { return Fnv1a64().update(s).value(); }
 
 void Corpus::add_document(const std::string& source, std::string_view split_key, std::string_view text,
                           int64_t max_seq_len, double heldout_fraction) {

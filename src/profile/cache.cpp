@@ -19,6 +19,7 @@
 #include "dcp/precision.h"
 #include "util/file_lock.h"
 #include "util/file_write.h"
+#include "util/hash.h"
 #include "util/logging.h"
 
 namespace dcp {
@@ -190,10 +191,12 @@ json profile_cache_key(const Config& cfg, const ModelShape& shape, int64_t threa
 }
 
 std::string profile_cache_path(const std::string& dir, const json& key) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bit: stable across builds, unlike std::hash
+  // FNV-1a's step (util/hash.h) from an offset basis that lacks the standard one's last digit
+  // (14695981039346656037): a slip kept on purpose, since changing it would rename every cached profile.
+  uint64_t h = 1469598103934665603ull;
   for (unsigned char c : key.dump()) {
     h ^= c;
-    h *= 1099511628211ull;
+    h *= Fnv1a64::kPrime;
   }
   return (fs::path(dir) / fmt::format("profile-{:016x}.json", h)).string();
 }

@@ -25,7 +25,8 @@ std::string profile_cache_dir(const TrainConfig& train);
 /// sizes, ProfileOptions), parallel.sp_sizes (the SP sizes profiled), and the dcp version.
 nlohmann::json profile_cache_key(const Config& cfg, const ModelShape& shape, int64_t threads, const DistEnv& env);
 
-/// Where the profile of `key` is cached: <dir>/profile-<16 hex digits of a 64-bit FNV-1a hash of key.dump()>.json.
+/// Where the profile of `key` is cached: <dir>/profile-<16 hex digits of a 64-bit FNV-1a hash of key.dump(), from
+/// a nonstandard offset basis (cache.cpp)>.json.
 std::string profile_cache_path(const std::string& dir, const nlohmann::json& key);
 
 /// What resolve_cached_profile did.

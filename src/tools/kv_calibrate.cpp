@@ -9,11 +9,13 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
 
 #include "dcp/kv_policies.h"
+#include "util/hash.h"
 
 namespace dcp {
 
@@ -74,9 +76,7 @@ KvCalibration run_kv_calibration(Transformer& model, const std::vector<KvEvalDoc
   c.continuation = o.continuation;
   c.documents = static_cast<int64_t>(documents.size());
   c.source_files = r.source_files;
-  for (const auto& d : documents) c.sources.push_back(kv_source_file(d.source));
-  std::sort(c.sources.begin(), c.sources.end());
-  c.sources.erase(std::unique(c.sources.begin(), c.sources.end()), c.sources.end());
+  c.sources = kv_source_files(documents);
   c.weights = kv_weights_fingerprint(model);
   for (const auto& row : r.rows) {
     if (row.max_rel_error <= 0) continue;  // full
@@ -246,18 +246,13 @@ int64_t kv_conformal_min_documents(double coverage) {
 
 std::string kv_weights_fingerprint(Transformer& model) {
   torch::NoGradGuard no_grad;
-  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64, fed byte by byte
-  auto feed = [&h](const void* data, size_t bytes) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
-  };
+  Fnv1a64 h;
   for (const auto& item : model->named_parameters()) {
     const torch::Tensor t = item.value().detach().to(torch::kCPU, torch::kFloat).contiguous();
-    const std::string head = fmt::format("{}:{}|", item.key(), fmt::join(t.sizes(), ","));
-    feed(head.data(), head.size());
-    feed(t.data_ptr(), static_cast<size_t>(t.numel()) * sizeof(float));
+    h.update(fmt::format("{}:{}|", item.key(), fmt::join(t.sizes(), ",")));
+    h.update(t.data_ptr(), static_cast<size_t>(t.numel()) * sizeof(float));
   }
-  return fmt::format("{:016x}", h);
+  return fmt::format("{:016x}", h.value());
 }
 
 std::string kv_check_calibration_weights(const KvCalibration& c, const std::string& weights, const std::string& path) {
@@ -275,13 +270,9 @@ std::string kv_check_calibration_weights(const KvCalibration& c, const std::stri
 }
 
 std::vector<std::string> kv_calibration_overlap(const KvCalibration& c, const std::vector<KvEvalDocument>& documents) {
+  const std::vector<std::string> files = kv_source_files(documents);
   std::vector<std::string> out;
-  for (const auto& d : documents) {
-    const std::string file = kv_source_file(d.source);
-    if (std::binary_search(c.sources.begin(), c.sources.end(), file)) out.push_back(file);
-  }
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
+  std::set_intersection(files.begin(), files.end(), c.sources.begin(), c.sources.end(), std::back_inserter(out));
   return out;
 }
 

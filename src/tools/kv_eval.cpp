@@ -290,6 +290,15 @@ void KvEvalOptions::validate() const {
   }
 }
 
+std::vector<std::string> kv_source_files(const std::vector<KvEvalDocument>& documents) {
+  std::vector<std::string> files;
+  files.reserve(documents.size());
+  for (const auto& d : documents) files.push_back(kv_source_file(d.source));
+  std::sort(files.begin(), files.end());
+  files.erase(std::unique(files.begin(), files.end()), files.end());
+  return files;
+}
+
 std::string kv_source_file(const std::string& source) {
   const auto hash = source.rfind('#');
   const std::string file = hash == std::string::npos ? source : source.substr(0, hash);

@@ -267,6 +267,9 @@ std::vector<int64_t> kv_eval_split(const Corpus& corpus, const std::vector<int64
 /// name kept: the same file under another spelling of the corpus path is the same source file.
 std::string kv_source_file(const std::string& source);
 
+/// The distinct source files (kv_source_file) of `documents`, sorted.
+std::vector<std::string> kv_source_files(const std::vector<KvEvalDocument>& documents);
+
 /// The plain mean (a statistic for bootstrap_stat). Throws std::invalid_argument for no values.
 double mean_of(const std::vector<double>& values);
 

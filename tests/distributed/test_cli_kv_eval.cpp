@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 
@@ -290,30 +291,28 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   EXPECT_LE(row["within_target"].get<double>(), 1.0);
   EXPECT_NE(j["calibration"].get<std::string>().find("kv_calibration.json"), std::string::npos);
   EXPECT_NE(j["calibration"].get<std::string>().find("**Not held out**"), std::string::npos) << j["calibration"];
+  // kv-eval --max-rel-bpb 1 with the calibration file edited by `edit`, written to <dir>/<name>.json.
+  auto eval_edited = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json edited = cal;
+    edit(edited);
+    const std::string path = (dir / (name + ".json")).string();
+    std::ofstream(path) << edited.dump(2);
+    return spawn(with({"--max-rel-bpb", "1", "--calibration", path}), "eval_" + name);
+  };
   // A calibration of other weights is refused (exit 1) naming both fingerprints; one without a fingerprint or
   // sources (written before they were recorded) runs with a warning.
-  nlohmann::json other = cal;
-  other["weights"] = "0123456789abcdef";
-  const std::string other_file = (dir / "other_weights.json").string();
-  std::ofstream(other_file) << other.dump(2);
-  const auto [wcode, wlog] = spawn(with({"--max-rel-bpb", "1", "--calibration", other_file}), "eval_other_weights");
+  const auto [wcode, wlog] = eval_edited("other_weights", [](nlohmann::json& c) { c["weights"] = "0123456789abcdef"; });
   EXPECT_EQ(wcode, 1) << wlog;
   EXPECT_NE(wlog.find("was made for other weights (fingerprint 0123456789abcdef"), std::string::npos) << wlog;
-  nlohmann::json old_file = cal;
-  old_file.erase("weights");
-  old_file.erase("sources");
-  const std::string old_path = (dir / "old_format.json").string();
-  std::ofstream(old_path) << old_file.dump(2);
-  const auto [ocode2, olog2] = spawn(with({"--max-rel-bpb", "1", "--calibration", old_path}), "eval_old_format");
+  const auto [ocode2, olog2] = eval_edited("old_format", [](nlohmann::json& c) {
+    c.erase("weights");
+    c.erase("sources");
+  });
   EXPECT_EQ(ocode2, 0) << olog2;
   EXPECT_NE(olog2.find("records no weights fingerprint"), std::string::npos) << olog2;
   EXPECT_NE(olog2.find("records no source files"), std::string::npos) << olog2;
   // A choice no kv-calibrate grid can hold is a bad file.
-  nlohmann::json huge = cal;
-  huge["choices"][0]["max_rel_error"] = 1e300;
-  const std::string huge_path = (dir / "huge.json").string();
-  std::ofstream(huge_path) << huge.dump(2);
-  const auto [hcode, hlog] = spawn(with({"--max-rel-bpb", "1", "--calibration", huge_path}), "eval_huge");
+  const auto [hcode, hlog] = eval_edited("huge", [](nlohmann::json& c) { c["choices"][0]["max_rel_error"] = 1e300; });
   EXPECT_EQ(hcode, 1) << hlog;
   EXPECT_NE(hlog.find("must lie in [0, 1e6]"), std::string::npos) << hlog;
 
@@ -336,18 +335,14 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   nlohmann::json screened = cal;
   screened["policy"] = "minimax:max_keep_fraction=0.5";
   const std::string bad = (dir / "screened.json").string();
-  std::ofstream(bad) << screened.dump(2);
-  const auto [scode, slog] = spawn(with({"--max-rel-bpb", "1", "--calibration", bad}), "eval_screened");
+  const auto [scode, slog] = eval_edited("screened", [](nlohmann::json& c) { c["policy"] = "minimax:max_keep_fraction=0.5"; });
   EXPECT_EQ(scode, 1) << slog;
   EXPECT_NE(slog.find("KV calibration '" + bad + "': field 'policy' (minimax:max_keep_fraction=0.5) does not make an error-target policy"),
             std::string::npos)
       << slog;
   // A file without choices is a bad file (exit 1) naming the field.
-  nlohmann::json empty = cal;
-  empty["choices"] = nlohmann::json::array();
   const std::string no_choices = (dir / "no_choices.json").string();
-  std::ofstream(no_choices) << empty.dump(2);
-  const auto [ncode, nlog] = spawn(with({"--max-rel-bpb", "1", "--calibration", no_choices}), "eval_no_choices");
+  const auto [ncode, nlog] = eval_edited("no_choices", [](nlohmann::json& c) { c["choices"] = nlohmann::json::array(); });
   EXPECT_EQ(ncode, 1) << nlog;
   EXPECT_NE(nlog.find("KV calibration '" + no_choices + "': field 'choices' is empty"), std::string::npos) << nlog;
   // kv-calibrate refuses, before any document runs: a policy other than minimax, a repeated grid value, an --out

@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "dcp/data.h"
+#include "util/hash.h"
 
 using namespace dcp;
 namespace fs = std::filesystem;
@@ -77,6 +78,15 @@ TEST(CorpusHash, Fnv1a64KnownVectors) {
   EXPECT_EQ(fnv1a64(""), 0xcbf29ce484222325ULL);
   EXPECT_EQ(fnv1a64("a"), 0xaf63dc4c8601ec8cULL);
   EXPECT_EQ(fnv1a64("foobar"), 0x85944171f73967e8ULL);
+}
+
+TEST(CorpusHash, Fnv1a64FedInPiecesEqualsTheWhole) {
+  EXPECT_EQ(Fnv1a64().value(), fnv1a64(""));
+  EXPECT_EQ(Fnv1a64().update("foo").update(nullptr, 0).update("bar").value(), 0x85944171f73967e8ULL);
+  const float x[2] = {1.5f, -2.0f};
+  std::string bytes(reinterpret_cast<const char*>(x), sizeof(x));
+  EXPECT_EQ(Fnv1a64().update("w:2|").update(x, sizeof(x)).value(), fnv1a64("w:2|" + bytes));
+  EXPECT_NE(Fnv1a64().update("ab").value(), Fnv1a64().update("ba").value());
 }
 
 TEST(CorpusSampleSeed, DeterministicAndDiffersInEachArgument) {

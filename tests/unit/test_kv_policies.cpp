@@ -143,6 +143,25 @@ TEST(KvPolicies, ProtectedEntriesAreWhatEachDefinitionKeepsWhateverTheBudget) {
   }
 }
 
+// KvPolicy::budget() is what make_kv_policy_with_budget built: a fraction as the ratio, a count >= 2 as max_tokens
+// at ratio 1, the interval option; none for full.
+TEST(KvPolicies, BudgetIsWhatTheFactoryBuilt) {
+  EXPECT_FALSE(make_kv_policy_with_budget("full", 1.0, {})->budget().has_value());
+  const std::vector<std::tuple<std::string, double, KvPolicyOptions, KvBudget>> cases{
+      {"window", 0.25, {}, {0.25, kKvDefaultInterval, 0}},
+      {"snapkv", 0.5, {{"interval", 32}}, {0.5, 32, 0}},
+      {"adakv-tova", 300, {}, {1.0, kKvDefaultInterval, 300}},
+      {"minimax", 0.1, {{"interval", 7}}, {0.1, 7, 0}},
+      {"minimax", 40, {}, {1.0, kKvDefaultInterval, 40}}};
+  for (const auto& [name, budget, options, expected] : cases) {
+    const std::optional<KvBudget> b = make_kv_policy_with_budget(name, budget, options)->budget();
+    ASSERT_TRUE(b.has_value()) << name;
+    EXPECT_EQ(b->ratio, expected.ratio) << name << "@" << budget;
+    EXPECT_EQ(b->interval, expected.interval) << name << "@" << budget;
+    EXPECT_EQ(b->max_tokens, expected.max_tokens) << name << "@" << budget;
+  }
+}
+
 TEST(KvPolicies, NothingChangesWhenEveryHeadFitsItsBudget) {
   KvCache cache = random_cache(spec(2, 2), 20, 5);
   auto policy = make_kv_policy("window", {{"budget", 0.5}});

@@ -140,6 +140,7 @@ class PeakRecorder : public KvPolicy {
   }
   KvObservationNeeds needs() const override { return inner_->needs(); }
   int64_t protected_entries() const override { return inner_->protected_entries(); }
+  std::optional<KvBudget> budget() const override { return inner_->budget(); }
   int64_t peak = 0;
 
  private:
@@ -200,11 +201,13 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
           const std::vector<int64_t> tokens = dcp::test::random_tokens(prompt + max_tokens, 5 + prompt);
           session.prefill(std::vector<int64_t>(tokens.begin(), tokens.begin() + prompt));
           for (int64_t i = 0; i + 1 < max_tokens; ++i) session.decode(tokens[static_cast<size_t>(prompt + i)]);
-          serve::KvGrowth g;
-          g.compresses = true;
-          g.ratio = budget <= 1 ? budget : 1;
-          g.max_entries = budget <= 1 ? 0 : static_cast<int64_t>(budget);
-          g.protect = recorder->protected_entries();
+          // The scheduler's own reading of the policy (serve::kv_growth), checked against the request's budget.
+          const serve::KvGrowth g = serve::kv_growth(*recorder);
+          ASSERT_TRUE(g.compresses);
+          EXPECT_EQ(g.ratio, budget <= 1 ? budget : 1);
+          EXPECT_EQ(g.max_entries, budget <= 1 ? 0 : static_cast<int64_t>(budget));
+          EXPECT_EQ(g.interval, kKvDefaultInterval);
+          EXPECT_EQ(g.protect, recorder->protected_entries());
           const int64_t reserved = serve::kv_peak_entries(prompt, max_tokens, chunk, pairs, 3, g) * 4 *
                                    session.cache().entry_bytes();
           EXPECT_LE(recorder->peak, reserved);

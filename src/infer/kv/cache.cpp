@@ -9,6 +9,7 @@
 
 #include "dcp/kv_cache.h"
 #include "util/file_write.h"
+#include "util/hash.h"
 
 namespace dcp {
 namespace {
@@ -46,14 +47,7 @@ std::optional<torch::ScalarType> dtype_of_code(int64_t code) {
 std::string shape_of(const torch::Tensor& t) { return t.defined() ? c10::str(t.sizes()) : "undefined"; }
 
 // FNV-1a, 64 bit: detects a flipped or zeroed byte anywhere in the file; not a defence against tampering.
-uint64_t fnv1a(const char* data, size_t n) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (size_t i = 0; i < n; ++i) {
-    h ^= static_cast<unsigned char>(data[i]);
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
+uint64_t fnv1a(const char* data, size_t n) { return Fnv1a64().update(data, n).value(); }
 
 template <class T>
 void put(std::string& out, T value) {

@@ -96,22 +96,22 @@ int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk
   return peak;
 }
 
-int64_t Scheduler::reservation(const CompletionRequest& r, const KvPolicy& policy) const {
-  if (recurrent_) return state_bytes_;  // whatever the prompt and max_tokens
+KvGrowth kv_growth(const KvPolicy& policy) {
   KvGrowth g;
-  g.compresses = r.kv_policy != "full";
-  if (g.compresses) {
-    auto option = [&](const char* key, double fallback) {
-      const auto it = r.kv_options.find(key);
-      return it == r.kv_options.end() ? fallback : it->second;
-    };
-    // make_kv_policy_with_budget: a fraction, or (>= 2) a number of entries per head at fraction 1.
-    g.ratio = r.kv_budget <= 1 ? r.kv_budget : 1.0;
-    g.max_entries = static_cast<int64_t>(r.kv_budget <= 1 ? option("max_tokens", 0) : r.kv_budget);
+  if (const std::optional<KvBudget> b = policy.budget()) {
+    g.compresses = true;
+    g.ratio = b->ratio;
+    g.max_entries = b->max_tokens;
+    g.interval = b->interval;
     g.protect = policy.protected_entries();
-    g.interval = std::max<int64_t>(1, static_cast<int64_t>(option("interval", static_cast<double>(kKvDefaultInterval))));
     g.by_layer = policy.compresses_by_layer();
   }
+  return g;
+}
+
+int64_t Scheduler::reservation(const CompletionRequest& r, const KvPolicy& policy) const {
+  if (recurrent_) return state_bytes_;  // whatever the prompt and max_tokens
+  const KvGrowth g = kv_growth(policy);
   const int64_t prompt_tokens = 1 + static_cast<int64_t>(r.prompt.size());
   return kv_peak_entries(prompt_tokens, r.max_tokens, opt_.chunk_tokens, opt_.chunk_pairs, spec_.layers, g) *
          spec_.kv_heads *

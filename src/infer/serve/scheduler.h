@@ -53,11 +53,16 @@ struct Job {
 struct KvGrowth {
   bool compresses = false;  ///< false: policy full, every token kept
   double ratio = 1;         ///< the kept fraction of the tokens seen (KvBudget::per_head)
-  int64_t max_entries = 0;  ///< a cap on the entries per head (a kv_budget >= 2, or the option max_tokens); 0 = none
+  int64_t max_entries = 0;  ///< a cap on the entries per head (a kv_budget >= 2: KvBudget::max_tokens); 0 = none
   int64_t protect = 0;      ///< entries a policy keeps whatever its budget (KvPolicy::protected_entries)
   int64_t interval = 64;    ///< decoding compresses when the next position is a multiple of it
   bool by_layer = true;     ///< the policy compresses layer by layer inside the forward (compresses_by_layer)
 };
+
+/// How `policy` grows a session's cache, from its own budget (KvPolicy::budget: make_kv_policy_with_budget's
+/// fraction, or a number >= 2 of entries per head as max_tokens at ratio 1, and the decoding interval), protected
+/// entries and layer-by-layer compression; compresses = false for a policy without a budget (full).
+KvGrowth kv_growth(const KvPolicy& policy);
 
 /// The most cache entries, summed over the `layers` layers of one KV head, that a session holds at any moment:
 /// `prompt_tokens` (BOS included) prefilled in chunks of prefill_chunk_length(seen, left, chunk_tokens,

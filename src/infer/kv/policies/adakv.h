@@ -28,6 +28,7 @@ class AdaKvPolicy : public KvPolicy {
   KvObservationNeeds needs() const override { return scorer_->needs(); }
   /// The scorer's: the per-head floor is a share of the head's budget.
   int64_t protected_entries() const override { return scorer_->protected_entries(); }
+  std::optional<KvBudget> budget() const override { return budget_; }
 
  private:
   std::shared_ptr<const KvScorer> scorer_;

@@ -1,4 +1,4 @@
-// A budget ratio and a trigger: when a policy compresses and how much (src/infer/kv/policies/scorer.h).
+// A budget ratio and a trigger: when a policy compresses and how much (KvBudget, dcp/kv_policy.h).
 #include <algorithm>
 #include <cmath>
 

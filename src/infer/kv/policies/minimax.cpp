@@ -16,6 +16,7 @@
 
 #include "infer/kv/summary.h"
 #include "util/omp_for_each.h"
+#include "util/hash.h"
 
 namespace dcp {
 namespace {
@@ -68,7 +69,7 @@ std::pair<int64_t, int64_t> index_range(const torch::Tensor& positions, int64_t 
 at::Generator generator(uint64_t seed, int64_t layer, int64_t head, int64_t position) {
   uint64_t h = seed ^ 0x9e3779b97f4a7c15ULL;
   for (uint64_t x : {static_cast<uint64_t>(layer), static_cast<uint64_t>(head), static_cast<uint64_t>(position)}) {
-    h = (h ^ x) * 0x100000001b3ULL;
+    h = (h ^ x) * Fnv1a64::kPrime;  // FNV-1a's step over whole words, not bytes
   }
   return at::make_generator<at::CPUGeneratorImpl>(h);
 }

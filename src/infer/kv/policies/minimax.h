@@ -110,6 +110,7 @@ class MinimaxKvPolicy : public KvPolicy {
   /// context holds more than its budget's share; 64 bounds that when recent_tokens is below 64 (checked against
   /// the bytes sessions hold by KvReservation.NoSessionHoldsMoreThanItsReservation). With exceed_budget an
   /// incompressible block may hold more still (docs/serve.md counts such sessions).
+  std::optional<KvBudget> budget() const override { return options_.budget; }
   int64_t protected_entries() const override {
     return options_.n_sink + std::max<int64_t>(64, options_.recent_tokens);
   }

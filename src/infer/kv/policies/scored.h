@@ -22,6 +22,7 @@ class ScoredKvPolicy : public KvPolicy {
   void after_layer(KvCache& cache, int64_t layer, const KvStep& step) override;
   KvObservationNeeds needs() const override { return scorer_->needs(); }
   int64_t protected_entries() const override { return scorer_->protected_entries(); }
+  std::optional<KvBudget> budget() const override { return budget_; }
 
  private:
   std::shared_ptr<const KvScorer> scorer_;
