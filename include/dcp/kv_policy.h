@@ -67,7 +67,8 @@ class KvPolicy {
   virtual int64_t protected_entries() const { return 0; }
   /// How much and when the policy compresses, as make_kv_policy built it from its options (the serve scheduler
   /// reserves memory by it); nullopt for a policy that never compresses (full). With minimax's error target
-  /// (max_rel_error > 0) the ratio and max_tokens are unused: the target sizes each block.
+  /// (max_rel_error > 0) the ratio is 1 and max_tokens 0 (its constructor refuses others): the target sizes each
+  /// block.
   virtual std::optional<KvBudget> budget() const { return std::nullopt; }
 };
 

@@ -54,8 +54,8 @@ std::vector<double> parse_budgets(const std::string& text) {
 // A held-out check of error targets must not reuse the calibration's source files (issue 27 item 5). Returns what
 // the report says about it ("" when the documents are held out; a warning when the file records no sources; "Not
 // held out" with --allow-calibration-overlap); throws CLI::ValidationError (exit 2) on an overlap without it.
-std::string held_out_note(const KvCalibration& cal, const std::string& path, const std::vector<KvEvalDocument>& documents,
-                          bool allow_overlap) {
+std::string held_out_note(const KvCalibration& cal, const std::string& path,
+                          const std::vector<KvEvalDocument>& documents, bool allow_overlap) {
   if (cal.sources.empty()) {
     const std::string w = fmt::format("KV calibration '{}' records no source files (written before 2026-12-06): "
                                       "its overlap with the evaluated documents is not checked", path);

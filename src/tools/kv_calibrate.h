@@ -94,7 +94,8 @@ std::string kv_weights_fingerprint(Transformer& model);
 /// when none) when the file records no fingerprint.
 std::string kv_check_calibration_weights(const KvCalibration& c, const std::string& weights, const std::string& path);
 
-/// The source files of `documents` that the calibration also used (sorted): a held-out check must not reuse them.
+/// The source files of `documents` that the calibration also used (sorted, each once): a held-out check must not
+/// reuse them. c.sources must be sorted (kv_calibrate and read_kv_calibration sort it).
 std::vector<std::string> kv_calibration_overlap(const KvCalibration& c, const std::vector<KvEvalDocument>& documents);
 
 /// Where a checkpoint's calibration lives: CHECKPOINT/kv_calibration.json.

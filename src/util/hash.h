@@ -1,6 +1,7 @@
-// FNV-1a, 64 bit (Fowler, Noll, Vo; http://www.isthe.com/chongo/tech/comp/fnv/): the one hash the project uses for
-// stable fingerprints and file names (checkpoint checksums, profile cache names, weights fingerprints, data splits).
-// Stable across platforms, builds and runs, unlike std::hash; not a defence against tampering.
+// FNV-1a, 64 bit (Fowler, Noll, Vo; http://www.isthe.com/chongo/tech/comp/fnv/): the hash of dcp's stable
+// fingerprints and names (KV cache file checksums, weights fingerprints, data splits, plan hashes, profile cache
+// names; training checkpoints use CRC-32). Stable across platforms, builds and runs, unlike std::hash; not a defence
+// against tampering.
 #pragma once
 
 #include <cstddef>

@@ -13,6 +13,7 @@
 #include <functional>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include "distributed/process.h"
 #include "dcp/config.h"
@@ -291,29 +292,36 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   EXPECT_LE(row["within_target"].get<double>(), 1.0);
   EXPECT_NE(j["calibration"].get<std::string>().find("kv_calibration.json"), std::string::npos);
   EXPECT_NE(j["calibration"].get<std::string>().find("**Not held out**"), std::string::npos) << j["calibration"];
-  // kv-eval --max-rel-bpb 1 with the calibration file edited by `edit`, written to <dir>/<name>.json.
+  // kv-eval --max-rel-bpb 1 with the calibration file edited by `edit`, written to <dir>/<name>.json: the exit
+  // code, the log and the file's path.
   auto eval_edited = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
     nlohmann::json edited = cal;
     edit(edited);
     const std::string path = (dir / (name + ".json")).string();
     std::ofstream(path) << edited.dump(2);
-    return spawn(with({"--max-rel-bpb", "1", "--calibration", path}), "eval_" + name);
+    const auto [c, l] = spawn(with({"--max-rel-bpb", "1", "--calibration", path}), "eval_" + name);
+    return std::tuple<int, std::string, std::string>{c, l, path};
   };
   // A calibration of other weights is refused (exit 1) naming both fingerprints; one without a fingerprint or
   // sources (written before they were recorded) runs with a warning.
-  const auto [wcode, wlog] = eval_edited("other_weights", [](nlohmann::json& c) { c["weights"] = "0123456789abcdef"; });
+  const auto [wcode, wlog, wpath] =
+      eval_edited("other_weights", [](nlohmann::json& c) { c["weights"] = "0123456789abcdef"; });
   EXPECT_EQ(wcode, 1) << wlog;
+  EXPECT_NE(wlog.find("KV calibration '" + wpath + "'"), std::string::npos) << wlog;
   EXPECT_NE(wlog.find("was made for other weights (fingerprint 0123456789abcdef"), std::string::npos) << wlog;
-  const auto [ocode2, olog2] = eval_edited("old_format", [](nlohmann::json& c) {
+  const auto [ocode2, olog2, opath] = eval_edited("old_format", [](nlohmann::json& c) {
     c.erase("weights");
     c.erase("sources");
   });
   EXPECT_EQ(ocode2, 0) << olog2;
+  EXPECT_NE(olog2.find("KV calibration '" + opath + "' records no"), std::string::npos) << olog2;
   EXPECT_NE(olog2.find("records no weights fingerprint"), std::string::npos) << olog2;
   EXPECT_NE(olog2.find("records no source files"), std::string::npos) << olog2;
   // A choice no kv-calibrate grid can hold is a bad file.
-  const auto [hcode, hlog] = eval_edited("huge", [](nlohmann::json& c) { c["choices"][0]["max_rel_error"] = 1e300; });
+  const auto [hcode, hlog, hpath] =
+      eval_edited("huge", [](nlohmann::json& c) { c["choices"][0]["max_rel_error"] = 1e300; });
   EXPECT_EQ(hcode, 1) << hlog;
+  EXPECT_NE(hlog.find(hpath), std::string::npos) << hlog;
   EXPECT_NE(hlog.find("must lie in [0, 1e6]"), std::string::npos) << hlog;
 
   const auto [bcode, blog] = spawn(with({"--max-rel-bpb", "0.001"}), "eval_below");
@@ -332,17 +340,15 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   EXPECT_NE(mlog.find(missing), std::string::npos) << mlog;
   // A file whose policy cannot run with an error target (screening is a budget-mode option) is a bad file: exit 1,
   // naming the file and the field, before the model loads.
-  nlohmann::json screened = cal;
-  screened["policy"] = "minimax:max_keep_fraction=0.5";
-  const std::string bad = (dir / "screened.json").string();
-  const auto [scode, slog] = eval_edited("screened", [](nlohmann::json& c) { c["policy"] = "minimax:max_keep_fraction=0.5"; });
+  auto screen = [](nlohmann::json& c) { c["policy"] = "minimax:max_keep_fraction=0.5"; };
+  const auto [scode, slog, bad] = eval_edited("screened", screen);
   EXPECT_EQ(scode, 1) << slog;
   EXPECT_NE(slog.find("KV calibration '" + bad + "': field 'policy' (minimax:max_keep_fraction=0.5) does not make an error-target policy"),
             std::string::npos)
       << slog;
   // A file without choices is a bad file (exit 1) naming the field.
-  const std::string no_choices = (dir / "no_choices.json").string();
-  const auto [ncode, nlog] = eval_edited("no_choices", [](nlohmann::json& c) { c["choices"] = nlohmann::json::array(); });
+  const auto [ncode, nlog, no_choices] =
+      eval_edited("no_choices", [](nlohmann::json& c) { c["choices"] = nlohmann::json::array(); });
   EXPECT_EQ(ncode, 1) << nlog;
   EXPECT_NE(nlog.find("KV calibration '" + no_choices + "': field 'choices' is empty"), std::string::npos) << nlog;
   // kv-calibrate refuses, before any document runs: a policy other than minimax, a repeated grid value, an --out
@@ -368,6 +374,8 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
   EXPECT_EQ(pcode, 2) << plog;
   EXPECT_NE(plog.find("--kv.policy and --kv.budget cannot be given with it"), std::string::npos) << plog;
   // dcp generate reads the checkpoint's own calibration: the same file there is refused the same way.
+  nlohmann::json screened = cal;
+  screen(screened);
   std::ofstream(file) << screened.dump(2);
   const auto [gcode, glog] = spawn({DCP_BINARY, "generate", "--checkpoint", ckpt.string(), "--prompt", "ab",
                                     "--max-new-tokens", "2", "--kv.max_rel_bpb", "1"},

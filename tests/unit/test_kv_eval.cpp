@@ -245,6 +245,19 @@ TEST(KvEvalSplit, SourceFileIsTheSameWhateverTheFolderSpelling) {
   fs::remove_all(root);
 }
 
+// The fingerprint of fixed weights is pinned: a change (of the hash, or of the parameters' names, order or shapes)
+// makes every calibration file written before it be refused, so it must be deliberate.
+TEST(KvCalibration, WeightsFingerprintOfFixedWeightsIsPinned) {
+  Transformer m = dcp::test::sharp_model(3);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : m->parameters()) {  // exact in fp32: multiples of 0.25 in [-31, 31.5]
+      p.copy_(torch::arange(p.numel(), torch::kFloat).remainder(251).mul(0.25).sub(31).reshape(p.sizes()));
+    }
+  }
+  EXPECT_EQ(kv_weights_fingerprint(m), "f253413d0eaa2b64");
+}
+
 // A calibration is tied to its model by the weights fingerprint and to its documents by their source files.
 TEST(KvCalibration, RecordsTheWeightsAndSourcesAndRefusesOtherWeights) {
   Transformer a = dcp::test::sharp_model(3), b = dcp::test::sharp_model(3), c = dcp::test::sharp_model(4);

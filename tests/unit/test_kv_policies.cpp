@@ -153,6 +153,10 @@ TEST(KvPolicies, BudgetIsWhatTheFactoryBuilt) {
       {"adakv-tova", 300, {}, {1.0, kKvDefaultInterval, 300}},
       {"minimax", 0.1, {{"interval", 7}}, {0.1, 7, 0}},
       {"minimax", 40, {}, {1.0, kKvDefaultInterval, 40}}};
+  // Every compressing policy reports one (a policy without it would reserve serve memory like full).
+  for (const std::string& name : kv_policy_names()) {
+    if (name != "full") EXPECT_TRUE(make_kv_policy_with_budget(name, 0.5, {})->budget().has_value()) << name;
+  }
   for (const auto& [name, budget, options, expected] : cases) {
     const std::optional<KvBudget> b = make_kv_policy_with_budget(name, budget, options)->budget();
     ASSERT_TRUE(b.has_value()) << name;

@@ -11,6 +11,7 @@
 
 #include "dcp/dist.h"
 #include "dcp/planning.h"
+#include "profile/cache.h"
 #include "profile/profiler.h"
 #include "error_of.h"
 #include "profile/over_ranks.h"
@@ -36,6 +37,12 @@ struct TempDir {
 fs::path temp_file(const std::string& name) {
   static const TempDir dir;
   return dir.path / name;
+}
+
+// A cached profile's file name is pinned (computed by hand from the offset basis and FNV-1a's prime): a change would
+// make every profile cached before it be measured again.
+TEST(ProfileCache, FileNameOfAKeyIsPinned) {
+  EXPECT_EQ(profile_cache_path("d", nlohmann::json{{"a", 1}}), "d/profile-32e51dac937672f3.json");
 }
 
 TEST(ProfileFit, RecoversKnownCoefficientsFromExactData) {

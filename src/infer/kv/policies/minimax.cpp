@@ -15,8 +15,8 @@
 #include <stdexcept>
 
 #include "infer/kv/summary.h"
-#include "util/omp_for_each.h"
 #include "util/hash.h"
+#include "util/omp_for_each.h"
 
 namespace dcp {
 namespace {
