@@ -44,7 +44,11 @@ std::shared_ptr<KvPolicy> kv_target_policy(const KvCalibration& cal, const std::
       throw std::invalid_argument(fmt::format("--kv.option {}: the error target sets it", key));
     }
     spec.options["max_rel_error"] = t.max_rel_error;
-    return make_kv_policy(spec.name, spec.options);
+    auto policy = make_kv_policy(spec.name, spec.options);
+    spdlog::info("kv.max_rel_bpb {:g}: {} at max_rel_error {:g} (calibration '{}': conformal bound {:+.3f}%, "
+                 "bytes {:.3f} of the full cache on its documents)",
+                 max_rel_bpb, spec.name, t.max_rel_error, path, 100 * t.calibrated_bound, t.calibrated_bytes_ratio);
+    return policy;
   } catch (const std::invalid_argument& e) {
     throw ConfigError(fmt::format("--kv.max_rel_bpb {}: {}", max_rel_bpb, e.what()));
   }

@@ -62,10 +62,16 @@ void run(const KvCalibrateCli& cli) {
   // Fewer documents than the conformal bound needs would make every choice "none": refused before running.
   const auto chosen = static_cast<int64_t>(docs.documents.size());
   if (chosen < kv_conformal_min_documents(o.coverage)) {
+    // --max-docs helps only when it left long enough documents out.
+    const std::string remedy =
+        docs.not_chosen > 0 ? "raise --max-docs or lower --coverage"
+                            : fmt::format("every long enough document is used ({} shorter than context + continuation "
+                                          "skipped): lower --coverage, shorten --context or --continuation, or give "
+                                          "more documents",
+                                          docs.too_short);
     throw CLI::ValidationError(fmt::format(
-        "kv-calibrate: {} documents cannot bound coverage {:g} (split conformal needs at least {}): raise --max-docs, "
-        "lower --coverage or use more documents (split {} of {})",
-        chosen, o.coverage, kv_conformal_min_documents(o.coverage), source.split, source.data_path));
+        "kv-calibrate: {} documents cannot bound coverage {:g} (split conformal needs at least {}): {} (split {} of {})",
+        chosen, o.coverage, kv_conformal_min_documents(o.coverage), remedy, source.split, source.data_path));
   }
   const double load_start = load_average_1min();
   KvCalibration c = run_kv_calibration(m.model, docs.documents, o, [](int64_t done, int64_t total) {
@@ -78,7 +84,7 @@ void run(const KvCalibrateCli& cli) {
   write_file_atomically(out, kv_calibration_json(c).dump(2) + "\n");
   fmt::print("# dcp kv-calibrate\n\n```sh\n{}\n```\n\n", own_command_line());
   fmt::print("Checkpoint `{}` ({}), {} documents from {} source files of `{}` (split {}), context {}, continuation "
-             "{}, policy {}, {} threads, 1-minute load average {:.2f} at the start, {:.2f} at the end.\n\n",
+             "{}, policy {}, intra-op threads: {}, 1-minute load average {:.2f} at the start, {:.2f} at the end.\n\n",
              cli.checkpoint, m.description, c.documents, c.source_files, c.data_path, c.split, c.context,
              c.continuation, c.policy, m.threads, load_start, load_average_1min());
   fmt::print("A target takes the largest max_rel_error whose conformal bound (rank {} from the smallest of the {} documents' "

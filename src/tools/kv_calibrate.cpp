@@ -156,6 +156,12 @@ KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::strin
   c.documents = static_cast<int64_t>(number(j, "documents", ""));
   c.source_files = static_cast<int64_t>(number(j, "source_files", ""));
   if (!(c.coverage > 0 && c.coverage < 1)) throw fail("coverage", fmt::format("{} is not in (0, 1)", c.coverage));
+  // Counts kv-calibrate writes: at least one document of one file, a context and a continuation of >= 1 token.
+  for (const auto& [field, value] : {std::pair<const char*, int64_t>{"context", c.context},
+                                     {"continuation", c.continuation}, {"documents", c.documents},
+                                     {"source_files", c.source_files}}) {
+    if (value < 1) throw fail(field, fmt::format("{} must be >= 1", value));
+  }
   c.checkpoint = j.value("checkpoint", std::string());
   c.data_path = j.value("data_path", std::string());
   c.split = j.value("split", std::string());
@@ -206,6 +212,12 @@ KvCalibration kv_calibration_from_json(const nlohmann::json& j, const std::strin
     if (!(ch.max_rel_error >= 0 && ch.max_rel_error <= 1e6)) {
       throw fail(at + "max_rel_error",
                  fmt::format("{} must lie in [0, 1e6] (0: no grid value met the target)", ch.max_rel_error));
+    }
+    // A choice is a grid point (or 0: none met the target).
+    if (ch.max_rel_error > 0 && std::none_of(c.grid.begin(), c.grid.end(), [&](const KvCalibrationPoint& g) {
+          return g.max_rel_error == ch.max_rel_error;
+        })) {
+      throw fail(at + "max_rel_error", fmt::format("{} is not a max_rel_error of the grid", ch.max_rel_error));
     }
     c.choices.push_back(ch);
   }

@@ -201,8 +201,8 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
   md << fmt::format(
       "Date: {} UTC. Checkpoint `{}`: {} parameters, {}. Documents: `{}` ({}), {} samples, {} shorter than the {} "
       "tokens needed (context {} + continuation {} + 1, BOS included) skipped, {} long enough but beyond "
-      "--max-docs, **{} evaluated** (chosen with seed {}) from {} source files. Prefill chunk {} tokens{}, {} "
-      "intra-op threads, 1-minute load average {:.2f} at the start, {:.2f} at the end.\n\n",
+      "--max-docs, **{} evaluated** (chosen with seed {}) from {} source files. Prefill chunk {} tokens{}, "
+      "intra-op threads: {}, 1-minute load average {:.2f} at the start, {:.2f} at the end.\n\n",
       info.date, info.checkpoint, info.parameters, info.model, info.data_path, split_text(info.split), d.available,
       d.too_short, d.required_tokens, o.context, o.continuation, d.not_chosen, d.documents.size(), o.seed,
       r.source_files, o.chunk_tokens,

@@ -358,7 +358,11 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
            {{"--grid", "0.1,0.1"}, "kv-calibrate: grid value 0.1 is given twice"},
            {{"--out", (dir / "no_such_folder" / "cal.json").string()}, "kv-calibrate: --out"},
            {{"--out", ""}, "must not be empty"},
-           {{"--max-docs", "3"}, "3 documents cannot bound coverage 0.9 (split conformal needs at least 9)"}}) {
+           {{"--max-docs", "3"}, "3 documents cannot bound coverage 0.9 (split conformal needs at least 9): raise "
+                                 "--max-docs"},
+           // All 6 documents used: --max-docs would not help, and the message does not suggest it.
+           {{"--max-docs", "32"}, "6 documents cannot bound coverage 0.9 (split conformal needs at least 9): every "
+                                  "long enough document is used"}}) {
     std::vector<std::string> args{DCP_BINARY, "kv-calibrate", "--checkpoint", ckpt.string(), "--data.path",
                                   setup().corpus.string(), "--split", "all", "--context", "128", "--continuation", "32"};
     args.insert(args.end(), extra.begin(), extra.end());
@@ -367,6 +371,14 @@ TEST(CliKvCalibrate, WritesTheCalibrationBesideTheCheckpointAndKvEvalRunsItsTarg
     EXPECT_NE(ulog.find(message), std::string::npos) << ulog;
     EXPECT_EQ(ulog.find("document 1/"), std::string::npos) << ulog;
   }
+  // dcp generate with an error target says which max_rel_error the checkpoint's calibration chose.
+  const auto [tcode, tlog] = spawn({DCP_BINARY, "generate", "--checkpoint", ckpt.string(), "--prompt", "ab",
+                                    "--max-new-tokens", "2", "--kv.max_rel_bpb", "1"},
+                                   "generate_target");
+  EXPECT_EQ(tcode, 0) << tlog;
+  std::ostringstream said;
+  said << "kv.max_rel_bpb 1: minimax at max_rel_error " << chosen << " (calibration '" << file.string() << "'";
+  EXPECT_NE(tlog.find(said.str()), std::string::npos) << said.str() << "\n" << tlog;
   // dcp generate with an error target refuses a policy or budget beside it (they would be dropped).
   const auto [pcode, plog] = spawn({DCP_BINARY, "generate", "--checkpoint", ckpt.string(), "--prompt", "ab",
                                     "--max-new-tokens", "2", "--kv.max_rel_bpb", "1", "--kv.policy", "window"},

@@ -191,6 +191,9 @@ TEST(KvEvalSplit, CalibrationAndEvaluationAreDisjointHalvesBySourceFile) {
 TEST(KvCalibration, ChoosesTheLargestErrorBoundWithinEachTargetAndRoundTrips) {
   KvCalibration c;
   c.context = 96;
+  c.continuation = 32;
+  c.documents = 10;
+  c.source_files = 7;
   c.grid = {{0.01, 0.001, 0.002, 0.9}, {0.02, 0.003, 0.006, 0.6}, {0.04, 0.008, 0.015, 0.4}, {0.08, 0.02, 0.04, 0.2}};
   c.choices = {{0.005, 0.01, 0.002, 0.9}, {0.01, 0.02, 0.006, 0.6}, {0.02, 0.04, 0.015, 0.4}, {0.001, 0, 0, 0}};
   const KvCalibration back = kv_calibration_from_json(kv_calibration_json(c), "test");
@@ -207,6 +210,19 @@ TEST(KvCalibration, ChoosesTheLargestErrorBoundWithinEachTargetAndRoundTrips) {
             std::string::npos);
   EXPECT_NE(error_of([] { read_kv_calibration("/nonexistent/kv_calibration.json"); }).find("cannot be read"),
             std::string::npos);
+  // Hand-edited files that kv-calibrate cannot have written: a choice off the grid, a count below 1.
+  nlohmann::json off = kv_calibration_json(c);
+  off["choices"][1]["max_rel_error"] = 0.03;
+  EXPECT_NE(error_of([&] { kv_calibration_from_json(off, "f.json"); })
+                .find("field 'choices[1].max_rel_error' 0.03 is not a max_rel_error of the grid"),
+            std::string::npos);
+  for (const char* field : {"context", "continuation", "documents", "source_files"}) {
+    nlohmann::json bad = kv_calibration_json(c);
+    bad[field] = field == std::string("documents") ? -3 : 0;
+    EXPECT_NE(error_of([&] { kv_calibration_from_json(bad, "f.json"); }).find(fmt::format("field '{}' ", field)),
+              std::string::npos)
+        << field;
+  }
 }
 
 // Split conformal's rank ceil((n + 1) coverage), by hand; +inf when it exceeds n.
@@ -271,6 +287,11 @@ TEST(KvCalibration, RecordsTheWeightsAndSourcesAndRefusesOtherWeights) {
   }
   EXPECT_NE(kv_weights_fingerprint(b), fa);
   KvCalibration cal;
+  cal.context = 96;
+  cal.continuation = 32;
+  cal.documents = 10;
+  cal.source_files = 2;
+  cal.grid = {{0.02, 0.003, 0.006, 0.6}};
   cal.checkpoint = "ckpt";
   cal.weights = fa;
   cal.sources = {kv_source_file("x/a.py"), kv_source_file("x/b.py")};
