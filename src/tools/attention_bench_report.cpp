@@ -385,7 +385,7 @@ std::string attention_bench_gnuplot_script(const std::string& csv_path, const st
     return fmt::format(fmt::runtime(series), fmt::arg("csv", gnuplot_quoted(csv_path)), fmt::arg("column", column));
   };
   return fmt::format(
-      "set terminal pngcairo size 2000,560 font \",10\"\n"
+      "set terminal pngcairo noenhanced size 2000,560 font \",10\"\n"
       "set output {png}\n"
       "set datafile separator \",\"\n"
       "set format y \"%g\"\n"

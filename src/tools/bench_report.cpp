@@ -306,7 +306,7 @@ std::string gnuplot_quoted(const std::string& s) {
 std::string bench_gnuplot_script(const std::string& csv_path, const std::string& png_path) {
   // Columns as bench_csv writes them: 1 planner, 5 tokens_per_s, 9 mean_predicted_step_s, 10 mean_measured_step_s.
   return fmt::format(
-      "set terminal pngcairo size 1200,480 font \",10\"\n"
+      "set terminal pngcairo noenhanced size 1200,480 font \",10\"\n"
       "set output {png}\n"
       "set datafile separator \",\"\n"
       "set style data histograms\n"

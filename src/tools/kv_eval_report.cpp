@@ -358,7 +358,7 @@ std::string kv_eval_gnuplot_script(const KvEvalResult& r, const std::string& csv
     mean_plot = worst_plot = "NaN notitle\n";
   }
   return fmt::format(
-      "set terminal pngcairo size 1200,480 font \",10\"\n"
+      "set terminal pngcairo noenhanced size 1200,480 font \",10\"\n"
       "set output {png}\n"
       "set datafile separator \",\"\n"
       "set logscale x\n"
