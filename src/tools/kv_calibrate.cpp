@@ -76,12 +76,12 @@ KvCalibration run_kv_calibration(Transformer& model, const std::vector<KvEvalDoc
   c.continuation = o.continuation;
   c.documents = static_cast<int64_t>(documents.size());
   c.source_files = r.source_files;
-  c.sources = kv_source_files(documents);
+  c.sources = r.files;
   c.weights = kv_weights_fingerprint(model);
   for (const auto& row : r.rows) {
-    if (row.max_rel_error <= 0) continue;  // full
+    if (!row.target) continue;  // full
     KvCalibrationPoint p;
-    p.max_rel_error = row.max_rel_error;
+    p.max_rel_error = row.target->max_rel_error;
     p.mean = row.rel_bpb_increase.value;
     p.q90 = kv_quantile_with_ci(row.rel_per_document, options.coverage).value;
     p.bound = kv_conformal_bound(row.rel_per_document, options.coverage);

@@ -5,15 +5,15 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <random>
 #include <stdexcept>
 
+#include "dcp/data.h"
 #include "dcp/infer.h"
 #include "dcp/kv_policies.h"
-#include "dcp/data.h"
 
 namespace dcp {
 namespace {
@@ -474,6 +474,8 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
     if (it == files.end()) files.push_back(file);
   }
   result.source_files = static_cast<int64_t>(files.size());
+  result.files = files;
+  std::sort(result.files.begin(), result.files.end());
   for (size_t p = 0; p < o.policies.size(); ++p) {
     for (size_t b = 0; b < o.budgets.size(); ++b) {
       const bool full = is_full(o.policies[p]);
@@ -483,11 +485,7 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
   for (size_t t = 0; t < o.targets.size(); ++t) {
     const KvEvalTarget& target = o.targets[t];
     KvEvalRow row = summarize(target.policy, 1.0, target_samples[t], o, clusters);
-    row.target = target.max_rel_bpb;
-    row.max_rel_error = target.max_rel_error;
-    row.calibrated_q90 = target.calibrated_q90;
-    row.calibrated_bound = target.calibrated_bound;
-    row.calibrated_bytes_ratio = target.calibrated_bytes_ratio;
+    row.target = target;
     double within = 0;
     for (double v : row.rel_per_document) within += v <= target.max_rel_bpb ? 1.0 : 0.0;
     row.within_target = within / static_cast<double>(row.rel_per_document.size());

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -137,11 +138,10 @@ struct KvEvalStat {
 struct KvEvalRow {
   std::string policy;
   double budget = 1;
-  double target = 0;         ///< an error-target row's max_rel_bpb (its budget is then 1); 0 = a budget row
-  double max_rel_error = 0;  ///< an error-target row's calibrated max_rel_error
-  double calibrated_q90 = 0, calibrated_bytes_ratio = 0;  ///< an error-target row's prediction (KvEvalTarget)
-  double calibrated_bound = 0;                             ///< its conformal bound (KvEvalTarget)
-  double within_target = 0;  ///< an error-target row: the fraction of documents whose increase is <= target
+  /// An error-target row's target (its max_rel_bpb, calibrated max_rel_error and the calibration's prediction;
+  /// its budget is then 1); nullopt for a budget row.
+  std::optional<KvEvalTarget> target;
+  double within_target = 0;  ///< an error-target row: the fraction of documents whose increase is <= max_rel_bpb
   int64_t documents = 0;
   double bpb = 0;       ///< bits per byte of the continuation with the policy: -sum log2 p / continuation
   double bpb_full = 0;  ///< the same with the full cache
@@ -205,6 +205,7 @@ struct KvEvalResult {
   std::vector<KvEvalPaired> paired;  ///< options.paired_against against every other non-full row, per budget
   std::vector<std::string> sources;  ///< the documents' sources, in document order
   int64_t source_files = 0;          ///< distinct files among them (the bootstrap's clusters)
+  std::vector<std::string> files;    ///< those files (kv_source_file), sorted: kv_source_files(documents)
   double full_prefill_s = 0;    ///< the reference run (full cache, recording the continuation's queries)
   double full_decode_s = 0;
   /// With KvEvalOptions::head_ablation: one per (layer, head), layer-major (else empty).

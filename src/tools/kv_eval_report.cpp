@@ -31,7 +31,7 @@ std::string percent_open(const KvEvalStat& s) {
 
 // A row's name in tables: the policy, and for an error-target row its target.
 std::string row_label(const KvEvalRow& row) {
-  return row.target > 0 ? fmt::format("{} @ max_rel_bpb {:g}", row.policy, row.target) : row.policy;
+  return row.target ? fmt::format("{} @ max_rel_bpb {:g}", row.policy, row.target->max_rel_bpb) : row.policy;
 }
 
 double bytes_ratio(const KvEvalRow& row) { return row.kv_bytes_mean / row.kv_bytes_full_mean; }
@@ -120,13 +120,15 @@ nlohmann::json kv_eval_json(const KvEvalResult& r, const KvEvalReportInfo& info)
     for (double e : row.attn_rel_err_per_layer) layers.push_back(number(e));
     nlohmann::json per_doc = nlohmann::json::array();
     for (double v : row.rel_per_document) per_doc.push_back(number(v));
+    // A budget row's target fields are 0.
+    const KvEvalTarget t = row.target.value_or(KvEvalTarget{});
     results.push_back({{"policy", row.policy},
                        {"budget", row.budget},
-                       {"max_rel_bpb", number(row.target)},
-                       {"max_rel_error", number(row.max_rel_error)},
-                       {"calibrated_q90", number(row.calibrated_q90)},
-                       {"calibrated_bound", number(row.calibrated_bound)},
-                       {"calibrated_bytes_ratio", number(row.calibrated_bytes_ratio)},
+                       {"max_rel_bpb", number(t.max_rel_bpb)},
+                       {"max_rel_error", number(t.max_rel_error)},
+                       {"calibrated_q90", number(t.calibrated_q90)},
+                       {"calibrated_bound", number(t.calibrated_bound)},
+                       {"calibrated_bytes_ratio", number(t.calibrated_bytes_ratio)},
                        {"within_target", number(row.within_target)},
                        {"documents", row.documents},
                        {"bpb", number(row.bpb)},
@@ -232,7 +234,7 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
   for (const auto& row : r.rows) {
     md << fmt::format("| {} | {} | {:.3f} ({:.3f}) | {:.4f} | {:.4f} | {:.3f} ({:.3f}) | {:.3f} ({:.3f}) | {} | {} | "
                       "{:+.2f}% | {:.4f} [{:.4f}, {:.4f}] | {:.3f} | {:.3f} | {:.1f} |\n",
-                      row_label(row), row.target > 0 ? std::string("-") : fmt::format("{:g}", row.budget),
+                      row_label(row), row.target ? std::string("-") : fmt::format("{:g}", row.budget),
                       bytes_ratio(row), row.kv_bytes_max / row.kv_bytes_full_mean, row.bpb, row.bpb_full,
                       row.token_accuracy, row.token_accuracy_full, row.exact_match, row.exact_match_full,
                       percent(row.rel_bpb_increase), percent_open(row.worst_decile_rel_increase),
@@ -250,7 +252,7 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
     }
   }
   bool targets = false;
-  for (const auto& row : r.rows) targets = targets || row.target > 0;
+  for (const auto& row : r.rows) targets = targets || row.target.has_value();
   if (targets) {
     md << "\nError targets: the calibration's prediction at the chosen max_rel_error (on its own documents: the "
           "increase's quantile at the calibration's coverage, the conformal bound the choice was made on, and the "
@@ -258,11 +260,12 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
     md << "| target | max_rel_error | calibrated quantile | conformal bound | measured q90 [95% CI] | measured mean | "
           "within target | bytes predicted | bytes measured |\n|---|---|---|---|---|---|---|---|---|\n";
     for (const auto& row : r.rows) {
-      if (row.target <= 0) continue;
+      if (!row.target) continue;
+      const KvEvalTarget& t = *row.target;
       md << fmt::format("| {:g} | {:g} | {:+.2f}% | {:+.2f}% | {} | {:+.2f}% | {:.1f}% | {:.3f} | {:.3f} |\n",
-                        row.target, row.max_rel_error, 100 * row.calibrated_q90, 100 * row.calibrated_bound,
+                        t.max_rel_bpb, t.max_rel_error, 100 * t.calibrated_q90, 100 * t.calibrated_bound,
                         percent_open(row.worst_decile_rel_increase),
-                        100 * row.rel_bpb_increase.value, 100 * row.within_target, row.calibrated_bytes_ratio,
+                        100 * row.rel_bpb_increase.value, 100 * row.within_target, t.calibrated_bytes_ratio,
                         bytes_ratio(row));
     }
   }
@@ -277,7 +280,7 @@ std::string kv_eval_markdown(const KvEvalResult& r, const KvEvalReportInfo& info
   for (size_t l = 0; l < layers; ++l) md << "---|";
   md << "\n";
   for (const auto& row : r.rows) {
-    md << fmt::format("| {} | {} |", row_label(row), row.target > 0 ? std::string("-") : fmt::format("{:g}", row.budget));
+    md << fmt::format("| {} | {} |", row_label(row), row.target ? std::string("-") : fmt::format("{:g}", row.budget));
     for (double e : row.attn_rel_err_per_layer) md << fmt::format(" {:.4f} |", e);
     md << "\n";
   }
@@ -324,8 +327,8 @@ std::string kv_eval_csv(const KvEvalResult& r) {
         csv_number(row.kv_bytes_full_mean),
         csv_number(bytes_ratio(row)),
         csv_number(row.worst_decile_mean),
-        csv_number(row.target),
-        csv_number(row.max_rel_error),
+        csv_number(row.target ? row.target->max_rel_bpb : 0),
+        csv_number(row.target ? row.target->max_rel_error : 0),
         csv_number(row.within_target)};
     csv += fmt::format("{}\n", fmt::join(f, ","));
   }
