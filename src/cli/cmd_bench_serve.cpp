@@ -30,6 +30,10 @@ void add_bench_serve_command(CLI::App& app) {
                   "completion bytes per request of the batching runs (>= 2; short ones may leave no interval in which "
                   "every session decodes, and no rate)")
       ->check(CLI::Range(2, 1 << 20));
+  sub->add_option("--batching-repeats", o->batching_repeats,
+                  "pairs of batching runs, alternating which runs first (an even number balances a drift); the "
+                  "ratio is pooled over them (default 4)")
+      ->check(CLI::Range(1, 100));
   auto* policies = sub->add_option("--policies", o->policies,
                                    "memory runs: NAME or NAME@BUDGET (default: full and window, minimax at 0.25 and 0.5; "
                                    "full alone for a flexformer checkpoint)")

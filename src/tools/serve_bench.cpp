@@ -264,14 +264,14 @@ std::string csv(const std::vector<ServeBenchRow>& rows) {
   std::string out = "run,policy,budget,clients,requests,answered,failed,tokens,wall_s,tokens_per_s,ttft_p50_s,ttft_p99_s,"
                     "itl_p50_s,itl_p99_s,itl_prefill_p50_s,itl_prefill_p99_s,peak_sessions,peak_kv_bytes,"
                     "kv_memory_bytes,abstained,decode_steps,decode_step_tokens,decode_tokens_per_s,saturated_s,saturated_sessions,"
-                    "saturated_kv_bytes,window_s,window_tokens_per_s\n";
+                    "saturated_kv_bytes,window_s,window_tokens_per_s,repeat\n";
   for (const auto& r : rows) {
-    out += fmt::format("{},{},{},{},{},{},{},{},{:.3f},{:.2f},{:.4f},{:.4f},{:.5f},{:.5f},{:.5f},{:.5f},{},{:.0f},{:.0f},{},{},{},{:.2f},{:.3f},{:.3f},{:.0f},{:.3f},{:.2f}\n",
+    out += fmt::format("{},{},{},{},{},{},{},{},{:.3f},{:.2f},{:.4f},{:.4f},{:.5f},{:.5f},{:.5f},{:.5f},{},{:.0f},{:.0f},{},{},{},{:.2f},{:.3f},{:.3f},{:.0f},{:.3f},{:.2f},{}\n",
                        r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.failed, r.tokens, r.wall_s,
                        r.tokens_per_s, r.ttft_p50, r.ttft_p99, r.itl_p50, r.itl_p99, r.itl_prefill_p50,
                        r.itl_prefill_p99, r.peak_sessions, r.peak_kv_bytes, r.kv_memory_bytes, r.abstained,
                        r.decode_steps, r.decode_step_tokens, r.decode_tokens_per_s, r.saturated_s,
-                       r.saturated_sessions, r.saturated_kv_bytes, r.window_s, r.window_tokens_per_s);
+                       r.saturated_sessions, r.saturated_kv_bytes, r.window_s, r.window_tokens_per_s, r.repeat);
   }
   return out;
 }
@@ -312,10 +312,17 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                             std::vector<std::string>(prompts.begin(), prompts.begin() + n), o.max_tokens));
   }
   // Batched decoding at N concurrent sessions: N requests at once, then the same N one after another.
+  // Pairs alternate which run goes first (batched, sequential; sequential, batched; ...).
   if (o.batching_sessions > 0) {
     const std::vector<std::string> batch(prompts.begin(), prompts.begin() + o.batching_sessions);
-    rows.push_back(run_load(model, wide, id, "batching", {"full", 1}, o.batching_sessions, batch, o.batching_tokens));
-    rows.push_back(run_load(model, wide, id, "batching-sequential", {"full", 1}, 1, batch, o.batching_tokens));
+    for (int64_t rep = 1; rep <= o.batching_repeats; ++rep) {
+      for (int k = 0; k < 2; ++k) {
+        const bool batched = (k == 0) == (rep % 2 == 1);
+        rows.push_back(run_load(model, wide, id, batched ? "batching" : "batching-sequential", {"full", 1},
+                                batched ? o.batching_sessions : 1, batch, o.batching_tokens));
+        rows.back().repeat = rep;
+      }
+    }
   }
   // Sessions held at one KV memory budget, per policy.
   const KvCacheSpec spec = kv_cache_spec(model);
@@ -339,11 +346,10 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   const ServeBenchRow* seq = nullptr;
   const ServeBenchRow* b16 = nullptr;
   const ServeBenchRow* mem_full = nullptr;
-  const ServeBenchRow* batching = nullptr;
-  const ServeBenchRow* batching_seq = nullptr;
+  std::vector<const ServeBenchRow*> batching, batching_seq;  // by pair
   for (const auto& r : rows) {
-    if (r.run == "batching") batching = &r;
-    if (r.run == "batching-sequential") batching_seq = &r;
+    if (r.run == "batching") batching.push_back(&r);
+    if (r.run == "batching-sequential") batching_seq.push_back(&r);
     if (r.run == "sequential") seq = &r;
     if (r.run == "throughput" && r.clients == 16) b16 = &r;
     if (r.run == "memory" && r.policy == "full") mem_full = &r;
@@ -377,23 +383,55 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                     "positions, which changes what it writes, not what a step costs. Latencies are the clients' "
                     "(arrival of each server-sent event; an event of k bytes counts as k equal gaps).\n\n",
                     o.min_prompt, o.max_prompt, cfg.data.path, o.seed, o.max_tokens, cfg.data.max_seq_len);
-  if (batching && batching_seq) {
-    const bool both = batching->window_tokens_per_s > 0 && batching_seq->window_tokens_per_s > 0;
+  if (!batching.empty() && batching.size() == batching_seq.size()) {
+    // Pooled over the pairs: the bytes of every window over its seconds, each side; a pair whose run had no
+    // decoding interval or a failed request counts in neither side.
     const int64_t n = o.batching_sessions;
-    const std::string interval =
-        batching->window_s > 0
-            ? fmt::format("from the last first byte to the first last byte, {:.3f} s", batching->window_s)
-            : std::string("no interval in which every session decoded: longer completions (--batching-tokens) give one");
+    double bytes_b = 0, s_b = 0, bytes_s = 0, s_s = 0;
+    std::vector<double> ratios;
+    std::string pairs;
+    for (size_t p = 0; p < batching.size(); ++p) {
+      const ServeBenchRow& b = *batching[p];
+      const ServeBenchRow& q = *batching_seq[p];
+      const bool both = b.window_tokens_per_s > 0 && q.window_tokens_per_s > 0;
+      if (both) {
+        bytes_b += b.window_tokens_per_s * b.window_s;
+        s_b += b.window_s;
+        bytes_s += q.window_tokens_per_s * q.window_s;
+        s_s += q.window_s;
+        ratios.push_back(b.window_tokens_per_s / q.window_tokens_per_s);
+      }
+      pairs += fmt::format("| {} | {} | {} | {} | {} | {} / {} |\n", b.repeat,
+                           batching[p] < batching_seq[p] ? "batched" : "one after another",  // rows in run order
+                           or_dash(b.window_tokens_per_s, 1), or_dash(q.window_tokens_per_s, 1),
+                           both ? fmt::format("{:.2f}x", ratios.back()) : std::string("- (no decoding interval or a failed request)"),
+                           or_dash(b.window_s, 3), or_dash(q.window_s, 3));
+    }
+    std::string pooled =
+        "- (no pair had a decoding interval in both runs without a failed request; longer completions "
+        "(--batching-tokens) give one)";
+    if (!ratios.empty()) {
+      std::vector<double> sorted = ratios;
+      std::sort(sorted.begin(), sorted.end());
+      pooled = fmt::format("**{:.2f}x** ({:.1f} tokens/s against {:.1f}; the {} pair ratio{} {})", (bytes_b / s_b) / (bytes_s / s_s),
+                           bytes_b / s_b, bytes_s / s_s, ratios.size(), ratios.size() == 1 ? "" : "s",
+                           ratios.size() == 1 ? fmt::format("{:.2f}x", sorted[0])
+                                              : fmt::format("range {:.2f}x..{:.2f}x, median {:.2f}x", sorted.front(),
+                                                            sorted.back(), (sorted[(sorted.size() - 1) / 2] +
+                                                                            sorted[sorted.size() / 2]) / 2));
+    }
     md << fmt::format("**Batching at {} concurrent session{}** ({} client{} send one request each at once, completions "
-                      "of {} bytes, prompts the first {} of those above; the bytes the clients received while every "
-                      "session was decoding, {}): {} tokens/s against {} for the same {} request{} one after another "
-                      "(the bytes after each first event over the seconds from it to the last byte, {:.3f} s in all): "
-                      "**{}** (the target, >= 3x, is stated at 16 sessions).\n\n",
-                      n, n == 1 ? "" : "s", n, n == 1 ? "" : "s", o.batching_tokens, n, interval,
-                      or_dash(batching->window_tokens_per_s, 1), or_dash(batching_seq->window_tokens_per_s, 1), n,
-                      n == 1 ? "" : "s", std::max(batching_seq->window_s, 0.0),
-                      both ? fmt::format("{:.2f}x", batching->window_tokens_per_s / batching_seq->window_tokens_per_s)
-                           : std::string("- (a run had no decoding interval or a failed request)"));
+                      "of {} bytes, prompts the first {} of those above; the decode rate is the bytes the clients "
+                      "received while every session was decoding, from the last first byte to the first last byte; "
+                      "against the same {} request{} one after another: the bytes after each first event over the "
+                      "seconds from it to the last byte; {} pair{} of runs, alternating which runs first, pooled "
+                      "as every pair's bytes over every pair's seconds): {} (the target, >= 3x, is stated at 16 "
+                      "sessions).\n\n",
+                      n, n == 1 ? "" : "s", n, n == 1 ? "" : "s", o.batching_tokens, n, n, n == 1 ? "" : "s",
+                      batching.size(), batching.size() == 1 ? "" : "s", pooled);
+    md << "| pair | first | batched tokens/s | one after another tokens/s | ratio | seconds (batched / one after another) |\n"
+          "|---|---|---|---|---|---|\n"
+       << pairs << "\n";
   }
   if (seq && b16) {
     md << fmt::format("**Batching under the mixed load** (the 16-client throughput run against the sequential one, "
@@ -442,8 +480,8 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : rows) {
     md << fmt::format("| {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} |\n",
-                      r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.tokens_per_s,
-                      or_dash(r.decode_tokens_per_s, 1),
+                      r.repeat > 0 ? fmt::format("{} (pair {})", r.run, r.repeat) : r.run, r.policy, r.budget,
+                      r.clients, r.requests, r.answered, r.tokens_per_s, or_dash(r.decode_tokens_per_s, 1),
                       s_or_dash(r.ttft_p50), s_or_dash(r.ttft_p99), ms_or_dash(r.itl_p50), ms_or_dash(r.itl_p99),
                       ms_or_dash(r.itl_prefill_p99), r.peak_sessions,
                       r.peak_kv_bytes / 1e6,

@@ -22,6 +22,10 @@ struct ServeBenchOptions {
   /// every prompt is prefilled; then the same requests one after another (one client). 0 = no batching runs.
   int64_t batching_sessions = 16;
   int64_t batching_tokens = 1024;
+  /// Pairs of batching runs (batched and one after another), alternating which of the two runs first (ABBA: with
+  /// an even number of pairs a linear drift of the machine's speed weighs on both alike); the target is read on
+  /// the pooled rates (every pair's bytes over every pair's seconds), each pair's ratio reported beside it.
+  int64_t batching_repeats = 4;
   /// The memory runs: policy specs "NAME" or "NAME@BUDGET", each with `memory_clients` clients at
   /// serve.kv_memory_bytes = memory_bytes (0: what `memory_full_sessions` full caches of the mean prompt need).
   std::vector<std::string> policies{"full", "window@0.25", "window@0.5", "minimax@0.25", "minimax@0.5"};
@@ -37,6 +41,7 @@ struct ServeBenchOptions {
 /// One run's numbers.
 struct ServeBenchRow {
   std::string run;       ///< throughput | sequential | memory | batching | batching-sequential
+  int64_t repeat = 0;    ///< the pair (1, 2, ..) of a batching run; 0 for the other runs
   std::string policy;
   double budget = 1;
   int64_t clients = 0, requests = 0, answered = 0, failed = 0;

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -153,10 +154,10 @@ class PeakRecorder : public KvPolicy {
 // peak is 3 layers at keep(1024) = 256 plus one at 128 + 512 (1408); all layers at once it is 4 x (128 + 512).
 TEST(KvReservation, PeakEntriesFollowTheSchedule) {
   serve::KvGrowth g;
-  g.compresses = true;
-  g.ratio = 0.25;
+  g.budget = KvBudget{};
+  g.budget->ratio = 0.25;
+  g.budget->interval = 64;
   g.protect = 68;
-  g.interval = 64;
   EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 0, 4, g), 1408);
   g.by_layer = false;
   EXPECT_EQ(serve::kv_peak_entries(1025, 128, 512, 0, 4, g), 2560);
@@ -206,10 +207,10 @@ TEST(KvReservation, NoSessionHoldsMoreThanItsReservation) {
           for (int64_t i = 0; i + 1 < max_tokens; ++i) session.decode(tokens[static_cast<size_t>(prompt + i)]);
           // The scheduler's own reading of the policy (serve::kv_growth), checked against the request's budget.
           const serve::KvGrowth g = serve::kv_growth(*recorder);
-          ASSERT_TRUE(g.compresses);
-          EXPECT_EQ(g.ratio, budget <= 1 ? budget : 1);
-          EXPECT_EQ(g.max_entries, budget <= 1 ? 0 : static_cast<int64_t>(budget));
-          EXPECT_EQ(g.interval, options.count("interval") != 0 ? static_cast<int64_t>(options.at("interval"))
+          ASSERT_TRUE(g.budget.has_value());
+          EXPECT_EQ(g.budget->ratio, budget <= 1 ? budget : 1);
+          EXPECT_EQ(g.budget->max_tokens, budget <= 1 ? 0 : static_cast<int64_t>(budget));
+          EXPECT_EQ(g.budget->interval, options.count("interval") != 0 ? static_cast<int64_t>(options.at("interval"))
                                                                 : kKvDefaultInterval);
           const int64_t reserved = serve::kv_peak_entries(prompt, max_tokens, chunk, pairs, 3, g) * 4 *
                                    session.cache().entry_bytes();
@@ -370,14 +371,42 @@ TEST(ServeBench, BatchingRunsReportTheClientsDecodeRateAtNConcurrentSessions) {
   o.memory_requests = 0;
   o.batching_sessions = 3;
   o.batching_tokens = 64;
+  o.batching_repeats = 2;
   o.plot = false;
+  o.out = (dir / "report").string();
   const std::vector<ServeBenchRow> rows = run_serve_bench(tiny_model(), cfg, "/tmp/tiny/checkpoint", o);
+  std::ifstream md_in(o.out + ".md");
+  const std::string md((std::istreambuf_iterator<char>(md_in)), std::istreambuf_iterator<char>());
   fs::remove_all(dir);
+  // Two pairs, the second in the other order (ABBA): batched, sequential, sequential, batched.
+  std::vector<std::pair<std::string, int64_t>> order;
+  for (const auto& r : rows) {
+    if (r.repeat > 0) order.emplace_back(r.run, r.repeat);
+  }
+  const std::vector<std::pair<std::string, int64_t>> abba{
+      {"batching", 1}, {"batching-sequential", 1}, {"batching-sequential", 2}, {"batching", 2}};
+  EXPECT_EQ(order, abba);
+  // The report pools the pairs (every pair's bytes over every pair's seconds, each side) and lists each.
+  double bytes[2] = {0, 0}, seconds[2] = {0, 0};
+  for (const auto& r : rows) {
+    if (r.repeat == 0) continue;
+    ASSERT_GT(r.window_s, 0) << r.run << " pair " << r.repeat;
+    const int side = r.run == "batching" ? 0 : 1;
+    bytes[side] += r.window_tokens_per_s * r.window_s;
+    seconds[side] += r.window_s;
+  }
+  const double pooled = (bytes[0] / seconds[0]) / (bytes[1] / seconds[1]);
+  EXPECT_NE(md.find("2 pairs of runs"), std::string::npos) << md;
+  EXPECT_NE(md.find(fmt::format("**{:.2f}x** ({:.1f} tokens/s against {:.1f}; the 2 pair ratios range", pooled,
+                                bytes[0] / seconds[0], bytes[1] / seconds[1])),
+            std::string::npos)
+      << md;
+  EXPECT_NE(md.find("| 2 | one after another |"), std::string::npos) << md;
   const ServeBenchRow* batched = nullptr;
   const ServeBenchRow* sequential = nullptr;
   for (const auto& r : rows) {
-    if (r.run == "batching") batched = &r;
-    if (r.run == "batching-sequential") sequential = &r;
+    if (r.run == "batching" && r.repeat == 1) batched = &r;
+    if (r.run == "batching-sequential" && r.repeat == 1) sequential = &r;
   }
   ASSERT_NE(batched, nullptr);
   ASSERT_NE(sequential, nullptr);

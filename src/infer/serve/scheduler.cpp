@@ -74,10 +74,11 @@ Scheduler::~Scheduler() {
 
 int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t chunk_pairs,
                         int64_t layers, const KvGrowth& g) {
-  if (!g.compresses) return layers * (prompt_tokens + max_tokens);
+  if (!g.budget) return layers * (prompt_tokens + max_tokens);
+  const KvBudget& b = *g.budget;
   auto keep = [&](int64_t seen) {
-    int64_t cap = static_cast<int64_t>(std::ceil(g.ratio * static_cast<double>(seen)));
-    if (g.max_entries > 0) cap = std::min(cap, g.max_entries);
+    int64_t cap = static_cast<int64_t>(std::ceil(b.ratio * static_cast<double>(seen)));
+    if (b.max_tokens > 0) cap = std::min(cap, b.max_tokens);
     return std::min(seen, std::max(cap, g.protect));
   };
   // A step appends t tokens to every layer holding `held` entries; the moment layer j has appended them and is not
@@ -92,17 +93,14 @@ int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk
     seen += t;
   };
   while (seen < prompt_tokens) step(prefill_chunk_length(seen, prompt_tokens - seen, chunk_tokens, chunk_pairs), true);
-  for (int64_t i = 0; i + 1 < max_tokens; ++i) step(1, (seen + 1) % g.interval == 0);
+  for (int64_t i = 0; i + 1 < max_tokens; ++i) step(1, (seen + 1) % b.interval == 0);
   return peak;
 }
 
 KvGrowth kv_growth(const KvPolicy& policy) {
   KvGrowth g;
-  if (const std::optional<KvBudget> b = policy.budget()) {
-    g.compresses = true;
-    g.ratio = b->ratio;
-    g.max_entries = b->max_tokens;
-    g.interval = b->interval;
+  g.budget = policy.budget();
+  if (g.budget) {
     g.protect = policy.protected_entries();
     g.by_layer = policy.compresses_by_layer();
   }

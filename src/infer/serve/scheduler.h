@@ -51,28 +51,25 @@ struct Job {
 
 /// How a session's cache grows and is cut, for kv_peak_entries: its policy's budget and schedule.
 struct KvGrowth {
-  bool compresses = false;  ///< false: policy full, every token kept
-  double ratio = 1;         ///< the kept fraction of the tokens seen (KvBudget::per_head)
-  int64_t max_entries = 0;  ///< a cap on the entries per head (a kv_budget >= 2: KvBudget::max_tokens); 0 = none
-  int64_t protect = 0;      ///< entries a policy keeps whatever its budget (KvPolicy::protected_entries)
-  int64_t interval = 64;    ///< decoding compresses when the next position is a multiple of it
-  bool by_layer = true;     ///< the policy compresses layer by layer inside the forward (compresses_by_layer)
+  std::optional<KvBudget> budget;  ///< the kept fraction, cap and decoding interval (KvPolicy::budget); none: full
+  int64_t protect = 0;             ///< entries a policy keeps whatever its budget (KvPolicy::protected_entries)
+  bool by_layer = true;  ///< the policy compresses layer by layer inside the forward (compresses_by_layer)
 };
 
 /// How `policy` grows a session's cache, from its own budget (KvPolicy::budget: make_kv_policy_with_budget's
 /// fraction, or a number >= 2 of entries per head as max_tokens at ratio 1, and the decoding interval), protected
-/// entries and layer-by-layer compression; compresses = false for a policy without a budget (full).
+/// entries and layer-by-layer compression; no budget for a policy that keeps everything (full).
 KvGrowth kv_growth(const KvPolicy& policy);
 
 /// The most cache entries, summed over the `layers` layers of one KV head, that a session holds at any moment:
 /// `prompt_tokens` (BOS included) prefilled in chunks of prefill_chunk_length(seen, left, chunk_tokens,
 /// chunk_pairs) (dcp/infer.h), each followed by a compression, then
 /// max_tokens - 1 tokens decoded (the last byte drawn is never run), compressed when the next position is a
-/// multiple of the interval. A compression leaves min(s, max(ceil(ratio s) capped at max_entries, protect))
-/// entries per head after s tokens. The peak of a prefill chunk is the moment its last layer has appended it: by
-/// layer, the other layers are already compressed; else every layer holds the whole chunk. Policy full: every
-/// token, layers x (prompt_tokens + max_tokens) (what its cache reserves). All arguments >= 1 (max_tokens >= 1)
-/// but chunk_pairs >= 0.
+/// multiple of the budget's interval. A compression leaves min(s, max(ceil(ratio s) capped at the budget's
+/// max_tokens, protect)) entries per head after s tokens. The peak of a prefill chunk is the moment its last layer
+/// has appended it: by layer, the other layers are already compressed; else every layer holds the whole chunk.
+/// Policy full: every token, layers x (prompt_tokens + max_tokens) (what its cache reserves). All arguments >= 1
+/// (max_tokens >= 1) but chunk_pairs >= 0.
 int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t chunk_pairs,
                         int64_t layers, const KvGrowth& growth);
 
