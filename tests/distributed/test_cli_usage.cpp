@@ -132,6 +132,11 @@ TEST(CliUsage, NumberOptionsRefuseNanAndOutOfRangeValues) {
       {{"launch", "--master-port", "70000", "--", "true"}, 2, "--master-port: 70000 is out of range"},
       {{"launch", "--max-restarts", "-1", "--", "true"}, 2, "--max-restarts: -1 is out of range"},
       {{"launch", "--restart-backoff-s", "nan", "--", "true"}, 2, "--restart-backoff-s: must be a non-negative finite"},
+      // bench-serve's pairs of batching runs: refused while parsing, before the checkpoint is read.
+      {{"bench-serve", "--checkpoint", dir.string(), "--out", (dir / "bs").string(), "--batching-repeats", "0"}, 2,
+       "--batching-repeats: Value 0 not in range 1 to 100"},
+      {{"bench-serve", "--checkpoint", dir.string(), "--out", (dir / "bs").string(), "--batching-repeats", "abc"}, 2,
+       "--batching-repeats"},
       {{"train", "--train.grad_clip=1e39"}, 2, "config key 'train.grad_clip': bad value '1e39'"},
   });
   fs::remove_all(dir);
