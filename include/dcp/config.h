@@ -164,6 +164,11 @@ struct ServeConfig {
   int64_t chunk_tokens = 0;        ///< prefill chunk; 0 = the checkpoint's kv.chunk_tokens
   int64_t prefill_chunks = 1;      ///< prefill chunks per scheduler step, beside every session's decode token
   std::string scheduler = "batched";  ///< batched (one forward per step) | sequential (one per session: the reference)
+  /// CPU priority of the HTTP connections' threads: "low" (nice 19: they run mostly on time the scheduler's threads
+  /// leave, a stream's wake-up per token rarely preempts them, and they keep a small share of a busy core), "idle"
+  /// (Linux SCHED_IDLE: only on time no other thread of the machine wants; another busy process can stall the
+  /// streams) or "normal" (the scheduler's priority).
+  std::string http_priority = "low";
   double shutdown_grace_s = 10;    ///< after SIGTERM, in-flight requests may finish for this long, then are cancelled
   int64_t retry_after_s = 1;       ///< Retry-After of a 503
 };

@@ -45,6 +45,10 @@ void add_bench_serve_command(CLI::App& app) {
       ->check(finite_number_validator("bytes", 0, true));
   sub->add_option("--memory-full-sessions", o->memory_full_sessions, "full caches the default memory holds")->check(CLI::Range(1, 4096));
   sub->add_option("--seed", o->seed, "prompt choice");
+  sub->add_option("--client-priority", o->client_priority,
+                  "idle: the client threads run under SCHED_IDLE, on time the server leaves (a load generator on "
+                  "another machine); normal: at the server's priority (default normal)")
+      ->check(CLI::IsMember({"idle", "normal"}));
   sub->add_flag("!--no-plot", o->plot, "skip the PNG");
   sub->allow_extras();
   sub->footer("serve.* and kv.* keys can be overridden as --section.key=value (e.g. --serve.chunk_tokens=64).");

@@ -474,8 +474,7 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
     if (it == files.end()) files.push_back(file);
   }
   result.source_files = static_cast<int64_t>(files.size());
-  result.files = files;
-  std::sort(result.files.begin(), result.files.end());
+  result.files = kv_source_files(documents);
   for (size_t p = 0; p < o.policies.size(); ++p) {
     for (size_t b = 0; b < o.budgets.size(); ++b) {
       const bool full = is_full(o.policies[p]);

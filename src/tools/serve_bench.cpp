@@ -3,14 +3,19 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <mutex>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include "dcp/data.h"
@@ -20,9 +25,19 @@
 #include "infer/serve/api.h"
 #include "infer/serve/client.h"
 #include "tools/bench_common.h"
+#include "util/stats.h"
 
 namespace dcp {
 namespace {
+
+// Puts the calling thread under SCHED_IDLE (Linux: it runs only when no other thread wants the core; no privilege
+// needed to lower one's own policy). Returns "" or why the kernel refused.
+std::string set_thread_idle_priority() {
+  sched_param param{};
+  param.sched_priority = 0;
+  const int err = pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
+  return err == 0 ? std::string() : fmt::format("SCHED_IDLE refused: {}", std::strerror(err));
+}
 
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return -1;
@@ -95,7 +110,8 @@ std::vector<std::string> make_prompts(const Config& cfg, const ServeBenchOptions
 }
 
 ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& id, const std::string& run,
-                       const Spec& spec, int64_t clients, const std::vector<std::string>& prompts, int64_t max_tokens) {
+                       const Spec& spec, int64_t clients, const std::vector<std::string>& prompts, int64_t max_tokens,
+                       bool idle_clients) {
   cfg.serve.host = "127.0.0.1";
   cfg.serve.port = 0;
   cfg.serve.max_queue = std::max<int64_t>(cfg.serve.max_queue, static_cast<int64_t>(prompts.size()));
@@ -135,9 +151,18 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
   };
   std::vector<Done> done(prompts.size());
   std::atomic<size_t> next{0};
+  std::mutex priority_mu;
+  std::string priority_error;  // a client thread whose SCHED_IDLE the kernel refused sends nothing
   std::vector<std::thread> workers;
   for (int64_t c = 0; c < clients; ++c) {
     workers.emplace_back([&] {
+      if (idle_clients) {
+        if (std::string why = set_thread_idle_priority(); !why.empty()) {
+          std::lock_guard<std::mutex> lock(priority_mu);
+          priority_error = why;
+          return;
+        }
+      }
       for (size_t i = next++; i < prompts.size(); i = next++) {
         nlohmann::json body = {{"prompt", prompts[i]}, {"max_tokens", max_tokens}, {"temperature", 0},
                                {"stream", true}, {"kv_policy", spec.policy},
@@ -175,6 +200,14 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
     });
   }
   for (auto& w : workers) w.join();
+  if (!priority_error.empty()) {
+    running = false;
+    monitor.join();
+    server.shutdown();
+    serving.join();
+    throw std::runtime_error(fmt::format("bench-serve: --client-priority idle: {} (--client-priority normal runs the "
+                                         "clients at the server's priority)", priority_error));
+  }
   const double wall = std::chrono::duration<double>(clock::now() - t0).count();
   running = false;
   monitor.join();
@@ -229,6 +262,7 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
       }
       if (row.answered == row.requests && to > from) {
         row.window_s = to - from;
+        row.window_bytes = bytes;
         row.window_tokens_per_s = static_cast<double>(bytes) / row.window_s;
       }
     } else {
@@ -242,6 +276,7 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
       }
       if (row.answered == row.requests && seconds > 0) {
         row.window_s = seconds;
+        row.window_bytes = bytes;
         row.window_tokens_per_s = static_cast<double>(bytes) / seconds;
       }
     }
@@ -264,19 +299,57 @@ std::string csv(const std::vector<ServeBenchRow>& rows) {
   std::string out = "run,policy,budget,clients,requests,answered,failed,tokens,wall_s,tokens_per_s,ttft_p50_s,ttft_p99_s,"
                     "itl_p50_s,itl_p99_s,itl_prefill_p50_s,itl_prefill_p99_s,peak_sessions,peak_kv_bytes,"
                     "kv_memory_bytes,abstained,decode_steps,decode_step_tokens,decode_tokens_per_s,saturated_s,saturated_sessions,"
-                    "saturated_kv_bytes,window_s,window_tokens_per_s,repeat\n";
+                    "saturated_kv_bytes,window_s,window_tokens_per_s,repeat,window_bytes\n";
   for (const auto& r : rows) {
-    out += fmt::format("{},{},{},{},{},{},{},{},{:.3f},{:.2f},{:.4f},{:.4f},{:.5f},{:.5f},{:.5f},{:.5f},{},{:.0f},{:.0f},{},{},{},{:.2f},{:.3f},{:.3f},{:.0f},{:.3f},{:.2f},{}\n",
+    out += fmt::format("{},{},{},{},{},{},{},{},{:.3f},{:.2f},{:.4f},{:.4f},{:.5f},{:.5f},{:.5f},{:.5f},{},{:.0f},{:.0f},{},{},{},{:.2f},{:.3f},{:.3f},{:.0f},{:.3f},{:.2f},{},{}\n",
                        r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.failed, r.tokens, r.wall_s,
                        r.tokens_per_s, r.ttft_p50, r.ttft_p99, r.itl_p50, r.itl_p99, r.itl_prefill_p50,
                        r.itl_prefill_p99, r.peak_sessions, r.peak_kv_bytes, r.kv_memory_bytes, r.abstained,
                        r.decode_steps, r.decode_step_tokens, r.decode_tokens_per_s, r.saturated_s,
-                       r.saturated_sessions, r.saturated_kv_bytes, r.window_s, r.window_tokens_per_s, r.repeat);
+                       r.saturated_sessions, r.saturated_kv_bytes, r.window_s, r.window_tokens_per_s, r.repeat,
+                       r.window_bytes);
   }
   return out;
 }
 
 }  // namespace
+
+double BatchingPool::ratio() const {
+  const double b = batched_tokens_per_s(), q = sequential_tokens_per_s();
+  return usable > 0 && q > 0 ? b / q : 0;
+}
+
+BatchingPool pool_batching(const std::vector<const ServeBenchRow*>& batched,
+                           const std::vector<const ServeBenchRow*>& sequential) {
+  if (batched.size() != sequential.size()) {
+    throw std::invalid_argument(fmt::format("pool_batching: {} batched runs against {} sequential ones (pairs needed)",
+                                            batched.size(), sequential.size()));
+  }
+  const auto usable = [](const ServeBenchRow& r) {
+    return r.window_s > 0 && r.window_bytes > 0 && r.answered == r.requests && r.failed == 0;
+  };
+  BatchingPool pool;
+  pool.pairs = static_cast<int64_t>(batched.size());
+  std::vector<double> counted;
+  for (size_t p = 0; p < batched.size(); ++p) {
+    const ServeBenchRow& b = *batched[p];
+    const ServeBenchRow& q = *sequential[p];
+    if (!usable(b) || !usable(q)) {
+      pool.ratios.push_back(std::numeric_limits<double>::quiet_NaN());
+      continue;
+    }
+    ++pool.usable;
+    pool.batched_bytes += b.window_bytes;
+    pool.batched_s += b.window_s;
+    pool.sequential_bytes += q.window_bytes;
+    pool.sequential_s += q.window_s;
+    pool.ratios.push_back((static_cast<double>(b.window_bytes) / b.window_s) /
+                          (static_cast<double>(q.window_bytes) / q.window_s));
+    counted.push_back(pool.ratios.back());
+  }
+  pool.median_ratio = median(counted);
+  return pool;
+}
 
 std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_in, const std::string& checkpoint,
                                            const ServeBenchOptions& o) {
@@ -297,6 +370,10 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
       }
     }
   }
+  if (o.client_priority != "idle" && o.client_priority != "normal") {
+    throw ConfigError(fmt::format("--client-priority: '{}' is neither idle nor normal", o.client_priority));
+  }
+  const bool idle = o.client_priority == "idle";
   const double load_start = load_average_1min();
   const auto started = std::chrono::steady_clock::now();
   std::vector<ServeBenchRow> rows;
@@ -309,7 +386,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   for (int64_t c : o.clients) {
     const int64_t n = std::max(o.requests, c);
     rows.push_back(run_load(model, wide, id, c == 1 ? "sequential" : "throughput", {"full", 1}, c,
-                            std::vector<std::string>(prompts.begin(), prompts.begin() + n), o.max_tokens));
+                            std::vector<std::string>(prompts.begin(), prompts.begin() + n), o.max_tokens, idle));
   }
   // Batched decoding at N concurrent sessions: N requests at once, then the same N one after another.
   // Pairs alternate which run goes first (batched, sequential; sequential, batched; ...).
@@ -319,7 +396,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
       for (int k = 0; k < 2; ++k) {
         const bool batched = (k == 0) == (rep % 2 == 1);
         rows.push_back(run_load(model, wide, id, batched ? "batching" : "batching-sequential", {"full", 1},
-                                batched ? o.batching_sessions : 1, batch, o.batching_tokens));
+                                batched ? o.batching_sessions : 1, batch, o.batching_tokens, idle));
         rows.back().repeat = rep;
       }
     }
@@ -336,7 +413,8 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   if (o.memory_requests > 0) {
     for (const Spec& s : specs) {
       rows.push_back(run_load(model, fixed, id, "memory", s, o.memory_clients,
-                              std::vector<std::string>(prompts.begin(), prompts.begin() + o.memory_requests), o.max_tokens));
+                              std::vector<std::string>(prompts.begin(), prompts.begin() + o.memory_requests), o.max_tokens,
+                              idle));
     }
   }
   const double load_end = load_average_1min();
@@ -357,17 +435,22 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   std::ostringstream md;
   md << "# dcp bench-serve: continuous batching and KV memory on loopback\n\n";
   md << fmt::format("```sh\n{}\n```\n\n", own_command_line());
-  md << fmt::format("Checkpoint `{}` (d_model {}, {} layers, {} heads, {}), threads {} (serve.threads; 0 = every core), scheduler {}, prefill chunk "
+  md << fmt::format("Checkpoint `{}` (d_model {}, {} layers, {} heads, {}), threads {} (serve.threads; 0 = every core), HTTP threads' priority {} (serve.http_priority), scheduler {}, prefill chunk "
                     "{} tokens{} ({} per step). {} UTC, {:.0f} s in all; 1-minute load average {:.2f} at the start, "
                     "{:.2f} at the end. BLAS: {}.\n\n",
                     checkpoint, cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads,
-                    c10::toString(kv_cache_spec(model).dtype), cfg.serve.threads,
+                    c10::toString(kv_cache_spec(model).dtype), cfg.serve.threads, cfg.serve.http_priority,
                     cfg.serve.scheduler, cfg.serve.chunk_tokens > 0 ? cfg.serve.chunk_tokens : cfg.kv.chunk_tokens,
                     cfg.kv.chunk_pairs > 0
                         ? fmt::format(" and at most {} query-key pairs (kv.chunk_pairs)", cfg.kv.chunk_pairs)
                         : std::string(),
                     cfg.serve.prefill_chunks, utc_now("%Y-%m-%d %H:%M"), total_s, load_start, load_end,
                     blas_description());
+  md << (idle ? "The clients (threads of this process) run under SCHED_IDLE (`--client-priority idle`): on time the "
+                "server's threads leave, as a load generator on another machine would; their arrival times are late "
+                "by as long as the server keeps every core busy.\n\n"
+              : "The clients (threads of this process) run at the server's priority (`--client-priority normal`): "
+                "their reading of the streams competes with the server for the same cores.\n\n");
   if (recurrent) {
     md << fmt::format("A flexformer checkpoint (attention.feature_map {}, {} features): each session decodes from its "
                       "recurrent states, the same bytes for every prompt (the rows' KV bytes are those states), so "
@@ -384,41 +467,36 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                     "(arrival of each server-sent event; an event of k bytes counts as k equal gaps).\n\n",
                     o.min_prompt, o.max_prompt, cfg.data.path, o.seed, o.max_tokens, cfg.data.max_seq_len);
   if (!batching.empty() && batching.size() == batching_seq.size()) {
-    // Pooled over the pairs: the bytes of every window over its seconds, each side; a pair whose run had no
-    // decoding interval or a failed request counts in neither side.
     const int64_t n = o.batching_sessions;
-    double bytes_b = 0, s_b = 0, bytes_s = 0, s_s = 0;
-    std::vector<double> ratios;
+    const BatchingPool pool = pool_batching(batching, batching_seq);
     std::string pairs;
     for (size_t p = 0; p < batching.size(); ++p) {
       const ServeBenchRow& b = *batching[p];
       const ServeBenchRow& q = *batching_seq[p];
-      const bool both = b.window_tokens_per_s > 0 && q.window_tokens_per_s > 0;
-      if (both) {
-        bytes_b += b.window_tokens_per_s * b.window_s;
-        s_b += b.window_s;
-        bytes_s += q.window_tokens_per_s * q.window_s;
-        s_s += q.window_s;
-        ratios.push_back(b.window_tokens_per_s / q.window_tokens_per_s);
-      }
+      const double r = pool.ratios[p];
       pairs += fmt::format("| {} | {} | {} | {} | {} | {} / {} |\n", b.repeat,
                            batching[p] < batching_seq[p] ? "batched" : "one after another",  // rows in run order
                            or_dash(b.window_tokens_per_s, 1), or_dash(q.window_tokens_per_s, 1),
-                           both ? fmt::format("{:.2f}x", ratios.back()) : std::string("- (no decoding interval or a failed request)"),
+                           std::isnan(r) ? std::string("- (no decoding interval or a failed request)")
+                                         : fmt::format("{:.2f}x", r),
                            or_dash(b.window_s, 3), or_dash(q.window_s, 3));
     }
     std::string pooled =
         "- (no pair had a decoding interval in both runs without a failed request; longer completions "
         "(--batching-tokens) give one)";
-    if (!ratios.empty()) {
-      std::vector<double> sorted = ratios;
-      std::sort(sorted.begin(), sorted.end());
-      pooled = fmt::format("**{:.2f}x** ({:.1f} tokens/s against {:.1f}; the {} pair ratio{} {})", (bytes_b / s_b) / (bytes_s / s_s),
-                           bytes_b / s_b, bytes_s / s_s, ratios.size(), ratios.size() == 1 ? "" : "s",
-                           ratios.size() == 1 ? fmt::format("{:.2f}x", sorted[0])
-                                              : fmt::format("range {:.2f}x..{:.2f}x, median {:.2f}x", sorted.front(),
-                                                            sorted.back(), (sorted[(sorted.size() - 1) / 2] +
-                                                                            sorted[sorted.size() / 2]) / 2));
+    if (pool.usable > 0) {
+      double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+      for (double r : pool.ratios) {
+        if (std::isnan(r)) continue;
+        lo = std::min(lo, r);
+        hi = std::max(hi, r);
+      }
+      pooled = fmt::format("**{:.2f}x** ({:.1f} tokens/s against {:.1f}; the {} pair ratio{} {})", pool.ratio(),
+                           pool.batched_tokens_per_s(), pool.sequential_tokens_per_s(), pool.usable,
+                           pool.usable == 1 ? "" : "s",
+                           pool.usable == 1 ? fmt::format("{:.2f}x", lo)
+                                            : fmt::format("range {:.2f}x..{:.2f}x, median {:.2f}x", lo, hi,
+                                                          pool.median_ratio));
     }
     md << fmt::format("**Batching at {} concurrent session{}** ({} client{} send one request each at once, completions "
                       "of {} bytes, prompts the first {} of those above; the decode rate is the bytes the clients "

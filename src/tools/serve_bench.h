@@ -34,6 +34,12 @@ struct ServeBenchOptions {
   double memory_bytes = 0;
   int64_t memory_full_sessions = 4;
   uint64_t seed = 1;
+  /// The clients' (load generator's) CPU priority: "idle" runs each client thread under Linux SCHED_IDLE, so that
+  /// where it shares the server's cores it takes only time they leave idle, as a load generator on another machine
+  /// would (the server's scheduler and handler threads keep theirs; a client's arrival times are then late by as
+  /// long as the server keeps both cores busy, a few milliseconds against windows of seconds); "normal" leaves the
+  /// clients at the server's priority (the clients' reading and parsing then competes with the decode step).
+  std::string client_priority = "normal";
   std::string out;             ///< files out.md, out.csv, out.png (+ .gnuplot)
   bool plot = true;
 };
@@ -70,7 +76,29 @@ struct ServeBenchRow {
   /// seconds from each request's first byte to its last, summed, and the bytes that arrived after each request's
   /// first event per second.
   double window_s = -1, window_tokens_per_s = -1;
+  int64_t window_bytes = -1;  ///< the bytes counted in window_s (-1 in other runs); window_tokens_per_s is their rate
 };
+
+/// The batching pairs pooled (the target's figure): every usable pair's window bytes over its window seconds, each
+/// side. A pair is usable when both of its runs have a decoding interval (window_s > 0) holding bytes
+/// (window_bytes > 0) and answered every request without a failure.
+struct BatchingPool {
+  int64_t pairs = 0, usable = 0;      ///< pairs given; pairs that counted
+  int64_t batched_bytes = 0, sequential_bytes = 0;
+  double batched_s = 0, sequential_s = 0;
+  std::vector<double> ratios;         ///< each pair's ratio (batched rate / sequential rate); NaN for a pair not usable
+  double median_ratio = 0;            ///< median of the usable pairs' ratios (0 when none)
+  /// batched rate over sequential rate, pooled; 0 when no pair was usable.
+  double ratio() const;
+  double batched_tokens_per_s() const { return batched_s > 0 ? static_cast<double>(batched_bytes) / batched_s : 0; }
+  double sequential_tokens_per_s() const {
+    return sequential_s > 0 ? static_cast<double>(sequential_bytes) / sequential_s : 0;
+  }
+};
+/// Pools the pairs `batched[i]`, `sequential[i]` (rows of runs "batching" and "batching-sequential"). Throws
+/// std::invalid_argument when the two lists differ in length.
+BatchingPool pool_batching(const std::vector<const ServeBenchRow*>& batched,
+                           const std::vector<const ServeBenchRow*>& sequential);
 
 /// Runs the benchmark on `model` (cfg: the checkpoint's config with serve.* resolved) and writes the report;
 /// returns the rows. Throws std::runtime_error when the held-out documents hold no prompt of min_prompt bytes or

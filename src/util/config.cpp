@@ -116,6 +116,7 @@ void visit(C& c, F&& f) {
   f("serve.chunk_tokens", c.serve.chunk_tokens, IntRule{0, 1 << 24});
   f("serve.prefill_chunks", c.serve.prefill_chunks, IntRule{1, 1 << 16});
   f("serve.scheduler", c.serve.scheduler, Choices{"batched", "sequential"});
+  f("serve.http_priority", c.serve.http_priority, Choices{"low", "idle", "normal"});
   f("serve.shutdown_grace_s", c.serve.shutdown_grace_s, RealRule{0.0, 86400.0});
   f("serve.retry_after_s", c.serve.retry_after_s, IntRule{0, 86400});
 }

@@ -154,6 +154,7 @@ TEST(CliServe, UsageErrorsExitTwoNamingTheValue) {
       {{"--model.d_model=32"}, "serve.* and kv.* overrides only"},
       {{"--serve.kv_policy=nope"}, "nope"},
       {{"--serve.scheduler=fast"}, "serve.scheduler"},
+      {{"--serve.http_priority=high"}, "serve.http_priority"},
       {{"--serve.port=70000"}, "serve.port"},
       {{"--kv.max_rel_bpb=0.01"}, "--kv.max_rel_bpb=0.01: the server does not take error targets"},
       // Refused before the server starts, so no "listening" line promises a port file that will not come.

@@ -137,6 +137,8 @@ TEST(CliUsage, NumberOptionsRefuseNanAndOutOfRangeValues) {
        "--batching-repeats: Value 0 not in range 1 to 100"},
       {{"bench-serve", "--checkpoint", dir.string(), "--out", (dir / "bs").string(), "--batching-repeats", "abc"}, 2,
        "--batching-repeats"},
+      {{"bench-serve", "--checkpoint", dir.string(), "--out", (dir / "bs").string(), "--client-priority", "high"}, 2,
+       "--client-priority: high not in {idle,normal}"},
       {{"train", "--train.grad_clip=1e39"}, 2, "config key 'train.grad_clip': bad value '1e39'"},
   });
   fs::remove_all(dir);

@@ -185,6 +185,9 @@ TEST(KvEvalSplit, CalibrationAndEvaluationAreDisjointHalvesBySourceFile) {
   EXPECT_GT(cal_files.size(), 8u);
   EXPECT_GT(eval_files.size(), 8u);
   EXPECT_EQ(kv_source_file("/a/b#c.py#3"), "/a/b#c.py");
+  // The distinct files of documents given out of order, one file twice: sorted, each once.
+  const std::vector<KvEvalDocument> unsorted{{"/c/z.py#1", {}}, {"/c/a.py#0", {}}, {"/c/z.py#0", {}}, {"/c/m.py#4", {}}};
+  EXPECT_EQ(kv_source_files(unsorted), (std::vector<std::string>{"/c/a.py", "/c/m.py", "/c/z.py"}));
   EXPECT_NE(error_of([&] { kv_eval_split(corpus, corpus.train_ids(), "test"); }).find("split 'test'"), std::string::npos);
 }
 

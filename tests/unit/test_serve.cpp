@@ -8,9 +8,12 @@
 #include <httplib.h>
 
 #include <torch/torch.h>
+#include <sched.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -18,6 +21,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -345,6 +349,121 @@ TEST(ServeBench, AFlexformerCheckpointsMemoryRunsTakePolicyFullAlone) {
   }
 }
 
+namespace {
+// Threads of this process under SCHED_IDLE, and at nice 19 (a thread that exits while it is read counts as neither).
+struct Lowered {
+  int64_t idle = 0, nice19 = 0, all = 0;
+};
+Lowered lowered_threads() {
+  Lowered n;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    const auto tid = static_cast<pid_t>(std::stol(e.path().filename().string()));
+    ++n.all;
+    if (sched_getscheduler(tid) == SCHED_IDLE) ++n.idle;
+    errno = 0;
+    if (getpriority(PRIO_PROCESS, static_cast<id_t>(tid)) == 19 && errno == 0) ++n.nice19;
+  }
+  return n;
+}
+
+// One streamed request; the lowered threads counted while its handler streams.
+Lowered lowered_while_streaming(const Config& cfg) {
+  Lowered during{-1, -1, -1};
+  ClientReply r;
+  {
+    Running s(cfg);
+    r = s.complete({{"prompt", "abc"}, {"max_tokens", 8}, {"stream", true}}, [&](const ClientReply&) {
+      if (during.all < 0) during = lowered_threads();
+      return true;
+    });
+  }
+  EXPECT_EQ(r.status, 200);
+  EXPECT_TRUE(r.done);
+  return during;
+}
+}  // namespace
+
+// serve.http_priority lowers a connection's thread before it serves: low (the default) to nice 19, idle to
+// SCHED_IDLE; normal leaves every thread of the server as it was. The scheduler's thread and this test's stay at
+// normal priority, so never every thread is lowered.
+TEST(Serve, HttpPriorityLowersTheConnectionsThreads) {
+  // A test run already lowered (nice -n 19 ctest, chrt -i) could not tell the server's lowering from its own.
+  if (getpriority(PRIO_PROCESS, 0) == 19 || sched_getscheduler(0) == SCHED_IDLE) {
+    GTEST_SKIP() << "this test process itself runs at nice 19 or under SCHED_IDLE";
+  }
+  const Lowered before = lowered_threads();  // none unless an earlier test of this process left one
+  Config cfg = tiny_config();
+  ASSERT_EQ(cfg.serve.http_priority, "low");  // the default
+  const Lowered low = lowered_while_streaming(cfg);
+  EXPECT_GE(low.nice19, before.nice19 + 1);
+  EXPECT_EQ(low.idle, before.idle);
+  EXPECT_LT(low.nice19, low.all);
+  cfg.serve.http_priority = "idle";
+  const Lowered idle = lowered_while_streaming(cfg);
+  EXPECT_GE(idle.idle, before.idle + 1);
+  EXPECT_LT(idle.idle, idle.all);
+  cfg.serve.http_priority = "normal";
+  const Lowered normal = lowered_while_streaming(cfg);
+  EXPECT_EQ(normal.idle, before.idle);
+  EXPECT_EQ(normal.nice19, before.nice19);
+}
+
+namespace {
+ServeBenchRow window_row(const char* run, int64_t bytes, double seconds) {
+  ServeBenchRow r;
+  r.run = run;
+  r.requests = r.answered = 16;
+  r.window_bytes = bytes;
+  r.window_s = seconds;
+  r.window_tokens_per_s = seconds > 0 ? bytes / seconds : -1;
+  return r;
+}
+}  // namespace
+
+// pool_batching on rows made by hand: the pooled ratio is the bytes over the seconds of the usable pairs on each side
+// (not the mean or median of the pair ratios), a pair with a missing window or a failed request counts in neither
+// side, the median of an odd count is its middle ratio.
+TEST(ServeBench, PoolBatchingPoolsBytesOverSecondsOfTheUsablePairs) {
+  // Pair 1: 3000 B / 1 s against 1000 B / 1 s (3x). Pair 2: 2000 B / 2 s against 1000 B / 2 s (2x).
+  // Pair 3: 4000 B / 1 s against 500 B / 1 s (8x). Pair 4: the sequential run has no window. Pair 5: a failure.
+  std::vector<ServeBenchRow> b{window_row("batching", 3000, 1), window_row("batching", 2000, 2),
+                               window_row("batching", 4000, 1), window_row("batching", 9000, 1),
+                               window_row("batching", 9000, 1)};
+  std::vector<ServeBenchRow> q{window_row("batching-sequential", 1000, 1), window_row("batching-sequential", 1000, 2),
+                               window_row("batching-sequential", 500, 1), window_row("batching-sequential", -1, -1),
+                               window_row("batching-sequential", 100, 1)};
+  q[4].answered = 15;
+  q[4].failed = 1;
+  std::vector<const ServeBenchRow*> pb, pq;
+  for (size_t i = 0; i < b.size(); ++i) {
+    pb.push_back(&b[i]);
+    pq.push_back(&q[i]);
+  }
+  const BatchingPool pool = pool_batching(pb, pq);
+  EXPECT_EQ(pool.pairs, 5);
+  EXPECT_EQ(pool.usable, 3);
+  EXPECT_EQ(pool.batched_bytes, 9000);
+  EXPECT_EQ(pool.sequential_bytes, 2500);
+  EXPECT_DOUBLE_EQ(pool.batched_s, 4);
+  EXPECT_DOUBLE_EQ(pool.sequential_s, 4);
+  EXPECT_DOUBLE_EQ(pool.ratio(), (9000.0 / 4) / (2500.0 / 4));  // 3.6x: neither the mean (4.33x) nor the median
+  EXPECT_DOUBLE_EQ(pool.median_ratio, 3);
+  ASSERT_EQ(pool.ratios.size(), 5u);
+  EXPECT_DOUBLE_EQ(pool.ratios[0], 3);
+  EXPECT_DOUBLE_EQ(pool.ratios[1], 2);
+  EXPECT_DOUBLE_EQ(pool.ratios[2], 8);
+  EXPECT_TRUE(std::isnan(pool.ratios[3]));
+  EXPECT_TRUE(std::isnan(pool.ratios[4]));
+  // No usable pair: ratio 0, not a division by zero.
+  const BatchingPool none = pool_batching({pb[3], pb[4]}, {pq[3], pq[4]});
+  EXPECT_EQ(none.usable, 0);
+  EXPECT_EQ(none.ratio(), 0);
+  EXPECT_EQ(none.median_ratio, 0);
+  // Empty and mismatched lists.
+  EXPECT_EQ(pool_batching({}, {}).pairs, 0);
+  EXPECT_THROW(pool_batching({pb[0]}, {}), std::invalid_argument);
+}
+
 // dcp bench-serve's batching runs on the tiny model: N requests sent at once, then the same N one after another;
 // each reports the decode rate the clients saw over an interval that holds a whole number of the bytes (every
 // request runs to max_tokens: greedy, no stop).
@@ -392,11 +511,15 @@ TEST(ServeBench, BatchingRunsReportTheClientsDecodeRateAtNConcurrentSessions) {
     if (r.repeat == 0) continue;
     ASSERT_GT(r.window_s, 0) << r.run << " pair " << r.repeat;
     const int side = r.run == "batching" ? 0 : 1;
-    bytes[side] += r.window_tokens_per_s * r.window_s;
+    ASSERT_GT(r.window_bytes, 0) << r.run << " pair " << r.repeat;
+    EXPECT_NEAR(r.window_tokens_per_s, r.window_bytes / r.window_s, 1e-9 * r.window_tokens_per_s);
+    bytes[side] += static_cast<double>(r.window_bytes);
     seconds[side] += r.window_s;
   }
   const double pooled = (bytes[0] / seconds[0]) / (bytes[1] / seconds[1]);
   EXPECT_NE(md.find("2 pairs of runs"), std::string::npos) << md;
+  EXPECT_NE(md.find("HTTP threads' priority low (serve.http_priority)"), std::string::npos) << md;
+  EXPECT_NE(md.find("run at the server's priority (`--client-priority normal`)"), std::string::npos) << md;  // the default
   EXPECT_NE(md.find(fmt::format("**{:.2f}x** ({:.1f} tokens/s against {:.1f}; the 2 pair ratios range", pooled,
                                 bytes[0] / seconds[0], bytes[1] / seconds[1])),
             std::string::npos)

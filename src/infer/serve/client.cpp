@@ -5,6 +5,9 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace dcp::serve {
 namespace {
@@ -31,39 +34,54 @@ ClientReply complete(const std::string& host, int port, const nlohmann::json& bo
   req.set_header("Content-Type", "application/json");
   const auto start = std::chrono::steady_clock::now();
   std::string pending;
+  // Without on_event nobody reads an event before the stream ends: each is kept as its raw payload with its
+  // arrival time and parsed after the last, so that the reading thread (a benchmark's client, on the server's
+  // cores) spends what it must on each event (a copy and a clock read) and no JSON parsing while it streams.
+  std::vector<std::string> raw;
+  auto take = [&r](const std::string& payload) {
+    nlohmann::json j = nlohmann::json::parse(payload, nullptr, false);
+    if (j.contains("choices") && j["choices"].is_array() && !j["choices"].empty()) {
+      const auto& ch = j["choices"][0];
+      r.text += ch.value("text", "");
+      if (ch.contains("bytes")) {
+        for (const auto& b : ch["bytes"]) r.bytes.push_back(static_cast<char>(b.get<int>()));
+      }
+      if (ch.contains("finish_reason") && !ch["finish_reason"].is_null()) r.last = j;
+    }
+    r.events.push_back(std::move(j));
+  };
   if (stream) {
     req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      const double at = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       r.body.append(data, n);
       pending.append(data, n);
-      size_t cut;
-      while ((cut = pending.find("\n\n")) != std::string::npos) {
-        const std::string line = pending.substr(0, cut);
-        pending.erase(0, cut + 2);
-        if (line.rfind("data: ", 0) != 0) continue;
-        const std::string payload = line.substr(6);
+      size_t from = 0, cut;
+      while ((cut = pending.find("\n\n", from)) != std::string::npos) {
+        const size_t line = from;
+        from = cut + 2;
+        if (pending.compare(line, 6, "data: ") != 0 || cut < line + 6) continue;
+        std::string payload = pending.substr(line + 6, cut - line - 6);
         if (payload == "[DONE]") {
           r.done = true;
           continue;
         }
-        nlohmann::json j = nlohmann::json::parse(payload, nullptr, false);
-        r.events.push_back(j);
-        r.event_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-        if (j.contains("choices") && j["choices"].is_array() && !j["choices"].empty()) {
-          const auto& ch = j["choices"][0];
-          r.text += ch.value("text", "");
-          if (ch.contains("bytes")) {
-            for (const auto& b : ch["bytes"]) r.bytes.push_back(static_cast<char>(b.get<int>()));
-          }
-          if (ch.contains("finish_reason") && !ch["finish_reason"].is_null()) r.last = j;
+        r.event_s.push_back(at);
+        if (on_event) {
+          take(payload);
+          if (!on_event(r)) return false;
+        } else {
+          raw.push_back(std::move(payload));
         }
-        if (on_event && !on_event(r)) return false;
       }
+      pending.erase(0, from);
       return true;
     };
   }
   httplib::Response res;
   httplib::Error err = httplib::Error::Success;
-  if (!c.send(req, res, err) && res.status <= 0) {
+  const bool sent = c.send(req, res, err);
+  for (const std::string& payload : raw) take(payload);  // what arrived, also when the stream broke off
+  if (!sent && res.status <= 0) {
     r.error = httplib::to_string(err);
     return r;
   }

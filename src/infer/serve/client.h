@@ -26,8 +26,11 @@ struct ClientReply {
   nlohmann::json last;                 ///< the event carrying finish_reason (null if none)
 };
 
-/// POSTs `body` to /v1/completions on host:port. With body.stream true the events are read as they come;
-/// `on_event(reply)` is called after each and may return false to close the connection (a client that leaves).
+/// POSTs `body` to /v1/completions on host:port. With body.stream true the events are read as they come, each
+/// timed at the arrival of the bytes that completed it (event_s); with `on_event` each is parsed at once and
+/// `on_event(reply)` called after it, which may return false to close the connection (a client that leaves);
+/// without, the events are kept raw and parsed after the stream ends (also when it broke off), so that reading a
+/// stream costs a copy and a clock read per event.
 /// `timeout_s` bounds every read and write.
 ClientReply complete(const std::string& host, int port, const nlohmann::json& body, double timeout_s = 30,
                      const std::function<bool(const ClientReply&)>& on_event = {});

@@ -1,7 +1,11 @@
 #include <httplib.h>
+#include <pthread.h>
+#include <sched.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -21,6 +25,45 @@
 
 namespace dcp {
 namespace {
+
+// httplib's pool of connection threads, each lowered before its first connection (serve.http_priority): "low" sets
+// the thread's nice value to 19 (CFS weight 15 against 1024 at nice 0), "idle" puts it under Linux SCHED_IDLE. A
+// handler then runs mostly on time the scheduler's threads leave, and its wake-ups (one per streamed token) rarely
+// or never preempt them. On 2 cores the scheduler kept busy, the handlers of 16 streams woken every step took ~20%
+// of the decode step's rate at normal priority (bench/results/cpu2_202612_serve_http_priority.md). An unprivileged
+// thread cannot raise its priority again, so the pool's threads stay lowered for every request they serve.
+class LoweredThreadPool : public httplib::TaskQueue {
+ public:
+  LoweredThreadPool(size_t threads, bool idle) : pool_(threads), idle_(idle) {}
+  void enqueue(std::function<void()> fn) override {
+    pool_.enqueue([fn = std::move(fn), idle = idle_] {
+      thread_local bool lowered = false;
+      if (!lowered) {
+        lowered = true;
+        int err = 0;
+        if (idle) {
+          sched_param param{};
+          err = pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
+        } else if (setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), 19) != 0) {
+          err = errno;
+        }
+        if (err != 0) {
+          static std::once_flag warned;
+          std::call_once(warned, [err, idle] {
+            spdlog::warn("serve: serve.http_priority {}: refused ({}); connections run at the server's priority",
+                         idle ? "idle" : "low", std::strerror(err));
+          });
+        }
+      }
+      fn();
+    });
+  }
+  void shutdown() override { pool_.shutdown(); }
+
+ private:
+  httplib::ThreadPool pool_;
+  bool idle_;
+};
 
 using serve::ApiError;
 using serve::Job;
@@ -228,7 +271,11 @@ void Server::Impl::routes() {
   http.set_read_timeout(10);
   http.set_write_timeout(10);
   const auto threads = static_cast<size_t>(cfg.serve.http_threads);
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  const std::string priority = cfg.serve.http_priority;
+  http.new_task_queue = [threads, priority]() -> httplib::TaskQueue* {
+    if (priority == "normal") return new httplib::ThreadPool(threads);
+    return new LoweredThreadPool(threads, priority == "idle");
+  };
   // Errors httplib answers itself (an unknown path, a body over the limit, a request it cannot parse) get
   // OpenAI's JSON shape too.
   http.set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req, httplib::Response& res) {
@@ -350,15 +397,23 @@ void Server::Impl::completions(const httplib::Request& req, httplib::Response& r
         }
         std::unique_lock<std::mutex> lock(job->mu);
         while (true) {
+          // Under the lock only copies: the scheduler takes this mutex for every session at every step, and this
+          // thread runs lowered (serve.http_priority), so the JSON is built after unlocking. A finished job's
+          // fields no longer change (finish_job sets finished last), so that path reads them unlocked too.
           size_t upto = job->releasable;
-          if (!job->finished) upto = serve::utf8_complete_prefix(job->text.substr(0, upto));
+          if (!job->finished) {
+            // utf8_complete_prefix looks at most 3 bytes back: the text before them is not copied.
+            const size_t tail = std::min<size_t>(upto, 3);
+            upto = upto - tail + serve::utf8_complete_prefix(job->text.substr(upto - tail, tail));
+          }
           if (upto > st->sent || job->finished) {
             const std::string piece = upto > st->sent ? job->text.substr(st->sent, upto - st->sent) : "";
             st->sent = std::max(st->sent, upto);
             if (!job->finished) {
-              nlohmann::json j = chunk_json(*job, piece, piece, nullptr);
-              j["kv_cache"] = {{"bytes", job->kv_bytes}};
+              const int64_t kv_bytes = job->kv_bytes;
               lock.unlock();
+              nlohmann::json j = chunk_json(*job, piece, piece, nullptr);
+              j["kv_cache"] = {{"bytes", kv_bytes}};
               if (!event(j)) {
                 job->cancel = true;
                 return false;
@@ -366,6 +421,7 @@ void Server::Impl::completions(const httplib::Request& req, httplib::Response& r
               return true;
             }
             // Finished: what is left, then the end.
+            lock.unlock();
             std::vector<nlohmann::json> events;
             if (job->error) {
               if (!piece.empty()) events.push_back(chunk_json(*job, piece, piece, nullptr));
@@ -387,7 +443,6 @@ void Server::Impl::completions(const httplib::Request& req, httplib::Response& r
                 events.push_back(last);
               }
             }
-            lock.unlock();
             for (const auto& e : events) {
               if (!event(e)) {
                 return false;
