@@ -164,11 +164,18 @@ struct ServeConfig {
   int64_t chunk_tokens = 0;        ///< prefill chunk; 0 = the checkpoint's kv.chunk_tokens
   int64_t prefill_chunks = 1;      ///< prefill chunks per scheduler step, beside every session's decode token
   std::string scheduler = "batched";  ///< batched (one forward per step) | sequential (one per session: the reference)
-  /// CPU priority of the HTTP connections' threads: "low" (nice 19: they run mostly on time the scheduler's threads
-  /// leave, a stream's wake-up per token rarely preempts them, and they keep a small share of a busy core), "idle"
-  /// (Linux SCHED_IDLE: only on time no other thread of the machine wants; another busy process can stall the
-  /// streams) or "normal" (the scheduler's priority).
-  std::string http_priority = "low";
+  /// CPU priority of the HTTP connections' threads: "normal" (the scheduler's priority), "low" (nice 19: they run
+  /// mostly on time the scheduler's threads leave, so a stream's wake-up per token rarely preempts them; on a busy
+  /// server a stream then arrives in few large pieces) or "idle" (Linux SCHED_IDLE: only on time no other thread of
+  /// the machine wants; another busy process can stall the streams).
+  std::string http_priority = "normal";
+  /// > 0: a scheduler step that runs a prefill chunk beside decoding sessions may take about this many times a
+  /// decode-only step (both measured, moving averages): the chunk is shortened to fit, down to 16 tokens, so the
+  /// streams' inter-token gap stays near a decode step while a long prompt is prefilled (Sarathi-Serve's per-step
+  /// token budget, here set from measured step times instead of an offline profile). A step with no decoding
+  /// session runs the whole chunk. 0 (the default) = off: chunks of chunk_tokens / kv.chunk_pairs only; 1.5 met
+  /// the latency target at 4 and 16 clients but cost up to 7x the time to first token (docs/serve.md).
+  double prefill_step_ratio = 0;
   double shutdown_grace_s = 10;    ///< after SIGTERM, in-flight requests may finish for this long, then are cancelled
   int64_t retry_after_s = 1;       ///< Retry-After of a 503
 };

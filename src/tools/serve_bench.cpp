@@ -436,7 +436,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
   md << "# dcp bench-serve: continuous batching and KV memory on loopback\n\n";
   md << fmt::format("```sh\n{}\n```\n\n", own_command_line());
   md << fmt::format("Checkpoint `{}` (d_model {}, {} layers, {} heads, {}), threads {} (serve.threads; 0 = every core), HTTP threads' priority {} (serve.http_priority), scheduler {}, prefill chunk "
-                    "{} tokens{} ({} per step). {} UTC, {:.0f} s in all; 1-minute load average {:.2f} at the start, "
+                    "{} tokens{} ({} per step; {}). {} UTC, {:.0f} s in all; 1-minute load average {:.2f} at the start, "
                     "{:.2f} at the end. BLAS: {}.\n\n",
                     checkpoint, cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads,
                     c10::toString(kv_cache_spec(model).dtype), cfg.serve.threads, cfg.serve.http_priority,
@@ -444,7 +444,12 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                     cfg.kv.chunk_pairs > 0
                         ? fmt::format(" and at most {} query-key pairs (kv.chunk_pairs)", cfg.kv.chunk_pairs)
                         : std::string(),
-                    cfg.serve.prefill_chunks, utc_now("%Y-%m-%d %H:%M"), total_s, load_start, load_end,
+                    cfg.serve.prefill_chunks,
+                    cfg.serve.prefill_step_ratio > 0
+                        ? fmt::format("beside decoding sessions shortened to about {} decode steps' time, "
+                                      "serve.prefill_step_ratio", cfg.serve.prefill_step_ratio)
+                        : std::string("serve.prefill_step_ratio 0: never shortened"),
+                    utc_now("%Y-%m-%d %H:%M"), total_s, load_start, load_end,
                     blas_description());
   md << (idle ? "The clients (threads of this process) run under SCHED_IDLE (`--client-priority idle`): on time the "
                 "server's threads leave, as a load generator on another machine would; their arrival times are late "

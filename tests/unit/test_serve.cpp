@@ -383,8 +383,8 @@ Lowered lowered_while_streaming(const Config& cfg) {
 }
 }  // namespace
 
-// serve.http_priority lowers a connection's thread before it serves: low (the default) to nice 19, idle to
-// SCHED_IDLE; normal leaves every thread of the server as it was. The scheduler's thread and this test's stay at
+// serve.http_priority lowers a connection's thread before it serves: low to nice 19, idle to SCHED_IDLE; normal
+// (the default) leaves every thread of the server as it was. The scheduler's thread and this test's stay at
 // normal priority, so never every thread is lowered.
 TEST(Serve, HttpPriorityLowersTheConnectionsThreads) {
   // A test run already lowered (nice -n 19 ctest, chrt -i) could not tell the server's lowering from its own.
@@ -393,7 +393,8 @@ TEST(Serve, HttpPriorityLowersTheConnectionsThreads) {
   }
   const Lowered before = lowered_threads();  // none unless an earlier test of this process left one
   Config cfg = tiny_config();
-  ASSERT_EQ(cfg.serve.http_priority, "low");  // the default
+  ASSERT_EQ(cfg.serve.http_priority, "normal");  // the default
+  cfg.serve.http_priority = "low";
   const Lowered low = lowered_while_streaming(cfg);
   EXPECT_GE(low.nice19, before.nice19 + 1);
   EXPECT_EQ(low.idle, before.idle);
@@ -406,6 +407,125 @@ TEST(Serve, HttpPriorityLowersTheConnectionsThreads) {
   const Lowered normal = lowered_while_streaming(cfg);
   EXPECT_EQ(normal.idle, before.idle);
   EXPECT_EQ(normal.nice19, before.nice19);
+}
+
+// PrefillBudget on made-up step times: off, or before both costs are measured, it allows what is asked; then
+// (ratio - 1) decode_s / token_s tokens, never fewer than kMinTokens nor more than asked; a step measured faster
+// than a decode step keeps the token cost positive; a bad ratio is refused naming the key.
+TEST(PrefillBudget, AllowsTheTokensThatFitRatioMinusOneDecodeSteps) {
+  serve::PrefillBudget off(0);
+  off.decode_step(0.002, 16);
+  off.prefill_step(0.004, 100);
+  EXPECT_EQ(off.tokens(512), 512);
+  EXPECT_EQ(off.decode_seconds(), 0);
+
+  serve::PrefillBudget b(1.5);
+  EXPECT_EQ(b.tokens(512), 512);  // nothing measured
+  b.prefill_step(0.004, 100);     // before any decode step: not a measurement
+  EXPECT_EQ(b.token_seconds(), 0);
+  b.decode_step(0.002, 16);
+  EXPECT_EQ(b.tokens(512), 512);  // no prefill cost yet
+  b.prefill_step(0.004, 100);     // 2 ms beyond a decode step over 100 tokens: 20 us a token
+  EXPECT_NEAR(b.token_seconds(), 2e-5, 1e-12);
+  EXPECT_EQ(b.tokens(512), 50);   // 0.5 x 2 ms / 20 us
+  EXPECT_EQ(b.tokens(30), 30);
+  EXPECT_EQ(b.tokens(1), 1);
+  // Moving averages (weight 0.25 on the new step): decode 2 ms -> 2.5 ms after a 4 ms step.
+  b.decode_step(0.004, 16);
+  EXPECT_NEAR(b.decode_seconds(), 0.0025, 1e-12);
+  EXPECT_EQ(b.tokens(512), 62);   // 0.5 x 2.5 ms / 20 us = 62.5
+  // A step faster than the decode average: 1% of a decode step over its tokens, not a negative cost.
+  serve::PrefillBudget fast(1.5);
+  fast.decode_step(0.002, 16);
+  fast.prefill_step(0.001, 10);
+  EXPECT_NEAR(fast.token_seconds(), 2e-6, 1e-15);
+  EXPECT_EQ(fast.tokens(10000), 500);
+  // A ratio of 1 leaves no time: the floor.
+  serve::PrefillBudget none(1.0);
+  none.decode_step(0.002, 16);
+  none.prefill_step(0.004, 100);
+  EXPECT_EQ(none.tokens(512), serve::PrefillBudget::kMinTokens);
+  EXPECT_EQ(none.tokens(5), 5);
+  // Decode-only measurements: asked for before the first, after kRefreshSteps steps with a chunk, and when the
+  // decoding sessions moved by more than a quarter (then the new step replaces the average); never when off.
+  EXPECT_FALSE(off.measure_decode(16));
+  serve::PrefillBudget m(1.5);
+  EXPECT_TRUE(m.measure_decode(16));
+  EXPECT_FALSE(m.measure_decode(0));
+  m.decode_step(0.002, 16);
+  EXPECT_FALSE(m.measure_decode(16));
+  EXPECT_FALSE(m.measure_decode(20));
+  EXPECT_FALSE(m.measure_decode(12));
+  EXPECT_TRUE(m.measure_decode(21));
+  EXPECT_TRUE(m.measure_decode(11));
+  for (int64_t i = 0; i < serve::PrefillBudget::kRefreshSteps - 1; ++i) m.prefill_step(0.003, 20);
+  EXPECT_FALSE(m.measure_decode(16));
+  m.prefill_step(0.003, 20);
+  EXPECT_TRUE(m.measure_decode(16));
+  m.decode_step(0.004, 24);  // 24 > 1.25 x 16: replaced, not averaged
+  EXPECT_NEAR(m.decode_seconds(), 0.004, 1e-15);
+  EXPECT_FALSE(m.measure_decode(24));
+  for (double bad : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    try {
+      serve::PrefillBudget refused(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("serve.prefill_step_ratio"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// The budget on a running server: while one session decodes, another's 200-byte prompt (chunks of 64) is cut to
+// shorter chunks with ratio 1.01 (one percent of a decode step leaves the 16-token floor), and both answer in full;
+// with ratio 0, or for a compressing policy (window), no chunk is ever cut.
+TEST_F(ServeTest, PrefillChunksBesideDecodingAreShortenedToTheStepBudget) {
+  struct Case {
+    double ratio;
+    std::string policy;
+    bool shortened;
+  };
+  for (const Case& c : {Case{1.01, "full", true}, Case{0, "full", false}, Case{1.01, "window", false}}) {
+    Config cfg = tiny_config();
+    cfg.kv.chunk_tokens = 64;
+    cfg.serve.prefill_step_ratio = c.ratio;
+    Running s(cfg);
+    // The decoding session may end before the prompt arrives on a loaded machine: a few tries.
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      std::atomic<bool> decoding{false};
+      ClientReply first;
+      std::thread long_one([&] {
+        first = s.complete({{"prompt", "a"}, {"max_tokens", 400}, {"temperature", 0.0}, {"stream", true}},
+                           [&](const ClientReply&) {
+                             decoding = true;
+                             return true;
+                           });
+      });
+      ASSERT_TRUE(s.wait_for([&] { return decoding.load(); })) << s.metrics();
+      json body = {{"prompt", std::string(200, 'q')}, {"max_tokens", 8}, {"temperature", 0.0}};
+      if (c.policy != "full") {
+        body["kv_policy"] = c.policy;
+        body["kv_budget"] = 0.5;
+      }
+      const ClientReply second = s.complete(body);
+      long_one.join();
+      ASSERT_EQ(first.status, 200) << first.body;
+      ASSERT_EQ(second.status, 200) << second.body;
+      ASSERT_TRUE(first.done && !first.last.is_null()) << first.body.substr(0, 400);
+      EXPECT_EQ(first.last["usage"]["completion_tokens"], 400);
+      EXPECT_EQ(second.json["usage"]["completion_tokens"], 8);
+      if (!c.shortened || s.metric("dcp_prefill_chunks_shortened_total") > 0) break;
+    }
+    const double chunks = s.metric("dcp_prefill_chunks_shortened_total");
+    const double tokens = s.metric("dcp_prefill_shortened_tokens_total");
+    if (c.shortened) {
+      EXPECT_GT(chunks, 0) << s.metrics();
+      EXPECT_GE(tokens, chunks * serve::PrefillBudget::kMinTokens);
+      EXPECT_LT(tokens, chunks * 64);
+    } else {
+      EXPECT_EQ(chunks, 0) << c.ratio << " " << c.policy;
+      EXPECT_EQ(tokens, 0);
+    }
+  }
 }
 
 namespace {
@@ -518,7 +638,8 @@ TEST(ServeBench, BatchingRunsReportTheClientsDecodeRateAtNConcurrentSessions) {
   }
   const double pooled = (bytes[0] / seconds[0]) / (bytes[1] / seconds[1]);
   EXPECT_NE(md.find("2 pairs of runs"), std::string::npos) << md;
-  EXPECT_NE(md.find("HTTP threads' priority low (serve.http_priority)"), std::string::npos) << md;
+  EXPECT_NE(md.find("HTTP threads' priority normal (serve.http_priority)"), std::string::npos) << md;
+  EXPECT_NE(md.find("serve.prefill_step_ratio 0: never shortened"), std::string::npos) << md;
   EXPECT_NE(md.find("run at the server's priority (`--client-priority normal`)"), std::string::npos) << md;  // the default
   EXPECT_NE(md.find(fmt::format("**{:.2f}x** ({:.1f} tokens/s against {:.1f}; the 2 pair ratios range", pooled,
                                 bytes[0] / seconds[0], bytes[1] / seconds[1])),

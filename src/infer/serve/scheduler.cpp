@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "dcp/kv_policies.h"
 
@@ -44,8 +45,47 @@ struct Scheduler::Session {
   }
 };
 
+PrefillBudget::PrefillBudget(double ratio) : ratio_(ratio) {
+  if (!(ratio >= 0) || !std::isfinite(ratio)) {
+    throw std::invalid_argument(fmt::format("serve.prefill_step_ratio {} must be a number >= 0 (0 = off)", ratio));
+  }
+}
+
+// Moving averages: a decode step's cost moves with the number of sessions, a prefill token's with its depth; 0.25
+// follows either within a few steps and smooths one preempted step.
+constexpr double kBudgetAlpha = 0.25;
+
+bool PrefillBudget::measure_decode(int64_t decoding) const {
+  return ratio_ > 0 && decoding >= 1 && (decode_s_ == 0 || since_decode_ >= kRefreshSteps || changed(decoding));
+}
+
+void PrefillBudget::decode_step(double seconds, int64_t decoding) {
+  if (ratio_ == 0 || !(seconds >= 0) || decoding < 1) return;
+  decode_s_ = decode_s_ == 0 || changed(decoding) ? seconds : decode_s_ + kBudgetAlpha * (seconds - decode_s_);
+  decode_n_ = decoding;
+  since_decode_ = 0;
+}
+
+void PrefillBudget::prefill_step(double seconds, int64_t tokens) {
+  if (ratio_ == 0 || decode_s_ == 0 || tokens < 1 || !(seconds >= 0)) return;
+  ++since_decode_;
+  // A step measured faster than a decode step (noise) still says a token costs something: a floor of 1% of a
+  // decode step over the chunk keeps the estimate positive, and the next steps correct it.
+  const double per_token = std::max(seconds - decode_s_, 0.01 * decode_s_) / static_cast<double>(tokens);
+  token_s_ = token_s_ == 0 ? per_token : token_s_ + kBudgetAlpha * (per_token - token_s_);
+}
+
+int64_t PrefillBudget::tokens(int64_t wanted) const {
+  if (ratio_ == 0 || decode_s_ == 0 || token_s_ == 0) return wanted;
+  // (+1e-6: a whole number of tokens computed as 499.99999 is 500; at most 1e15, so that the cast is defined.)
+  const double allowed = std::min(std::max(ratio_ - 1, 0.0) * decode_s_ / token_s_ + 1e-6, 1e15);
+  const int64_t cap = allowed >= static_cast<double>(wanted) ? wanted : std::max<int64_t>(kMinTokens, static_cast<int64_t>(allowed));
+  return std::min(wanted, cap);
+}
+
 Scheduler::Scheduler(Transformer model, SchedulerOptions options, Metrics& metrics)
-    : model_(std::move(model)), opt_(options), metrics_(metrics), spec_(kv_cache_spec(model_)) {
+    : model_(std::move(model)), opt_(options), metrics_(metrics), spec_(kv_cache_spec(model_)),
+      budget_(options.prefill_step_ratio) {
   // A session of this model checks the backend and the chunk size before anything is served.
   recurrent_ = decodes_recurrently(model_);
   if (recurrent_) {
@@ -216,12 +256,30 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   std::vector<std::vector<int64_t>> tokens;
   std::vector<bool> prefill;
   int64_t prefills = 0;
+  // While a session decodes, the step's prefill chunks of full-policy sessions share PrefillBudget's tokens.
+  const auto decoders = std::count_if(active.begin(), active.end(),
+                                      [](const Session* s) { return s->prefilled >= s->prompt.size(); });
+  const bool decoding = decoders > 0;
+  // PrefillBudget asks for a decode-only step now and then (its measure of a decode step): no chunk this step.
+  const bool measuring = budget_.measure_decode(decoders);
+  int64_t budget = decoding ? budget_.tokens(std::numeric_limits<int64_t>::max()) : 0;
+  int64_t prefill_tokens = 0, shortened_chunks = 0, shortened_tokens = 0;
   for (Session* s : active) {
     if (s->prefilled < s->prompt.size()) {
-      if (prefills >= opt_.prefill_chunks) continue;
+      if (prefills >= opt_.prefill_chunks || measuring) continue;
       ++prefills;
-      const auto t = static_cast<size_t>(
+      auto t = static_cast<size_t>(
           s->next_chunk_length(static_cast<int64_t>(s->prompt.size() - s->prefilled)));
+      if (decoding && s->decode && dynamic_cast<const FullKvPolicy*>(s->job->policy.get()) != nullptr) {
+        const size_t allowed = static_cast<size_t>(std::max(budget, PrefillBudget::kMinTokens));
+        if (allowed < t) {
+          t = allowed;
+          ++shortened_chunks;
+          shortened_tokens += static_cast<int64_t>(t);
+        }
+        budget -= static_cast<int64_t>(t);
+      }
+      prefill_tokens += static_cast<int64_t>(t);
       tokens.emplace_back(s->prompt.begin() + static_cast<std::ptrdiff_t>(s->prefilled),
                           s->prompt.begin() + static_cast<std::ptrdiff_t>(s->prefilled + t));
       prefill.push_back(true);
@@ -238,7 +296,7 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   }
   if (run.empty()) return {};
   const Clock::time_point started = Clock::now();
-  StepStats stats{true, prefills == 0, static_cast<int64_t>(run.size()), 0};
+  StepStats stats{true, prefills == 0, static_cast<int64_t>(run.size()), 0, shortened_chunks, shortened_tokens};
   std::vector<torch::Tensor> logits(run.size());
   try {
     if (opt_.batched) {
@@ -334,6 +392,11 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
     }
   }
   stats.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  if (prefills == 0) {
+    budget_.decode_step(stats.seconds, decoders);
+  } else if (decoding) {
+    budget_.prefill_step(stats.seconds, prefill_tokens);
+  }
   return stats;
 }
 
@@ -460,6 +523,8 @@ void Scheduler::loop() {
       gauges_.cancelled += cancelled;
       gauges_.over_reservation += over;
       if (stats.ran) ++gauges_.steps;
+      gauges_.prefill_chunks_shortened += static_cast<uint64_t>(stats.shortened_chunks);
+      gauges_.prefill_shortened_tokens += static_cast<uint64_t>(stats.shortened_tokens);
       if (waiting) {
         const double dt = std::chrono::duration<double>(Clock::now() - iteration_started).count();
         gauges_.saturated_seconds += dt;

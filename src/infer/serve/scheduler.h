@@ -73,6 +73,45 @@ KvGrowth kv_growth(const KvPolicy& policy);
 int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t chunk_pairs,
                         int64_t layers, const KvGrowth& growth);
 
+/// The per-step prefill token budget of serve.prefill_step_ratio (Sarathi-Serve, Agrawal et al., OSDI'24: a step
+/// that runs a prefill chunk beside decoding sessions delays every stream's next token by its whole length, so the
+/// chunk is sized to a step-time budget). Sarathi-Serve sets its token budget from an offline profile; here both
+/// costs are measured as the server runs: `decode_s` the moving average of decode-only steps' seconds, and
+/// `token_s` that of one prefill token's seconds beyond a decode step ((step - decode_s) / chunk tokens, over steps
+/// with a chunk beside decoding). The chunk allowed is (ratio - 1) decode_s / token_s tokens, at least kMinTokens.
+/// The cost of a prefill token grows with its depth in the prompt (attention over what is already cached); a
+/// prompt's chunks run in order, so the average follows it. While prompts wait, every step would carry a chunk and
+/// no decode-only step would ever be measured: measure_decode() asks the scheduler for one (a step that runs no
+/// chunk) when none was measured, every kRefreshSteps steps, and when the decoding sessions changed by more than a
+/// quarter since the last (a decode step's cost moves with them). Not thread-safe (the scheduler thread's).
+class PrefillBudget {
+ public:
+  static constexpr int64_t kMinTokens = 16;     ///< the shortest chunk it asks for (a prefill always progresses)
+  static constexpr int64_t kRefreshSteps = 32;  ///< steps with a chunk between two decode-only measurements
+  /// `ratio` >= 0 (serve.prefill_step_ratio; 0 = off); throws std::invalid_argument otherwise (NaN included).
+  explicit PrefillBudget(double ratio);
+  /// True when the next step beside `decoding` (>= 1) decoding sessions should run no prefill chunk, to measure a
+  /// decode-only step; always false when off.
+  bool measure_decode(int64_t decoding) const;
+  /// Records a decode-only step of `seconds` (>= 0) that decoded `decoding` sessions: the moving average, or the
+  /// step itself when the sessions changed by more than a quarter since the last.
+  void decode_step(double seconds, int64_t decoding);
+  /// Records a step of `seconds` that ran `tokens` (>= 1) prefill tokens beside at least one decoding session.
+  void prefill_step(double seconds, int64_t tokens);
+  /// The prefill tokens a step beside decoding sessions may run: `wanted` (>= 1) when off or before both costs were
+  /// measured, else min(wanted, max(kMinTokens, (ratio - 1) decode_s / token_s)).
+  int64_t tokens(int64_t wanted) const;
+  double decode_seconds() const { return decode_s_; }       ///< 0 until a decode-only step was recorded
+  double token_seconds() const { return token_s_; }         ///< 0 until a prefill step was recorded
+
+ private:
+  bool changed(int64_t decoding) const { return 4 * decoding > 5 * decode_n_ || 4 * decoding < 3 * decode_n_; }
+  double ratio_;
+  double decode_s_ = 0, token_s_ = 0;
+  int64_t decode_n_ = 0;       // the decoding sessions of the last decode-only step
+  int64_t since_decode_ = 0;   // steps with a chunk since then
+};
+
 struct SchedulerOptions {
   int64_t kv_memory_bytes = 1000000000;
   int64_t max_sessions = 64;
@@ -80,6 +119,10 @@ struct SchedulerOptions {
   int64_t chunk_tokens = 512;
   int64_t chunk_pairs = 0;      ///< kv.chunk_pairs: the attention bound of a prefill chunk (0 = none)
   int64_t prefill_chunks = 1;
+  /// serve.prefill_step_ratio (PrefillBudget): sessions with the full policy get shorter chunks while others decode;
+  /// 0 = off. A compressing policy's chunks are never shortened: its evictions depend on the chunk boundaries, and
+  /// its answers stay those of dcp generate.
+  double prefill_step_ratio = 0;
   bool batched = true;
   int64_t threads = 0;          ///< intra-op threads of the scheduler thread; 0 = leave LibTorch's
   int64_t retry_after_s = 1;
@@ -127,8 +170,10 @@ class Scheduler {
     bool decode_only = false;
     int64_t sessions = 0;
     double seconds = 0;
+    int64_t shortened_chunks = 0, shortened_tokens = 0;  // prefill chunks PrefillBudget cut, and their tokens
   };
   StepStats step(std::vector<Session*>& active);
+  PrefillBudget budget_{0};  // scheduler thread only
 
   Transformer model_;
   SchedulerOptions opt_;

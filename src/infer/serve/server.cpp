@@ -144,6 +144,7 @@ Server::Server(Transformer model, const Config& cfg, std::string model_id) : imp
   o.chunk_tokens = s.chunk_tokens > 0 ? s.chunk_tokens : cfg.kv.chunk_tokens;
   o.chunk_pairs = cfg.kv.chunk_pairs;
   o.prefill_chunks = s.prefill_chunks;
+  o.prefill_step_ratio = s.prefill_step_ratio;
   o.batched = s.scheduler == "batched";
   o.threads = s.threads;
   o.retry_after_s = s.retry_after_s;
