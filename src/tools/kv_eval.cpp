@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <stdexcept>
 
@@ -463,18 +464,18 @@ KvEvalResult run_kv_eval(Transformer& model, const std::vector<KvEvalDocument>& 
     }
     if (on_document) on_document(static_cast<int64_t>(ref_prefill.size()), static_cast<int64_t>(documents.size()));
   }
-  // The bootstrap's clusters: documents cut from the same source file.
-  std::vector<std::string> files;
+  // The bootstrap's clusters: documents cut from the same source file, numbered in order of first appearance (the
+  // numbering the bootstrap's seeded draws have always used); each path resolved once.
+  std::map<std::string, int64_t> cluster_of;
   std::vector<int64_t> clusters;
+  clusters.reserve(documents.size());
   for (const auto& doc : documents) {
     result.sources.push_back(doc.source);
     const std::string file = kv_source_file(doc.source);
-    auto it = std::find(files.begin(), files.end(), file);
-    clusters.push_back(it - files.begin());
-    if (it == files.end()) files.push_back(file);
+    clusters.push_back(cluster_of.emplace(file, static_cast<int64_t>(cluster_of.size())).first->second);
   }
-  result.source_files = static_cast<int64_t>(files.size());
-  result.files = kv_source_files(documents);
+  for (const auto& [file, id] : cluster_of) result.files.push_back(file);  // sorted: kv_source_files(documents)
+  result.source_files = static_cast<int64_t>(result.files.size());
   for (size_t p = 0; p < o.policies.size(); ++p) {
     for (size_t b = 0; b < o.budgets.size(); ++b) {
       const bool full = is_full(o.policies[p]);

@@ -3,13 +3,9 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include <pthread.h>
-#include <sched.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <mutex>
@@ -26,19 +22,13 @@
 #include "infer/serve/client.h"
 #include "tools/bench_common.h"
 #include "util/stats.h"
+#include "util/thread_priority.h"
 
 namespace dcp {
 namespace {
 
 // Puts the calling thread under SCHED_IDLE (Linux: it runs only when no other thread wants the core; no privilege
 // needed to lower one's own policy). Returns "" or why the kernel refused.
-std::string set_thread_idle_priority() {
-  sched_param param{};
-  param.sched_priority = 0;
-  const int err = pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
-  return err == 0 ? std::string() : fmt::format("SCHED_IDLE refused: {}", std::strerror(err));
-}
-
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return -1;
   std::sort(v.begin(), v.end());
@@ -157,9 +147,9 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
   for (int64_t c = 0; c < clients; ++c) {
     workers.emplace_back([&] {
       if (idle_clients) {
-        if (std::string why = set_thread_idle_priority(); !why.empty()) {
+        if (std::string why = lower_this_thread(ThreadPriority::idle); !why.empty()) {
           std::lock_guard<std::mutex> lock(priority_mu);
-          priority_error = why;
+          priority_error = "SCHED_IDLE refused: " + why;
           return;
         }
       }

@@ -35,6 +35,7 @@
 #include "infer/serve/scheduler.h"
 #include "tools/serve_bench.h"
 #include "unit/kv_test_model.h"
+#include "util/thread_priority.h"
 
 using namespace dcp;
 using nlohmann::json;
@@ -409,6 +410,73 @@ TEST(Serve, HttpPriorityLowersTheConnectionsThreads) {
   EXPECT_EQ(normal.nice19, before.nice19);
 }
 
+// serve::complete against a server that splits an event across two writes and then breaks the stream off (no
+// [DONE]): with and without on_event (the events then parsed after the stream) the same two events, the text of
+// both, each timed at the bytes that completed it, and done false.
+TEST(ServeClient, EventsSplitAcrossReadsAndABrokenOffStreamAreParsedEitherWay) {
+  httplib::Server fake;
+  fake.Post("/v1/completions", [](const httplib::Request&, httplib::Response& res) {
+    auto step = std::make_shared<int>(0);
+    res.set_chunked_content_provider("text/event-stream", [step](size_t, httplib::DataSink& sink) {
+      const std::vector<std::string> writes{"data: {\"choices\":[{\"te", "xt\":\"ab\"}]}\n\n",
+                                            "data: {\"choices\":[{\"text\":\"c\"}]}\n\n"};
+      if (*step >= static_cast<int>(writes.size())) return false;  // broken off: no [DONE], no terminating chunk
+      if (*step > 0) std::this_thread::sleep_for(std::chrono::milliseconds(40));
+      const std::string& w = writes[static_cast<size_t>((*step)++)];
+      return sink.write(w.data(), w.size());
+    });
+  });
+  const int port = fake.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(port, 0);
+  std::thread listening([&] { fake.listen_after_bind(); });
+  for (const bool with_callback : {false, true}) {
+    int called = 0;
+    const ClientReply r = serve::complete("127.0.0.1", port, {{"prompt", "x"}, {"stream", true}}, 10,
+                                          with_callback ? std::function<bool(const ClientReply&)>([&](const ClientReply&) {
+                                            ++called;
+                                            return true;
+                                          })
+                                                        : std::function<bool(const ClientReply&)>());
+    EXPECT_FALSE(r.done) << with_callback;
+    ASSERT_EQ(r.events.size(), 2u) << with_callback << ": " << r.body;
+    EXPECT_EQ(r.text, "abc") << with_callback;
+    ASSERT_EQ(r.event_s.size(), 2u);
+    // The first event was completed by the second write, 40 ms after the first; the second 40 ms later still.
+    EXPECT_GE(r.event_s[1] - r.event_s[0], 0.02) << with_callback;
+    EXPECT_EQ(called, with_callback ? 2 : 0);
+  }
+  fake.stop();
+  listening.join();
+}
+
+// ThreadPriority: the names round-trip, a bad one is refused naming the key and the value; lowering one thread to
+// low sets its nice value to 19 and leaves the calling process's other threads as they were; normal does nothing.
+TEST(ThreadPriority, NamesRoundTripAndLowLowersOnlyTheCallingThread) {
+  for (ThreadPriority p : {ThreadPriority::normal, ThreadPriority::low, ThreadPriority::idle}) {
+    EXPECT_EQ(parse_thread_priority(thread_priority_name(p), "k"), p);
+  }
+  try {
+    parse_thread_priority("high", "serve.http_priority");
+    ADD_FAILURE() << "high was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("serve.http_priority: 'high'"), std::string::npos) << e.what();
+  }
+  const int before = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
+  if (before == 19) GTEST_SKIP() << "this test process already runs at nice 19";
+  EXPECT_EQ(lower_this_thread(ThreadPriority::normal), "");
+  EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(gettid())), before);
+  int lowered = 0;
+  std::string why;
+  std::thread t([&] {
+    why = lower_this_thread(ThreadPriority::low);
+    lowered = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
+  });
+  t.join();
+  EXPECT_EQ(why, "");
+  EXPECT_EQ(lowered, 19);
+  EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(gettid())), before);
+}
+
 // PrefillBudget on made-up step times: off, or before both costs are measured, it allows what is asked; then
 // (ratio - 1) decode_s / token_s tokens, never fewer than kMinTokens nor more than asked; a step measured faster
 // than a decode step keeps the token cost positive; a bad ratio is refused naming the key.
@@ -440,6 +508,19 @@ TEST(PrefillBudget, AllowsTheTokensThatFitRatioMinusOneDecodeSteps) {
   fast.prefill_step(0.001, 10);
   EXPECT_NEAR(fast.token_seconds(), 2e-6, 1e-15);
   EXPECT_EQ(fast.tokens(10000), 500);
+  // Infinite or negative seconds are not measurements; a decode step measured at 0 s is one (a coarse clock), and
+  // the token cost stays positive after it.
+  serve::PrefillBudget zero(1.5);
+  zero.decode_step(std::numeric_limits<double>::infinity(), 4);
+  zero.decode_step(-1, 4);
+  EXPECT_TRUE(zero.measure_decode(4));
+  zero.decode_step(0, 4);
+  EXPECT_FALSE(zero.measure_decode(4));
+  zero.prefill_step(std::numeric_limits<double>::infinity(), 10);
+  EXPECT_EQ(zero.tokens(512), 512);  // no prefill cost measured yet
+  zero.prefill_step(0, 10);
+  EXPECT_GT(zero.token_seconds(), 0);
+  EXPECT_EQ(zero.tokens(512), serve::PrefillBudget::kMinTokens);  // 0.5 x 0 s of room
   // A ratio of 1 leaves no time: the floor.
   serve::PrefillBudget none(1.0);
   none.decode_step(0.002, 16);
@@ -475,21 +556,25 @@ TEST(PrefillBudget, AllowsTheTokensThatFitRatioMinusOneDecodeSteps) {
   }
 }
 
-// The budget on a running server: while one session decodes, another's 200-byte prompt (chunks of 64) is cut to
-// shorter chunks with ratio 1.01 (one percent of a decode step leaves the 16-token floor), and both answer in full;
-// with ratio 0, or for a compressing policy (window), no chunk is ever cut.
+// The budget on a running server: while one session decodes, two 300-byte prompts (chunks of 64) sent together are
+// cut to shorter chunks with ratio 1.01 (one percent of a decode step leaves the 16-token floor); when the first of
+// them starts decoding the decoding sessions double, and the budget runs a decode-only step to measure them while
+// the second prompt waits. Every request answers in full. With ratio 0, or for a compressing policy (window),
+// no chunk is cut and no such step runs.
 TEST_F(ServeTest, PrefillChunksBesideDecodingAreShortenedToTheStepBudget) {
   struct Case {
     double ratio;
     std::string policy;
-    bool shortened;
+    bool budgeted;
   };
   for (const Case& c : {Case{1.01, "full", true}, Case{0, "full", false}, Case{1.01, "window", false}}) {
     Config cfg = tiny_config();
     cfg.kv.chunk_tokens = 64;
     cfg.serve.prefill_step_ratio = c.ratio;
     Running s(cfg);
-    // The decoding session may end before the prompt arrives on a loaded machine: a few tries.
+    const auto shortened = [&] { return s.metric("dcp_prefill_chunks_shortened_total"); };
+    const auto measured = [&] { return s.metric("dcp_prefill_budget_decode_steps_total"); };
+    // The decoding session may end before the prompts arrive on a loaded machine: a few tries.
     for (int attempt = 0; attempt < 5; ++attempt) {
       std::atomic<bool> decoding{false};
       ClientReply first;
@@ -501,29 +586,35 @@ TEST_F(ServeTest, PrefillChunksBesideDecodingAreShortenedToTheStepBudget) {
                            });
       });
       ASSERT_TRUE(s.wait_for([&] { return decoding.load(); })) << s.metrics();
-      json body = {{"prompt", std::string(200, 'q')}, {"max_tokens", 8}, {"temperature", 0.0}};
+      json body = {{"prompt", std::string(300, 'q')}, {"max_tokens", 8}, {"temperature", 0.0}};
       if (c.policy != "full") {
         body["kv_policy"] = c.policy;
         body["kv_budget"] = 0.5;
       }
-      const ClientReply second = s.complete(body);
+      ClientReply second, third;
+      std::thread other([&] { third = s.complete(body); });
+      second = s.complete(body);
+      other.join();
       long_one.join();
-      ASSERT_EQ(first.status, 200) << first.body;
-      ASSERT_EQ(second.status, 200) << second.body;
       ASSERT_TRUE(first.done && !first.last.is_null()) << first.body.substr(0, 400);
       EXPECT_EQ(first.last["usage"]["completion_tokens"], 400);
-      EXPECT_EQ(second.json["usage"]["completion_tokens"], 8);
-      if (!c.shortened || s.metric("dcp_prefill_chunks_shortened_total") > 0) break;
+      for (const ClientReply* r : {&second, &third}) {
+        ASSERT_EQ(r->status, 200) << r->body;
+        EXPECT_EQ(r->json["usage"]["completion_tokens"], 8);
+      }
+      if (!c.budgeted || (shortened() > 0 && measured() > 0)) break;
     }
-    const double chunks = s.metric("dcp_prefill_chunks_shortened_total");
+    const double chunks = shortened();
     const double tokens = s.metric("dcp_prefill_shortened_tokens_total");
-    if (c.shortened) {
+    if (c.budgeted) {
       EXPECT_GT(chunks, 0) << s.metrics();
       EXPECT_GE(tokens, chunks * serve::PrefillBudget::kMinTokens);
       EXPECT_LT(tokens, chunks * 64);
+      EXPECT_GT(measured(), 0) << s.metrics();
     } else {
       EXPECT_EQ(chunks, 0) << c.ratio << " " << c.policy;
       EXPECT_EQ(tokens, 0);
+      EXPECT_EQ(measured(), 0) << c.ratio << " " << c.policy;
     }
   }
 }

@@ -35,6 +35,8 @@ struct SchedulerGauges {
   double decode_step_seconds = 0;
   /// Prefill chunks that PrefillBudget shortened (serve.prefill_step_ratio) and the prompt tokens they ran.
   uint64_t prefill_chunks_shortened = 0, prefill_shortened_tokens = 0;
+  /// Decode-only steps PrefillBudget asked for while a prompt it governs waited (its measure of a decode step).
+  uint64_t prefill_budget_decode_steps = 0;
   uint64_t cancelled = 0;         ///< sessions cancelled (client gone or shutdown)
   uint64_t over_reservation = 0;  ///< sessions whose cache grew past their reservation (minimax abstaining)
   /// Saturated time: the scheduler iterations that ran while a request waited in the queue (for KV memory or a

@@ -56,27 +56,31 @@ PrefillBudget::PrefillBudget(double ratio) : ratio_(ratio) {
 constexpr double kBudgetAlpha = 0.25;
 
 bool PrefillBudget::measure_decode(int64_t decoding) const {
-  return ratio_ > 0 && decoding >= 1 && (decode_s_ == 0 || since_decode_ >= kRefreshSteps || changed(decoding));
+  return ratio_ > 0 && decoding >= 1 && (!decode_measured_ || since_decode_ >= kRefreshSteps || changed(decoding));
 }
 
 void PrefillBudget::decode_step(double seconds, int64_t decoding) {
-  if (ratio_ == 0 || !(seconds >= 0) || decoding < 1) return;
-  decode_s_ = decode_s_ == 0 || changed(decoding) ? seconds : decode_s_ + kBudgetAlpha * (seconds - decode_s_);
+  if (ratio_ == 0 || !std::isfinite(seconds) || seconds < 0 || decoding < 1) return;
+  decode_s_ = !decode_measured_ || changed(decoding) ? seconds : decode_s_ + kBudgetAlpha * (seconds - decode_s_);
+  decode_measured_ = true;
   decode_n_ = decoding;
   since_decode_ = 0;
 }
 
 void PrefillBudget::prefill_step(double seconds, int64_t tokens) {
-  if (ratio_ == 0 || decode_s_ == 0 || tokens < 1 || !(seconds >= 0)) return;
+  if (ratio_ == 0 || !decode_measured_ || tokens < 1 || !std::isfinite(seconds) || seconds < 0) return;
   ++since_decode_;
   // A step measured faster than a decode step (noise) still says a token costs something: a floor of 1% of a
-  // decode step over the chunk keeps the estimate positive, and the next steps correct it.
-  const double per_token = std::max(seconds - decode_s_, 0.01 * decode_s_) / static_cast<double>(tokens);
-  token_s_ = token_s_ == 0 ? per_token : token_s_ + kBudgetAlpha * (per_token - token_s_);
+  // decode step over the chunk keeps the estimate positive (or 1 ns where a decode step measured 0 s), and the next
+  // steps correct it.
+  const double per_token =
+      std::max({seconds - decode_s_, 0.01 * decode_s_, 1e-9}) / static_cast<double>(tokens);
+  token_s_ = !token_measured_ ? per_token : token_s_ + kBudgetAlpha * (per_token - token_s_);
+  token_measured_ = true;
 }
 
 int64_t PrefillBudget::tokens(int64_t wanted) const {
-  if (ratio_ == 0 || decode_s_ == 0 || token_s_ == 0) return wanted;
+  if (ratio_ == 0 || !decode_measured_ || !token_measured_) return wanted;
   // (+1e-6: a whole number of tokens computed as 499.99999 is 500; at most 1e15, so that the cast is defined.)
   const double allowed = std::min(std::max(ratio_ - 1, 0.0) * decode_s_ / token_s_ + 1e-6, 1e15);
   const int64_t cap = allowed >= static_cast<double>(wanted) ? wanted : std::max<int64_t>(kMinTokens, static_cast<int64_t>(allowed));
@@ -256,21 +260,32 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   std::vector<std::vector<int64_t>> tokens;
   std::vector<bool> prefill;
   int64_t prefills = 0;
-  // While a session decodes, the step's prefill chunks of full-policy sessions share PrefillBudget's tokens.
+  // While a session decodes, the step's prefill chunks of full-policy sessions (the ones the budget governs: a
+  // compressing policy's evictions depend on its chunk boundaries) share PrefillBudget's tokens.
+  const auto governed = [](const Session* s) {
+    return s->decode != nullptr && dynamic_cast<const FullKvPolicy*>(s->job->policy.get()) != nullptr;
+  };
   const auto decoders = std::count_if(active.begin(), active.end(),
                                       [](const Session* s) { return s->prefilled >= s->prompt.size(); });
   const bool decoding = decoders > 0;
-  // PrefillBudget asks for a decode-only step now and then (its measure of a decode step): no chunk this step.
-  const bool measuring = budget_.measure_decode(decoders);
+  // PrefillBudget asks for a decode-only step now and then (its measure of a decode step): no chunk this step, if
+  // a prompt it governs is waiting (else there is nothing to size).
+  const bool measuring =
+      budget_.measure_decode(decoders) && std::any_of(active.begin(), active.end(), [&](const Session* s) {
+        return s->prefilled < s->prompt.size() && governed(s);
+      });
   int64_t budget = decoding ? budget_.tokens(std::numeric_limits<int64_t>::max()) : 0;
   int64_t prefill_tokens = 0, shortened_chunks = 0, shortened_tokens = 0;
+  bool all_governed = true, governed_ran = false;
   for (Session* s : active) {
     if (s->prefilled < s->prompt.size()) {
       if (prefills >= opt_.prefill_chunks || measuring) continue;
-      ++prefills;
       auto t = static_cast<size_t>(
           s->next_chunk_length(static_cast<int64_t>(s->prompt.size() - s->prefilled)));
-      if (decoding && s->decode && dynamic_cast<const FullKvPolicy*>(s->job->policy.get()) != nullptr) {
+      if (decoding && governed(s)) {
+        // The first governed chunk gets at least kMinTokens; a further one (serve.prefill_chunks > 1) only what is
+        // left of the budget, and none once that is below kMinTokens.
+        if (governed_ran && budget < PrefillBudget::kMinTokens) continue;
         const size_t allowed = static_cast<size_t>(std::max(budget, PrefillBudget::kMinTokens));
         if (allowed < t) {
           t = allowed;
@@ -278,7 +293,11 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
           shortened_tokens += static_cast<int64_t>(t);
         }
         budget -= static_cast<int64_t>(t);
+        governed_ran = true;
+      } else {
+        all_governed = false;
       }
+      ++prefills;
       prefill_tokens += static_cast<int64_t>(t);
       tokens.emplace_back(s->prompt.begin() + static_cast<std::ptrdiff_t>(s->prefilled),
                           s->prompt.begin() + static_cast<std::ptrdiff_t>(s->prefilled + t));
@@ -394,7 +413,10 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   stats.seconds = std::chrono::duration<double>(Clock::now() - started).count();
   if (prefills == 0) {
     budget_.decode_step(stats.seconds, decoders);
-  } else if (decoding) {
+    stats.measured = measuring;
+  } else if (decoding && all_governed) {
+    // (A step with a chunk the budget does not govern, a compressing policy's or a flexformer's, would charge
+    // that chunk's cost to the governed tokens: not recorded.)
     budget_.prefill_step(stats.seconds, prefill_tokens);
   }
   return stats;
@@ -525,6 +547,7 @@ void Scheduler::loop() {
       if (stats.ran) ++gauges_.steps;
       gauges_.prefill_chunks_shortened += static_cast<uint64_t>(stats.shortened_chunks);
       gauges_.prefill_shortened_tokens += static_cast<uint64_t>(stats.shortened_tokens);
+      if (stats.measured) ++gauges_.prefill_budget_decode_steps;
       if (waiting) {
         const double dt = std::chrono::duration<double>(Clock::now() - iteration_started).count();
         gauges_.saturated_seconds += dt;

@@ -88,15 +88,17 @@ class PrefillBudget {
  public:
   static constexpr int64_t kMinTokens = 16;     ///< the shortest chunk it asks for (a prefill always progresses)
   static constexpr int64_t kRefreshSteps = 32;  ///< steps with a chunk between two decode-only measurements
-  /// `ratio` >= 0 (serve.prefill_step_ratio; 0 = off); throws std::invalid_argument otherwise (NaN included).
+  /// `ratio` >= 0 (serve.prefill_step_ratio; 0 = off; up to 1 leaves no time beyond a decode step: every shortened
+  /// chunk is kMinTokens); throws std::invalid_argument otherwise (NaN and infinity included).
   explicit PrefillBudget(double ratio);
   /// True when the next step beside `decoding` (>= 1) decoding sessions should run no prefill chunk, to measure a
   /// decode-only step; always false when off.
   bool measure_decode(int64_t decoding) const;
-  /// Records a decode-only step of `seconds` (>= 0) that decoded `decoding` sessions: the moving average, or the
-  /// step itself when the sessions changed by more than a quarter since the last.
+  /// Records a decode-only step of `seconds` (finite, >= 0; others are ignored) that decoded `decoding` sessions:
+  /// the moving average, or the step itself when the sessions changed by more than a quarter since the last.
   void decode_step(double seconds, int64_t decoding);
-  /// Records a step of `seconds` that ran `tokens` (>= 1) prefill tokens beside at least one decoding session.
+  /// Records a step of `seconds` (finite, >= 0) that ran `tokens` (>= 1) prefill tokens beside at least one
+  /// decoding session, every one of them in chunks this budget governs.
   void prefill_step(double seconds, int64_t tokens);
   /// The prefill tokens a step beside decoding sessions may run: `wanted` (>= 1) when off or before both costs were
   /// measured, else min(wanted, max(kMinTokens, (ratio - 1) decode_s / token_s)).
@@ -108,6 +110,7 @@ class PrefillBudget {
   bool changed(int64_t decoding) const { return 4 * decoding > 5 * decode_n_ || 4 * decoding < 3 * decode_n_; }
   double ratio_;
   double decode_s_ = 0, token_s_ = 0;
+  bool decode_measured_ = false, token_measured_ = false;  // (a step may measure 0 s on a coarse clock)
   int64_t decode_n_ = 0;       // the decoding sessions of the last decode-only step
   int64_t since_decode_ = 0;   // steps with a chunk since then
 };
@@ -171,9 +174,9 @@ class Scheduler {
     int64_t sessions = 0;
     double seconds = 0;
     int64_t shortened_chunks = 0, shortened_tokens = 0;  // prefill chunks PrefillBudget cut, and their tokens
+    bool measured = false;  // a decode-only step PrefillBudget asked for while a prompt it governs waited
   };
   StepStats step(std::vector<Session*>& active);
-  PrefillBudget budget_{0};  // scheduler thread only
 
   Transformer model_;
   SchedulerOptions opt_;
@@ -182,6 +185,7 @@ class Scheduler {
   int64_t entry_bytes_ = 0;   // softmax: one cache entry of one KV head
   bool recurrent_ = false;    // flexformer: sessions are RecurrentSessions
   int64_t state_bytes_ = 0;   // flexformer: one session's states
+  PrefillBudget budget_;      // serve.prefill_step_ratio; scheduler thread only
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -1,9 +1,6 @@
 #include <httplib.h>
-#include <pthread.h>
-#include <sched.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -22,6 +19,7 @@
 #include "infer/serve/metrics.h"
 #include "infer/serve/page.h"
 #include "infer/serve/scheduler.h"
+#include "util/thread_priority.h"
 
 namespace dcp {
 namespace {
@@ -34,24 +32,17 @@ namespace {
 // thread cannot raise its priority again, so the pool's threads stay lowered for every request they serve.
 class LoweredThreadPool : public httplib::TaskQueue {
  public:
-  LoweredThreadPool(size_t threads, bool idle) : pool_(threads), idle_(idle) {}
+  LoweredThreadPool(size_t threads, ThreadPriority priority) : pool_(threads), priority_(priority) {}
   void enqueue(std::function<void()> fn) override {
-    pool_.enqueue([fn = std::move(fn), idle = idle_] {
+    pool_.enqueue([fn = std::move(fn), priority = priority_] {
       thread_local bool lowered = false;
       if (!lowered) {
         lowered = true;
-        int err = 0;
-        if (idle) {
-          sched_param param{};
-          err = pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
-        } else if (setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), 19) != 0) {
-          err = errno;
-        }
-        if (err != 0) {
+        if (const std::string why = lower_this_thread(priority); !why.empty()) {
           static std::once_flag warned;
-          std::call_once(warned, [err, idle] {
+          std::call_once(warned, [&why, priority] {
             spdlog::warn("serve: serve.http_priority {}: refused ({}); connections run at the server's priority",
-                         idle ? "idle" : "low", std::strerror(err));
+                         thread_priority_name(priority), why);
           });
         }
       }
@@ -62,7 +53,7 @@ class LoweredThreadPool : public httplib::TaskQueue {
 
  private:
   httplib::ThreadPool pool_;
-  bool idle_;
+  ThreadPriority priority_;
 };
 
 using serve::ApiError;
@@ -272,10 +263,10 @@ void Server::Impl::routes() {
   http.set_read_timeout(10);
   http.set_write_timeout(10);
   const auto threads = static_cast<size_t>(cfg.serve.http_threads);
-  const std::string priority = cfg.serve.http_priority;
+  const ThreadPriority priority = parse_thread_priority(cfg.serve.http_priority, "serve.http_priority");
   http.new_task_queue = [threads, priority]() -> httplib::TaskQueue* {
-    if (priority == "normal") return new httplib::ThreadPool(threads);
-    return new LoweredThreadPool(threads, priority == "idle");
+    if (priority == ThreadPriority::normal) return new httplib::ThreadPool(threads);
+    return new LoweredThreadPool(threads, priority);
   };
   // Errors httplib answers itself (an unknown path, a body over the limit, a request it cannot parse) get
   // OpenAI's JSON shape too.
