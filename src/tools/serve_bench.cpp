@@ -435,10 +435,11 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                         ? fmt::format(" and at most {} query-key pairs (kv.chunk_pairs)", cfg.kv.chunk_pairs)
                         : std::string(),
                     cfg.serve.prefill_chunks,
-                    cfg.serve.prefill_step_ratio > 0
-                        ? fmt::format("beside decoding sessions shortened to about {} decode steps' time, "
-                                      "serve.prefill_step_ratio", cfg.serve.prefill_step_ratio)
-                        : std::string("serve.prefill_step_ratio 0: never shortened"),
+                    cfg.serve.prefill_step_ratio > 0 || cfg.serve.prefill_step_ms > 0
+                        ? fmt::format("beside decoding sessions shortened so that a step takes about max({} decode "
+                                      "steps, {} ms), serve.prefill_step_ratio and serve.prefill_step_ms",
+                                      cfg.serve.prefill_step_ratio, cfg.serve.prefill_step_ms)
+                        : std::string("serve.prefill_step_ratio and serve.prefill_step_ms 0: never shortened"),
                     utc_now("%Y-%m-%d %H:%M"), total_s, load_start, load_end,
                     blas_description());
   md << (idle ? "The clients (threads of this process) run under SCHED_IDLE (`--client-priority idle`): on time the "

@@ -118,6 +118,7 @@ void visit(C& c, F&& f) {
   f("serve.scheduler", c.serve.scheduler, Choices{"batched", "sequential"});
   f("serve.http_priority", c.serve.http_priority, Choices{"low", "idle", "normal"});
   f("serve.prefill_step_ratio", c.serve.prefill_step_ratio, RealRule{0.0, 1000.0});
+  f("serve.prefill_step_ms", c.serve.prefill_step_ms, RealRule{0.0, 60000.0});
   f("serve.shutdown_grace_s", c.serve.shutdown_grace_s, RealRule{0.0, 86400.0});
   f("serve.retry_after_s", c.serve.retry_after_s, IntRule{0, 86400});
 }

@@ -156,6 +156,7 @@ TEST(CliServe, UsageErrorsExitTwoNamingTheValue) {
       {{"--serve.scheduler=fast"}, "serve.scheduler"},
       {{"--serve.http_priority=high"}, "serve.http_priority"},
       {{"--serve.prefill_step_ratio=-1"}, "serve.prefill_step_ratio"},
+      {{"--serve.prefill_step_ms=nan"}, "serve.prefill_step_ms"},
       {{"--serve.port=70000"}, "serve.port"},
       {{"--kv.max_rel_bpb=0.01"}, "--kv.max_rel_bpb=0.01: the server does not take error targets"},
       // Refused before the server starts, so no "listening" line promises a port file that will not come.

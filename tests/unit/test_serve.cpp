@@ -477,37 +477,36 @@ TEST(ThreadPriority, NamesRoundTripAndLowLowersOnlyTheCallingThread) {
   EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(gettid())), before);
 }
 
-// PrefillBudget on made-up step times: off, or before both costs are measured, it allows what is asked; then
-// (ratio - 1) decode_s / token_s tokens, never fewer than kMinTokens nor more than asked; a step measured faster
+// PrefillBudget on made-up step times: off, or before both costs are measured, it sets no limit; then
+// (ratio - 1) decode_s / token_s tokens, never fewer than kMinTokens (a shorter prompt's chunk is its own length:
+// the scheduler takes the smaller); a step measured faster
 // than a decode step keeps the token cost positive; a bad ratio is refused naming the key.
 TEST(PrefillBudget, AllowsTheTokensThatFitRatioMinusOneDecodeSteps) {
   serve::PrefillBudget off(0);
   off.decode_step(0.002, 16);
   off.prefill_step(0.004, 100);
-  EXPECT_EQ(off.tokens(512), 512);
+  EXPECT_EQ(off.tokens(), std::nullopt);
   EXPECT_EQ(off.decode_seconds(), 0);
 
   serve::PrefillBudget b(1.5);
-  EXPECT_EQ(b.tokens(512), 512);  // nothing measured
+  EXPECT_EQ(b.tokens(), std::nullopt);  // nothing measured: no limit
   b.prefill_step(0.004, 100);     // before any decode step: not a measurement
   EXPECT_EQ(b.token_seconds(), 0);
   b.decode_step(0.002, 16);
-  EXPECT_EQ(b.tokens(512), 512);  // no prefill cost yet
+  EXPECT_EQ(b.tokens(), std::nullopt);  // no prefill cost yet
   b.prefill_step(0.004, 100);     // 2 ms beyond a decode step over 100 tokens: 20 us a token
   EXPECT_NEAR(b.token_seconds(), 2e-5, 1e-12);
-  EXPECT_EQ(b.tokens(512), 50);   // 0.5 x 2 ms / 20 us
-  EXPECT_EQ(b.tokens(30), 30);
-  EXPECT_EQ(b.tokens(1), 1);
+  EXPECT_EQ(b.tokens(), 50);      // 0.5 x 2 ms / 20 us
   // Moving averages (weight 0.25 on the new step): decode 2 ms -> 2.5 ms after a 4 ms step.
   b.decode_step(0.004, 16);
   EXPECT_NEAR(b.decode_seconds(), 0.0025, 1e-12);
-  EXPECT_EQ(b.tokens(512), 62);   // 0.5 x 2.5 ms / 20 us = 62.5
+  EXPECT_EQ(b.tokens(), 62);      // 0.5 x 2.5 ms / 20 us = 62.5
   // A step faster than the decode average: 1% of a decode step over its tokens, not a negative cost.
   serve::PrefillBudget fast(1.5);
   fast.decode_step(0.002, 16);
   fast.prefill_step(0.001, 10);
   EXPECT_NEAR(fast.token_seconds(), 2e-6, 1e-15);
-  EXPECT_EQ(fast.tokens(10000), 500);
+  EXPECT_EQ(fast.tokens(), 500);
   // Infinite or negative seconds are not measurements; a decode step measured at 0 s is one (a coarse clock), and
   // the token cost stays positive after it.
   serve::PrefillBudget zero(1.5);
@@ -517,16 +516,15 @@ TEST(PrefillBudget, AllowsTheTokensThatFitRatioMinusOneDecodeSteps) {
   zero.decode_step(0, 4);
   EXPECT_FALSE(zero.measure_decode(4));
   zero.prefill_step(std::numeric_limits<double>::infinity(), 10);
-  EXPECT_EQ(zero.tokens(512), 512);  // no prefill cost measured yet
+  EXPECT_EQ(zero.tokens(), std::nullopt);  // no prefill cost measured yet
   zero.prefill_step(0, 10);
   EXPECT_GT(zero.token_seconds(), 0);
-  EXPECT_EQ(zero.tokens(512), serve::PrefillBudget::kMinTokens);  // 0.5 x 0 s of room
+  EXPECT_EQ(zero.tokens(), serve::PrefillBudget::kMinTokens);  // 0.5 x 0 s of room
   // A ratio of 1 leaves no time: the floor.
   serve::PrefillBudget none(1.0);
   none.decode_step(0.002, 16);
   none.prefill_step(0.004, 100);
-  EXPECT_EQ(none.tokens(512), serve::PrefillBudget::kMinTokens);
-  EXPECT_EQ(none.tokens(5), 5);
+  EXPECT_EQ(none.tokens(), serve::PrefillBudget::kMinTokens);
   // Decode-only measurements: asked for before the first, after kRefreshSteps steps with a chunk, and when the
   // decoding sessions moved by more than a quarter (then the new step replaces the average); never when off.
   EXPECT_FALSE(off.measure_decode(16));
@@ -553,7 +551,37 @@ TEST(PrefillBudget, AllowsTheTokensThatFitRatioMinusOneDecodeSteps) {
     } catch (const std::invalid_argument& e) {
       EXPECT_NE(std::string(e.what()).find("serve.prefill_step_ratio"), std::string::npos) << e.what();
     }
+    try {
+      serve::PrefillBudget refused(1.5, bad);
+      ADD_FAILURE() << "a floor of " << bad << " s was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("serve.prefill_step_ms"), std::string::npos) << e.what();
+    }
   }
+}
+
+// The step floor (serve.prefill_step_ms): a step may take max(ratio x decode_s, floor); the floor alone turns the
+// budget on, and a decode step longer than the floor leaves the 16-token minimum.
+TEST(PrefillBudget, AStepFloorLengthensTheChunksOfShortDecodeSteps) {
+  serve::PrefillBudget b(1.5, 0.010);  // 10 ms
+  b.decode_step(0.002, 1);
+  b.prefill_step(0.004, 100);  // 20 us a token
+  EXPECT_EQ(b.tokens(), 400);  // (10 ms - 2 ms) / 20 us; ratio 1.5 alone would allow 50
+  b.decode_step(0.008, 8);     // 8 > 1.25 x 1: replaced
+  b.prefill_step(0.010, 100);  // (10 - 8) ms / 100 = 20 us: the average stays
+  EXPECT_EQ(b.tokens(), 200);  // max(12 ms, 10 ms) - 8 ms = 4 ms
+  serve::PrefillBudget floor_only(0, 0.010);
+  EXPECT_TRUE(floor_only.measure_decode(1));
+  floor_only.decode_step(0.002, 1);
+  floor_only.prefill_step(0.004, 100);
+  EXPECT_EQ(floor_only.tokens(), 400);
+  floor_only.decode_step(0.012, 8);  // a decode step past the floor: nothing left but the minimum
+  EXPECT_EQ(floor_only.tokens(), serve::PrefillBudget::kMinTokens);
+  serve::PrefillBudget off(0, 0);
+  EXPECT_FALSE(off.measure_decode(1));
+  off.decode_step(0.002, 1);
+  off.prefill_step(0.004, 100);
+  EXPECT_EQ(off.tokens(), std::nullopt);
 }
 
 // The budget on a running server: while one session decodes, two 300-byte prompts (chunks of 64) sent together are
@@ -730,7 +758,7 @@ TEST(ServeBench, BatchingRunsReportTheClientsDecodeRateAtNConcurrentSessions) {
   const double pooled = (bytes[0] / seconds[0]) / (bytes[1] / seconds[1]);
   EXPECT_NE(md.find("2 pairs of runs"), std::string::npos) << md;
   EXPECT_NE(md.find("HTTP threads' priority normal (serve.http_priority)"), std::string::npos) << md;
-  EXPECT_NE(md.find("serve.prefill_step_ratio 0: never shortened"), std::string::npos) << md;
+  EXPECT_NE(md.find("serve.prefill_step_ratio and serve.prefill_step_ms 0: never shortened"), std::string::npos) << md;
   EXPECT_NE(md.find("run at the server's priority (`--client-priority normal`)"), std::string::npos) << md;  // the default
   EXPECT_NE(md.find(fmt::format("**{:.2f}x** ({:.1f} tokens/s against {:.1f}; the 2 pair ratios range", pooled,
                                 bytes[0] / seconds[0], bytes[1] / seconds[1])),

@@ -86,7 +86,7 @@ std::string Metrics::text(const SchedulerGauges& g) const {
   gauge(out, "dcp_decode_steps_total", "counter", "Scheduler iterations that ran only one-token decode steps (no prefill chunk).", static_cast<double>(g.decode_steps));
   gauge(out, "dcp_decode_step_tokens_total", "counter", "Tokens decoded by those iterations.", static_cast<double>(g.decode_step_tokens));
   gauge(out, "dcp_decode_step_seconds_total", "counter", "Seconds those iterations took (forward, sampling, bookkeeping).", g.decode_step_seconds);
-  gauge(out, "dcp_prefill_chunks_shortened_total", "counter", "Prefill chunks run shorter than chunk_tokens / kv.chunk_pairs allow, to keep a step beside decoding sessions within serve.prefill_step_ratio decode steps.", static_cast<double>(g.prefill_chunks_shortened));
+  gauge(out, "dcp_prefill_chunks_shortened_total", "counter", "Prefill chunks run shorter than chunk_tokens / kv.chunk_pairs allow, to keep a step beside decoding sessions within max(serve.prefill_step_ratio decode steps, serve.prefill_step_ms).", static_cast<double>(g.prefill_chunks_shortened));
   gauge(out, "dcp_prefill_shortened_tokens_total", "counter", "Prompt tokens run in those shortened chunks.", static_cast<double>(g.prefill_shortened_tokens));
   gauge(out, "dcp_prefill_budget_decode_steps_total", "counter", "Decode-only steps the prefill budget ran while a prompt it governs waited, to measure a decode step.", static_cast<double>(g.prefill_budget_decode_steps));
   gauge(out, "dcp_sessions_cancelled_total", "counter", "Sessions cancelled (client gone or shutdown).", static_cast<double>(g.cancelled));

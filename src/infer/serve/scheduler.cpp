@@ -24,6 +24,7 @@ struct Scheduler::Session {
   size_t prefilled = 0;         // prompt tokens run so far
   int64_t next_token = -1;      // the byte to decode next
   int64_t hold = 0;             // what admission counts: max(reservation, bytes)
+  bool full_cache = false;      // a softmax session with the full policy (PrefillBudget governs its chunks)
   bool over = false;            // grew past its reservation (counted once)
   bool done = false;
   bool emitted = false;
@@ -45,9 +46,13 @@ struct Scheduler::Session {
   }
 };
 
-PrefillBudget::PrefillBudget(double ratio) : ratio_(ratio) {
+PrefillBudget::PrefillBudget(double ratio, double min_step_s) : ratio_(ratio), min_step_s_(min_step_s) {
   if (!(ratio >= 0) || !std::isfinite(ratio)) {
     throw std::invalid_argument(fmt::format("serve.prefill_step_ratio {} must be a number >= 0 (0 = off)", ratio));
+  }
+  if (!(min_step_s >= 0) || !std::isfinite(min_step_s)) {
+    throw std::invalid_argument(
+        fmt::format("serve.prefill_step_ms {} must be a number >= 0 (0 = off)", min_step_s * 1000));
   }
 }
 
@@ -56,11 +61,11 @@ PrefillBudget::PrefillBudget(double ratio) : ratio_(ratio) {
 constexpr double kBudgetAlpha = 0.25;
 
 bool PrefillBudget::measure_decode(int64_t decoding) const {
-  return ratio_ > 0 && decoding >= 1 && (!decode_measured_ || since_decode_ >= kRefreshSteps || changed(decoding));
+  return on() && decoding >= 1 && (!decode_measured_ || since_decode_ >= kRefreshSteps || changed(decoding));
 }
 
 void PrefillBudget::decode_step(double seconds, int64_t decoding) {
-  if (ratio_ == 0 || !std::isfinite(seconds) || seconds < 0 || decoding < 1) return;
+  if (!on() || !std::isfinite(seconds) || seconds < 0 || decoding < 1) return;
   decode_s_ = !decode_measured_ || changed(decoding) ? seconds : decode_s_ + kBudgetAlpha * (seconds - decode_s_);
   decode_measured_ = true;
   decode_n_ = decoding;
@@ -68,7 +73,7 @@ void PrefillBudget::decode_step(double seconds, int64_t decoding) {
 }
 
 void PrefillBudget::prefill_step(double seconds, int64_t tokens) {
-  if (ratio_ == 0 || !decode_measured_ || tokens < 1 || !std::isfinite(seconds) || seconds < 0) return;
+  if (!on() || !decode_measured_ || tokens < 1 || !std::isfinite(seconds) || seconds < 0) return;
   ++since_decode_;
   // A step measured faster than a decode step (noise) still says a token costs something: a floor of 1% of a
   // decode step over the chunk keeps the estimate positive (or 1 ns where a decode step measured 0 s), and the next
@@ -79,17 +84,19 @@ void PrefillBudget::prefill_step(double seconds, int64_t tokens) {
   token_measured_ = true;
 }
 
-int64_t PrefillBudget::tokens(int64_t wanted) const {
-  if (ratio_ == 0 || !decode_measured_ || !token_measured_) return wanted;
-  // (+1e-6: a whole number of tokens computed as 499.99999 is 500; at most 1e15, so that the cast is defined.)
-  const double allowed = std::min(std::max(ratio_ - 1, 0.0) * decode_s_ / token_s_ + 1e-6, 1e15);
-  const int64_t cap = allowed >= static_cast<double>(wanted) ? wanted : std::max<int64_t>(kMinTokens, static_cast<int64_t>(allowed));
-  return std::min(wanted, cap);
+std::optional<int64_t> PrefillBudget::tokens() const {
+  if (!on() || !decode_measured_ || !token_measured_) return std::nullopt;
+  // The step's time: `ratio` decode steps, or the floor where that is longer; what is left beyond a decode step goes
+  // to prefill tokens. (+1e-6: a whole number of tokens computed as 499.99999 is 500; at most 1e15, so that the
+  // cast is defined.)
+  const double step_s = std::max(ratio_ * decode_s_, min_step_s_);
+  const double allowed = std::min(std::max(step_s - decode_s_, 0.0) / token_s_ + 1e-6, 1e15);
+  return std::max<int64_t>(kMinTokens, static_cast<int64_t>(allowed));
 }
 
 Scheduler::Scheduler(Transformer model, SchedulerOptions options, Metrics& metrics)
     : model_(std::move(model)), opt_(options), metrics_(metrics), spec_(kv_cache_spec(model_)),
-      budget_(options.prefill_step_ratio) {
+      budget_(options.prefill_step_ratio, options.prefill_step_ms / 1000.0) {
   // A session of this model checks the backend and the chunk size before anything is served.
   recurrent_ = decodes_recurrently(model_);
   if (recurrent_) {
@@ -262,9 +269,7 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   int64_t prefills = 0;
   // While a session decodes, the step's prefill chunks of full-policy sessions (the ones the budget governs: a
   // compressing policy's evictions depend on its chunk boundaries) share PrefillBudget's tokens.
-  const auto governed = [](const Session* s) {
-    return s->decode != nullptr && dynamic_cast<const FullKvPolicy*>(s->job->policy.get()) != nullptr;
-  };
+  const auto governed = [](const Session* s) { return s->full_cache; };
   const auto decoders = std::count_if(active.begin(), active.end(),
                                       [](const Session* s) { return s->prefilled >= s->prompt.size(); });
   const bool decoding = decoders > 0;
@@ -274,7 +279,7 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
       budget_.measure_decode(decoders) && std::any_of(active.begin(), active.end(), [&](const Session* s) {
         return s->prefilled < s->prompt.size() && governed(s);
       });
-  int64_t budget = decoding ? budget_.tokens(std::numeric_limits<int64_t>::max()) : 0;
+  int64_t budget = decoding ? budget_.tokens().value_or(std::numeric_limits<int64_t>::max()) : 0;
   int64_t prefill_tokens = 0, shortened_chunks = 0, shortened_tokens = 0;
   bool all_governed = true, governed_ran = false;
   for (Session* s : active) {
@@ -476,8 +481,9 @@ void Scheduler::loop() {
       s->prompt.push_back(kBosToken);
       for (unsigned char c : j->request.prompt) s->prompt.push_back(c);
       s->hold = j->reserved_bytes;
+      s->full_cache = s->decode && dynamic_cast<const FullKvPolicy*>(j->policy.get()) != nullptr;
       // A full cache grows to exactly this: allocated once, never doubled past it.
-      if (s->decode && dynamic_cast<const FullKvPolicy*>(j->policy.get()) != nullptr) {
+      if (s->full_cache) {
         s->decode->cache().reserve(static_cast<int64_t>(s->prompt.size()) + j->request.max_tokens);
       }
       {

@@ -73,12 +73,14 @@ KvGrowth kv_growth(const KvPolicy& policy);
 int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t chunk_pairs,
                         int64_t layers, const KvGrowth& growth);
 
-/// The per-step prefill token budget of serve.prefill_step_ratio (Sarathi-Serve, Agrawal et al., OSDI'24: a step
+/// The per-step prefill token budget of serve.prefill_step_ratio and serve.prefill_step_ms (Sarathi-Serve, Agrawal et al., OSDI'24: a step
 /// that runs a prefill chunk beside decoding sessions delays every stream's next token by its whole length, so the
 /// chunk is sized to a step-time budget). Sarathi-Serve sets its token budget from an offline profile; here both
 /// costs are measured as the server runs: `decode_s` the moving average of decode-only steps' seconds, and
 /// `token_s` that of one prefill token's seconds beyond a decode step ((step - decode_s) / chunk tokens, over steps
-/// with a chunk beside decoding). The chunk allowed is (ratio - 1) decode_s / token_s tokens, at least kMinTokens.
+/// with a chunk beside decoding). The chunk allowed is (max(ratio x decode_s, min_step_s) - decode_s) / token_s
+/// tokens, at least kMinTokens: min_step_s (serve.prefill_step_ms / 1000) is a floor on the step's time, so that a
+/// decode step made short by few decoding sessions does not hold waiting prompts to a few tokens a step.
 /// The cost of a prefill token grows with its depth in the prompt (attention over what is already cached); a
 /// prompt's chunks run in order, so the average follows it. While prompts wait, every step would carry a chunk and
 /// no decode-only step would ever be measured: measure_decode() asks the scheduler for one (a step that runs no
@@ -88,9 +90,10 @@ class PrefillBudget {
  public:
   static constexpr int64_t kMinTokens = 16;     ///< the shortest chunk it asks for (a prefill always progresses)
   static constexpr int64_t kRefreshSteps = 32;  ///< steps with a chunk between two decode-only measurements
-  /// `ratio` >= 0 (serve.prefill_step_ratio; 0 = off; up to 1 leaves no time beyond a decode step: every shortened
-  /// chunk is kMinTokens); throws std::invalid_argument otherwise (NaN and infinity included).
-  explicit PrefillBudget(double ratio);
+  /// `ratio` >= 0 (serve.prefill_step_ratio; up to 1 leaves no time beyond a decode step: every shortened chunk is
+  /// kMinTokens, unless the floor leaves more) and `min_step_s` >= 0 seconds (the floor); both 0 = off. Throws
+  /// std::invalid_argument for anything else (NaN and infinity included), naming the key.
+  explicit PrefillBudget(double ratio, double min_step_s = 0);
   /// True when the next step beside `decoding` (>= 1) decoding sessions should run no prefill chunk, to measure a
   /// decode-only step; always false when off.
   bool measure_decode(int64_t decoding) const;
@@ -100,15 +103,17 @@ class PrefillBudget {
   /// Records a step of `seconds` (finite, >= 0) that ran `tokens` (>= 1) prefill tokens beside at least one
   /// decoding session, every one of them in chunks this budget governs.
   void prefill_step(double seconds, int64_t tokens);
-  /// The prefill tokens a step beside decoding sessions may run: `wanted` (>= 1) when off or before both costs were
-  /// measured, else min(wanted, max(kMinTokens, (ratio - 1) decode_s / token_s)).
-  int64_t tokens(int64_t wanted) const;
+  /// The prefill tokens a step beside decoding sessions may run: none (no limit) when off or before both costs were
+  /// measured, else max(kMinTokens, (ratio - 1) decode_s / token_s).
+  std::optional<int64_t> tokens() const;
   double decode_seconds() const { return decode_s_; }       ///< 0 until a decode-only step was recorded
   double token_seconds() const { return token_s_; }         ///< 0 until a prefill step was recorded
 
  private:
   bool changed(int64_t decoding) const { return 4 * decoding > 5 * decode_n_ || 4 * decoding < 3 * decode_n_; }
+  bool on() const { return ratio_ > 0 || min_step_s_ > 0; }
   double ratio_;
+  double min_step_s_;
   double decode_s_ = 0, token_s_ = 0;
   bool decode_measured_ = false, token_measured_ = false;  // (a step may measure 0 s on a coarse clock)
   int64_t decode_n_ = 0;       // the decoding sessions of the last decode-only step
@@ -126,6 +131,7 @@ struct SchedulerOptions {
   /// 0 = off. A compressing policy's chunks are never shortened: its evictions depend on the chunk boundaries, and
   /// its answers stay those of dcp generate.
   double prefill_step_ratio = 0;
+  double prefill_step_ms = 0;   ///< serve.prefill_step_ms: PrefillBudget's floor of a step's time (0 = none)
   bool batched = true;
   int64_t threads = 0;          ///< intra-op threads of the scheduler thread; 0 = leave LibTorch's
   int64_t retry_after_s = 1;
@@ -185,7 +191,7 @@ class Scheduler {
   int64_t entry_bytes_ = 0;   // softmax: one cache entry of one KV head
   bool recurrent_ = false;    // flexformer: sessions are RecurrentSessions
   int64_t state_bytes_ = 0;   // flexformer: one session's states
-  PrefillBudget budget_;      // serve.prefill_step_ratio; scheduler thread only
+  PrefillBudget budget_;      // serve.prefill_step_ratio and serve.prefill_step_ms; scheduler thread only
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -136,6 +136,7 @@ Server::Server(Transformer model, const Config& cfg, std::string model_id) : imp
   o.chunk_pairs = cfg.kv.chunk_pairs;
   o.prefill_chunks = s.prefill_chunks;
   o.prefill_step_ratio = s.prefill_step_ratio;
+  o.prefill_step_ms = s.prefill_step_ms;
   o.batched = s.scheduler == "batched";
   o.threads = s.threads;
   o.retry_after_s = s.retry_after_s;
