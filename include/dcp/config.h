@@ -173,14 +173,15 @@ struct ServeConfig {
   /// decode-only step (both measured, moving averages): the chunk is shortened to fit, down to 16 tokens, so the
   /// streams' inter-token gap stays near a decode step while a long prompt is prefilled (Sarathi-Serve's per-step
   /// token budget, here set from measured step times instead of an offline profile). A step with no decoding
-  /// session runs the whole chunk. 0 (the default) = off: chunks of chunk_tokens / kv.chunk_pairs only; 1.5 met
-  /// the latency target at 4 and 16 clients but cost up to 7x the time to first token (docs/serve.md).
+  /// session runs the whole chunk. 0 (the default) = no ratio term; with prefill_step_ms 0 too the budget is off:
+  /// chunks of chunk_tokens / kv.chunk_pairs only. With prefill_step_ms 40, 1.5 met the latency target at 4, 16 and
+  /// 64 clients, at 0.65-0.83x the tokens/s and up to 6.3x the time to first token (docs/serve.md).
   double prefill_step_ratio = 0;
   /// > 0: the prefill budget's floor, in milliseconds, of a step that runs a prefill chunk beside decoding sessions:
   /// the step may take max(prefill_step_ratio x a decode step, this) (Sarathi-Serve's time-between-tokens target).
   /// Few decoding sessions make a decode step short, and a budget of ratio x a short step holds the waiting prompts
-  /// to a few tokens a step (their first token waits); the floor keeps their chunks long enough to prefill at most of
-  /// full speed while the gaps stay even. Either > 0 turns the budget on; both 0 = off.
+  /// to a few tokens a step; the floor gives them longer chunks than that, and the steps that carry a chunk all last
+  /// about the same. Either > 0 turns the budget on; both 0 = off.
   double prefill_step_ms = 0;
   double shutdown_grace_s = 10;    ///< after SIGTERM, in-flight requests may finish for this long, then are cancelled
   int64_t retry_after_s = 1;       ///< Retry-After of a 503

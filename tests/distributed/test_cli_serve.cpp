@@ -155,8 +155,9 @@ TEST(CliServe, UsageErrorsExitTwoNamingTheValue) {
       {{"--serve.kv_policy=nope"}, "nope"},
       {{"--serve.scheduler=fast"}, "serve.scheduler"},
       {{"--serve.http_priority=high"}, "serve.http_priority"},
-      {{"--serve.prefill_step_ratio=-1"}, "serve.prefill_step_ratio"},
-      {{"--serve.prefill_step_ms=nan"}, "serve.prefill_step_ms"},
+      // The rule's own message (an unregistered key would be refused as unknown, naming it too).
+      {{"--serve.prefill_step_ratio=-1"}, "config key 'serve.prefill_step_ratio': bad value '-1'"},
+      {{"--serve.prefill_step_ms=nan"}, "config key 'serve.prefill_step_ms': bad value 'nan'"},
       {{"--serve.port=70000"}, "serve.port"},
       {{"--kv.max_rel_bpb=0.01"}, "--kv.max_rel_bpb=0.01: the server does not take error targets"},
       // Refused before the server starts, so no "listening" line promises a port file that will not come.

@@ -585,20 +585,26 @@ TEST(PrefillBudget, AStepFloorLengthensTheChunksOfShortDecodeSteps) {
 }
 
 // The budget on a running server: while one session decodes, two 300-byte prompts (chunks of 64) sent together are
-// cut to shorter chunks with ratio 1.01 (one percent of a decode step leaves the 16-token floor); when the first of
-// them starts decoding the decoding sessions double, and the budget runs a decode-only step to measure them while
-// the second prompt waits. Every request answers in full. With ratio 0, or for a compressing policy (window),
-// no chunk is cut and no such step runs.
+// cut to shorter chunks with ratio 1.01 (one percent of a decode step leaves the 16-token minimum), or with a step
+// floor of 1 us and ratio 0; when the first of them starts decoding the decoding sessions double, and the budget
+// runs a decode-only step to measure them while the second prompt waits. Every request answers in full. With both
+// keys 0, or for a compressing policy (window), no chunk is cut and no such step runs.
 TEST_F(ServeTest, PrefillChunksBesideDecodingAreShortenedToTheStepBudget) {
   struct Case {
     double ratio;
+    double floor_ms;  // serve.prefill_step_ms
     std::string policy;
     bool budgeted;
   };
-  for (const Case& c : {Case{1.01, "full", true}, Case{0, "full", false}, Case{1.01, "window", false}}) {
+  // The floor alone turns the budget on through the server's config: 1 us is shorter than any decode step, so its
+  // chunks are the 16-token minimum, as with ratio 1.01.
+  for (const Case& c : {Case{1.01, 0, "full", true}, Case{0, 0.001, "full", true}, Case{0, 0, "full", false},
+                        Case{1.01, 0, "window", false}}) {
+    SCOPED_TRACE(fmt::format("ratio {} floor {} ms policy {}", c.ratio, c.floor_ms, c.policy));
     Config cfg = tiny_config();
     cfg.kv.chunk_tokens = 64;
     cfg.serve.prefill_step_ratio = c.ratio;
+    cfg.serve.prefill_step_ms = c.floor_ms;
     Running s(cfg);
     const auto shortened = [&] { return s.metric("dcp_prefill_chunks_shortened_total"); };
     const auto measured = [&] { return s.metric("dcp_prefill_budget_decode_steps_total"); };

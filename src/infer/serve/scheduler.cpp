@@ -48,11 +48,12 @@ struct Scheduler::Session {
 
 PrefillBudget::PrefillBudget(double ratio, double min_step_s) : ratio_(ratio), min_step_s_(min_step_s) {
   if (!(ratio >= 0) || !std::isfinite(ratio)) {
-    throw std::invalid_argument(fmt::format("serve.prefill_step_ratio {} must be a number >= 0 (0 = off)", ratio));
+    throw std::invalid_argument(
+        fmt::format("serve.prefill_step_ratio {} must be a number >= 0 (0 = no ratio term)", ratio));
   }
   if (!(min_step_s >= 0) || !std::isfinite(min_step_s)) {
     throw std::invalid_argument(
-        fmt::format("serve.prefill_step_ms {} must be a number >= 0 (0 = off)", min_step_s * 1000));
+        fmt::format("serve.prefill_step_ms {} must be a number >= 0 (0 = no floor)", min_step_s * 1000));
   }
 }
 
@@ -89,8 +90,9 @@ std::optional<int64_t> PrefillBudget::tokens() const {
   // The step's time: `ratio` decode steps, or the floor where that is longer; what is left beyond a decode step goes
   // to prefill tokens. (+1e-6: a whole number of tokens computed as 499.99999 is 500; at most 1e15, so that the
   // cast is defined.)
-  const double step_s = std::max(ratio_ * decode_s_, min_step_s_);
-  const double allowed = std::min(std::max(step_s - decode_s_, 0.0) / token_s_ + 1e-6, 1e15);
+  // ((ratio - 1) decode_s rather than ratio decode_s - decode_s: the ratio alone rounds as it did before the floor.)
+  const double room = std::max({(ratio_ - 1) * decode_s_, min_step_s_ - decode_s_, 0.0});
+  const double allowed = std::min(room / token_s_ + 1e-6, 1e15);
   return std::max<int64_t>(kMinTokens, static_cast<int64_t>(allowed));
 }
 

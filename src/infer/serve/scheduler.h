@@ -73,9 +73,9 @@ KvGrowth kv_growth(const KvPolicy& policy);
 int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk_tokens, int64_t chunk_pairs,
                         int64_t layers, const KvGrowth& growth);
 
-/// The per-step prefill token budget of serve.prefill_step_ratio and serve.prefill_step_ms (Sarathi-Serve, Agrawal et al., OSDI'24: a step
-/// that runs a prefill chunk beside decoding sessions delays every stream's next token by its whole length, so the
-/// chunk is sized to a step-time budget). Sarathi-Serve sets its token budget from an offline profile; here both
+/// The per-step prefill token budget of serve.prefill_step_ratio and serve.prefill_step_ms (Sarathi-Serve, Agrawal
+/// et al., OSDI'24: a step that runs a prefill chunk beside decoding sessions delays every stream's next token by its
+/// whole length, so the chunk is sized to a step-time budget). Sarathi-Serve sets its token budget from an offline profile; here both
 /// costs are measured as the server runs: `decode_s` the moving average of decode-only steps' seconds, and
 /// `token_s` that of one prefill token's seconds beyond a decode step ((step - decode_s) / chunk tokens, over steps
 /// with a chunk beside decoding). The chunk allowed is (max(ratio x decode_s, min_step_s) - decode_s) / token_s
@@ -104,7 +104,7 @@ class PrefillBudget {
   /// decoding session, every one of them in chunks this budget governs.
   void prefill_step(double seconds, int64_t tokens);
   /// The prefill tokens a step beside decoding sessions may run: none (no limit) when off or before both costs were
-  /// measured, else max(kMinTokens, (ratio - 1) decode_s / token_s).
+  /// measured, else max(kMinTokens, (max(ratio x decode_s, min_step_s) - decode_s) / token_s).
   std::optional<int64_t> tokens() const;
   double decode_seconds() const { return decode_s_; }       ///< 0 until a decode-only step was recorded
   double token_seconds() const { return token_s_; }         ///< 0 until a prefill step was recorded
@@ -128,7 +128,7 @@ struct SchedulerOptions {
   int64_t chunk_pairs = 0;      ///< kv.chunk_pairs: the attention bound of a prefill chunk (0 = none)
   int64_t prefill_chunks = 1;
   /// serve.prefill_step_ratio (PrefillBudget): sessions with the full policy get shorter chunks while others decode;
-  /// 0 = off. A compressing policy's chunks are never shortened: its evictions depend on the chunk boundaries, and
+  /// 0 = no ratio term (the budget is off when prefill_step_ms is 0 too). A compressing policy's chunks are never shortened: its evictions depend on the chunk boundaries, and
   /// its answers stay those of dcp generate.
   double prefill_step_ratio = 0;
   double prefill_step_ms = 0;   ///< serve.prefill_step_ms: PrefillBudget's floor of a step's time (0 = none)
