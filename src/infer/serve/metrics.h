@@ -33,7 +33,8 @@ struct SchedulerGauges {
   /// tokens they decoded and their seconds (forward, sampling, bookkeeping): decode throughput without prefill.
   uint64_t decode_steps = 0, decode_step_tokens = 0;
   double decode_step_seconds = 0;
-  /// Prefill chunks that PrefillBudget shortened (serve.prefill_step_ratio, serve.prefill_step_ms) and the prompt tokens they ran.
+  /// Prefill chunks that PrefillBudget shortened (serve.prefill_step_ratio, serve.prefill_step_ms) and the prompt
+  /// tokens they ran.
   uint64_t prefill_chunks_shortened = 0, prefill_shortened_tokens = 0;
   /// Decode-only steps PrefillBudget asked for while a prompt it governs waited (its measure of a decode step).
   uint64_t prefill_budget_decode_steps = 0;

@@ -75,12 +75,12 @@ int64_t kv_peak_entries(int64_t prompt_tokens, int64_t max_tokens, int64_t chunk
 
 /// The per-step prefill token budget of serve.prefill_step_ratio and serve.prefill_step_ms (Sarathi-Serve, Agrawal
 /// et al., OSDI'24: a step that runs a prefill chunk beside decoding sessions delays every stream's next token by its
-/// whole length, so the chunk is sized to a step-time budget). Sarathi-Serve sets its token budget from an offline profile; here both
-/// costs are measured as the server runs: `decode_s` the moving average of decode-only steps' seconds, and
-/// `token_s` that of one prefill token's seconds beyond a decode step ((step - decode_s) / chunk tokens, over steps
-/// with a chunk beside decoding). The chunk allowed is (max(ratio x decode_s, min_step_s) - decode_s) / token_s
-/// tokens, at least kMinTokens: min_step_s (serve.prefill_step_ms / 1000) is a floor on the step's time, so that a
-/// decode step made short by few decoding sessions does not hold waiting prompts to a few tokens a step.
+/// whole length, so the chunk is sized to a step-time budget). Sarathi-Serve sets its token budget from an offline
+/// profile; here both costs are measured as the server runs: `decode_s` the moving average of decode-only steps'
+/// seconds, and `token_s` that of one prefill token's seconds beyond a decode step ((step - decode_s) / chunk tokens,
+/// over steps with a chunk beside decoding). The chunk allowed is (max(ratio x decode_s, min_step_s) - decode_s) /
+/// token_s tokens, at least kMinTokens: min_step_s (serve.prefill_step_ms / 1000) is a floor on the step's time, so
+/// that a decode step made short by few decoding sessions does not hold waiting prompts to a few tokens a step.
 /// The cost of a prefill token grows with its depth in the prompt (attention over what is already cached); a
 /// prompt's chunks run in order, so the average follows it. While prompts wait, every step would carry a chunk and
 /// no decode-only step would ever be measured: measure_decode() asks the scheduler for one (a step that runs no
@@ -128,8 +128,8 @@ struct SchedulerOptions {
   int64_t chunk_pairs = 0;      ///< kv.chunk_pairs: the attention bound of a prefill chunk (0 = none)
   int64_t prefill_chunks = 1;
   /// serve.prefill_step_ratio (PrefillBudget): sessions with the full policy get shorter chunks while others decode;
-  /// 0 = no ratio term (the budget is off when prefill_step_ms is 0 too). A compressing policy's chunks are never shortened: its evictions depend on the chunk boundaries, and
-  /// its answers stay those of dcp generate.
+  /// 0 = no ratio term (the budget is off when prefill_step_ms is 0 too). A compressing policy's chunks are never
+  /// shortened: its evictions depend on the chunk boundaries, and its answers stay those of dcp generate.
   double prefill_step_ratio = 0;
   double prefill_step_ms = 0;   ///< serve.prefill_step_ms: PrefillBudget's floor of a step's time (0 = none)
   bool batched = true;
