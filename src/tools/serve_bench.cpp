@@ -20,6 +20,7 @@
 #include "dcp/serve.h"
 #include "infer/serve/api.h"
 #include "infer/serve/client.h"
+#include "infer/serve/scheduler.h"
 #include "tools/bench_common.h"
 #include "util/stats.h"
 #include "util/thread_priority.h"
@@ -208,6 +209,12 @@ ServeBenchRow run_load(const Transformer& model, Config cfg, const std::string& 
       row.decode_step_tokens = static_cast<int64_t>(serve::metric(text, "dcp_decode_step_tokens_total"));
       const double seconds = serve::metric(text, "dcp_decode_step_seconds_total");
       if (row.decode_steps > 0 && seconds > 0) row.decode_tokens_per_s = static_cast<double>(row.decode_step_tokens) / seconds;
+      row.steps = static_cast<int64_t>(serve::metric(text, "dcp_scheduler_steps_total"));
+      row.busy_s = serve::metric(text, "dcp_scheduler_step_seconds_total");
+      row.prefill_tokens = static_cast<int64_t>(serve::metric(text, "dcp_prefill_tokens_total"));
+      row.shortened_chunks = static_cast<int64_t>(serve::metric(text, "dcp_prefill_chunks_shortened_total"));
+      row.shortened_tokens = static_cast<int64_t>(serve::metric(text, "dcp_prefill_shortened_tokens_total"));
+      row.budget_decode_steps = static_cast<int64_t>(serve::metric(text, "dcp_prefill_budget_decode_steps_total"));
       row.saturated_s = serve::metric(text, "dcp_saturated_seconds_total");
       if (row.saturated_s > 0) {
         row.saturated_sessions = serve::metric(text, "dcp_saturated_session_seconds_total") / row.saturated_s;
@@ -289,15 +296,17 @@ std::string csv(const std::vector<ServeBenchRow>& rows) {
   std::string out = "run,policy,budget,clients,requests,answered,failed,tokens,wall_s,tokens_per_s,ttft_p50_s,ttft_p99_s,"
                     "itl_p50_s,itl_p99_s,itl_prefill_p50_s,itl_prefill_p99_s,peak_sessions,peak_kv_bytes,"
                     "kv_memory_bytes,abstained,decode_steps,decode_step_tokens,decode_tokens_per_s,saturated_s,saturated_sessions,"
-                    "saturated_kv_bytes,window_s,window_tokens_per_s,repeat,window_bytes\n";
+                    "saturated_kv_bytes,window_s,window_tokens_per_s,repeat,window_bytes,steps,busy_s,prefill_tokens,"
+                    "shortened_chunks,shortened_tokens,budget_decode_steps\n";
   for (const auto& r : rows) {
-    out += fmt::format("{},{},{},{},{},{},{},{},{:.3f},{:.2f},{:.4f},{:.4f},{:.5f},{:.5f},{:.5f},{:.5f},{},{:.0f},{:.0f},{},{},{},{:.2f},{:.3f},{:.3f},{:.0f},{:.3f},{:.2f},{},{}\n",
+    out += fmt::format("{},{},{},{},{},{},{},{},{:.3f},{:.2f},{:.4f},{:.4f},{:.5f},{:.5f},{:.5f},{:.5f},{},{:.0f},{:.0f},{},{},{},{:.2f},{:.3f},{:.3f},{:.0f},{:.3f},{:.2f},{},{},{},{:.3f},{},{},{},{}\n",
                        r.run, r.policy, r.budget, r.clients, r.requests, r.answered, r.failed, r.tokens, r.wall_s,
                        r.tokens_per_s, r.ttft_p50, r.ttft_p99, r.itl_p50, r.itl_p99, r.itl_prefill_p50,
                        r.itl_prefill_p99, r.peak_sessions, r.peak_kv_bytes, r.kv_memory_bytes, r.abstained,
                        r.decode_steps, r.decode_step_tokens, r.decode_tokens_per_s, r.saturated_s,
                        r.saturated_sessions, r.saturated_kv_bytes, r.window_s, r.window_tokens_per_s, r.repeat,
-                       r.window_bytes);
+                       r.window_bytes, r.steps, r.busy_s, r.prefill_tokens, r.shortened_chunks, r.shortened_tokens,
+                       r.budget_decode_steps);
   }
   return out;
 }
@@ -435,7 +444,7 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                         ? fmt::format(" and at most {} query-key pairs (kv.chunk_pairs)", cfg.kv.chunk_pairs)
                         : std::string(),
                     cfg.serve.prefill_chunks,
-                    cfg.serve.prefill_step_ratio > 0 || cfg.serve.prefill_step_ms > 0
+                    serve::PrefillBudget::enabled(cfg.serve.prefill_step_ratio, cfg.serve.prefill_step_ms / 1000.0)
                         ? fmt::format("beside decoding sessions shortened so that a step takes about max({} decode "
                                       "steps, {} ms), serve.prefill_step_ratio and serve.prefill_step_ms",
                                       cfg.serve.prefill_step_ratio, cfg.serve.prefill_step_ms)
@@ -561,6 +570,31 @@ std::vector<ServeBenchRow> run_serve_bench(Transformer model, const Config& cfg_
                       r.peak_kv_bytes / 1e6,
                       or_dash(r.saturated_sessions, 2),
                       or_dash(r.saturated_kv_bytes, 1, 1e-6), r.abstained);
+  }
+  // Where each run's time went on the server's side (its /metrics at the end of the run).
+  md << "\nThe server's scheduler in each run (/metrics at its end; docs/serve.md \"Metrics\"): busy = the seconds of "
+        "its steps over the run's wall time; decode-only steps = steps that ran no prefill chunk, with the sessions "
+        "each decoded on average; prefill tokens per chunk step = the prompt tokens prefilled over the steps that ran "
+        "a chunk; shortened = the chunks the prefill budget cut (and their mean tokens); measuring = the decode-only "
+        "steps the budget ran to measure a decode step.\n\n"
+        "| run | policy | budget | clients | steps | busy s / wall s | decode-only steps | sessions per decode-only step | "
+        "prefill tokens per chunk step | shortened chunks (tokens each) | measuring steps |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& r : rows) {
+    const int64_t chunk_steps = r.steps - r.decode_steps;
+    md << fmt::format("| {} | {} | {} | {} | {} | {:.1f} / {:.1f} ({:.0f}%) | {} | {} | {} | {} | {} |\n",
+                      r.repeat > 0 ? fmt::format("{} (pair {})", r.run, r.repeat) : r.run, r.policy, r.budget,
+                      r.clients, r.steps, r.busy_s, r.wall_s, r.wall_s > 0 ? 100.0 * r.busy_s / r.wall_s : 0.0,
+                      r.decode_steps,
+                      r.decode_steps > 0 ? fmt::format("{:.1f}", static_cast<double>(r.decode_step_tokens) / r.decode_steps)
+                                         : std::string("-"),
+                      chunk_steps > 0 ? fmt::format("{:.0f}", static_cast<double>(r.prefill_tokens) / chunk_steps)
+                                      : std::string("-"),
+                      r.shortened_chunks > 0
+                          ? fmt::format("{} ({:.0f})", r.shortened_chunks,
+                                        static_cast<double>(r.shortened_tokens) / r.shortened_chunks)
+                          : std::string("0"),
+                      r.budget_decode_steps);
   }
   for (const auto& r : rows) {
     if (r.failed == 0) continue;

@@ -77,6 +77,12 @@ struct ServeBenchRow {
   /// first event per second.
   double window_s = -1, window_tokens_per_s = -1;
   int64_t window_bytes = -1;  ///< the bytes counted in window_s (-1 in other runs); window_tokens_per_s is their rate
+  /// The server's scheduler over the run (/metrics at its end): iterations that ran a forward and their seconds
+  /// (dcp_scheduler_steps_total, dcp_scheduler_step_seconds_total: busy_s / wall_s is how much of the run the
+  /// scheduler computed), prompt tokens prefilled (dcp_prefill_tokens_total), prefill chunks the prefill budget
+  /// shortened and their tokens, and the decode-only steps the budget ran to measure a decode step.
+  int64_t steps = 0, prefill_tokens = 0, shortened_chunks = 0, shortened_tokens = 0, budget_decode_steps = 0;
+  double busy_s = 0;
 };
 
 /// The batching pairs pooled (the target's figure): every usable pair's window bytes over its window seconds, each

@@ -305,6 +305,10 @@ TEST_F(ServeTest, CompletionEqualsGenerateWithChunksBoundedByAttentionPairs) {
   }
   EXPECT_GT(chunks, 8);
   EXPECT_GE(s.metric("dcp_scheduler_steps_total"), 2 * chunks);
+  // Every prompt token (BOS included) of both requests ran in some chunk, once; the busy seconds were counted.
+  EXPECT_EQ(s.metric("dcp_prefill_tokens_total"), 2.0 * (1 + static_cast<double>(prompt.size())));
+  EXPECT_GT(s.metric("dcp_scheduler_step_seconds_total"), 0.0);
+  EXPECT_GE(s.metric("dcp_scheduler_step_seconds_total"), s.metric("dcp_decode_step_seconds_total"));
 }
 
 // dcp bench-serve refuses a policy spec the server would answer with 400 before any run starts (it used to run the
@@ -582,6 +586,10 @@ TEST(PrefillBudget, AStepFloorLengthensTheChunksOfShortDecodeSteps) {
   off.decode_step(0.002, 1);
   off.prefill_step(0.004, 100);
   EXPECT_EQ(off.tokens(), std::nullopt);
+  // The rule bench-serve's report states too: either key > 0 turns the budget on.
+  EXPECT_TRUE(serve::PrefillBudget::enabled(1.5, 0));
+  EXPECT_TRUE(serve::PrefillBudget::enabled(0, 0.040));
+  EXPECT_FALSE(serve::PrefillBudget::enabled(0, 0));
 }
 
 // The budget on a running server: while one session decodes, two 300-byte prompts (chunks of 64) sent together are

@@ -83,6 +83,8 @@ std::string Metrics::text(const SchedulerGauges& g) const {
   gauge(out, "dcp_kv_held_bytes", "gauge", "KV bytes admission counts: per session the larger of its reservation and its bytes.", static_cast<double>(g.kv_held_bytes));
   gauge(out, "dcp_kv_memory_bytes", "gauge", "The KV memory budget (serve.kv_memory_bytes).", static_cast<double>(g.kv_memory_bytes));
   gauge(out, "dcp_scheduler_steps_total", "counter", "Scheduler iterations that ran a forward.", static_cast<double>(g.steps));
+  gauge(out, "dcp_scheduler_step_seconds_total", "counter", "Seconds those iterations took (forward, sampling, bookkeeping): the scheduler's busy time.", g.step_seconds);
+  gauge(out, "dcp_prefill_tokens_total", "counter", "Prompt tokens run in prefill chunks by those iterations.", static_cast<double>(g.prefill_tokens));
   gauge(out, "dcp_decode_steps_total", "counter", "Scheduler iterations that ran only one-token decode steps (no prefill chunk).", static_cast<double>(g.decode_steps));
   gauge(out, "dcp_decode_step_tokens_total", "counter", "Tokens decoded by those iterations.", static_cast<double>(g.decode_step_tokens));
   gauge(out, "dcp_decode_step_seconds_total", "counter", "Seconds those iterations took (forward, sampling, bookkeeping).", g.decode_step_seconds);

@@ -29,6 +29,8 @@ struct SchedulerGauges {
   int64_t kv_memory_bytes = 0;    ///< serve.kv_memory_bytes
   int64_t peak_active = 0;        ///< the most sessions active at once since start
   uint64_t steps = 0;             ///< scheduler iterations that ran a forward
+  double step_seconds = 0;        ///< their seconds (forward, sampling, bookkeeping): the scheduler's busy time
+  uint64_t prefill_tokens = 0;    ///< prompt tokens their prefill chunks ran
   /// Of those, the iterations that ran no prefill chunk (every session decoding one token): their number, the
   /// tokens they decoded and their seconds (forward, sampling, bookkeeping): decode throughput without prefill.
   uint64_t decode_steps = 0, decode_step_tokens = 0;

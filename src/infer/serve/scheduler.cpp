@@ -269,9 +269,8 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   std::vector<std::vector<int64_t>> tokens;
   std::vector<bool> prefill;
   int64_t prefills = 0;
-  // While a session decodes, the step's prefill chunks of full-policy sessions (the ones the budget governs: a
-  // compressing policy's evictions depend on its chunk boundaries) share PrefillBudget's tokens.
-  const auto governed = [](const Session* s) { return s->full_cache; };
+  // While a session decodes, the step's prefill chunks of full-policy sessions (Session::full_cache: the ones the
+  // budget governs, as a compressing policy's evictions depend on its chunk boundaries) share PrefillBudget's tokens.
   const auto decoders = std::count_if(active.begin(), active.end(),
                                       [](const Session* s) { return s->prefilled >= s->prompt.size(); });
   const bool decoding = decoders > 0;
@@ -279,7 +278,7 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   // a prompt it governs is waiting (else there is nothing to size).
   const bool measuring =
       budget_.measure_decode(decoders) && std::any_of(active.begin(), active.end(), [&](const Session* s) {
-        return s->prefilled < s->prompt.size() && governed(s);
+        return s->prefilled < s->prompt.size() && s->full_cache;
       });
   int64_t budget = decoding ? budget_.tokens().value_or(std::numeric_limits<int64_t>::max()) : 0;
   int64_t prefill_tokens = 0, shortened_chunks = 0, shortened_tokens = 0;
@@ -289,7 +288,7 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
       if (prefills >= opt_.prefill_chunks || measuring) continue;
       auto t = static_cast<size_t>(
           s->next_chunk_length(static_cast<int64_t>(s->prompt.size() - s->prefilled)));
-      if (decoding && governed(s)) {
+      if (decoding && s->full_cache) {
         // The first governed chunk gets at least kMinTokens; a further one (serve.prefill_chunks > 1) only what is
         // left of the budget, and none once that is below kMinTokens.
         if (governed_ran && budget < PrefillBudget::kMinTokens) continue;
@@ -322,7 +321,8 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   }
   if (run.empty()) return {};
   const Clock::time_point started = Clock::now();
-  StepStats stats{true, prefills == 0, static_cast<int64_t>(run.size()), 0, shortened_chunks, shortened_tokens};
+  StepStats stats{true, prefills == 0, static_cast<int64_t>(run.size()), 0, shortened_chunks, shortened_tokens,
+                  prefill_tokens};
   std::vector<torch::Tensor> logits(run.size());
   try {
     if (opt_.batched) {
@@ -349,7 +349,8 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   } catch (const std::exception& e) {
     spdlog::error("serve: a scheduler step of {} sessions failed: {}", run.size(), e.what());
     for (Session* s : run) finish(*s, "error", ApiError{500, fmt::format("the model step failed: {}", e.what()), "server_error", "", "internal_error"});
-    stats.decode_only = false;  // a failed step decoded nothing
+    stats.decode_only = false;  // a failed step decoded and prefilled nothing
+    stats.prefill_tokens = 0;
     return stats;
   }
   const Clock::time_point now = Clock::now();
@@ -552,7 +553,11 @@ void Scheduler::loop() {
       gauges_.peak_active = std::max<int64_t>(gauges_.peak_active, static_cast<int64_t>(sessions_.size()));
       gauges_.cancelled += cancelled;
       gauges_.over_reservation += over;
-      if (stats.ran) ++gauges_.steps;
+      if (stats.ran) {
+        ++gauges_.steps;
+        gauges_.step_seconds += stats.seconds;
+        gauges_.prefill_tokens += static_cast<uint64_t>(stats.prefill_tokens);
+      }
       gauges_.prefill_chunks_shortened += static_cast<uint64_t>(stats.shortened_chunks);
       gauges_.prefill_shortened_tokens += static_cast<uint64_t>(stats.shortened_tokens);
       if (stats.measured) ++gauges_.prefill_budget_decode_steps;

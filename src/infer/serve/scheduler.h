@@ -106,12 +106,15 @@ class PrefillBudget {
   /// The prefill tokens a step beside decoding sessions may run: none (no limit) when off or before both costs were
   /// measured, else max(kMinTokens, (max(ratio x decode_s, min_step_s) - decode_s) / token_s).
   std::optional<int64_t> tokens() const;
+  /// Whether serve.prefill_step_ratio `ratio` and serve.prefill_step_ms / 1000 `min_step_s` turn the budget on:
+  /// either > 0 (both 0 = off). The one statement of that rule (the scheduler and bench-serve's report ask it).
+  static bool enabled(double ratio, double min_step_s) { return ratio > 0 || min_step_s > 0; }
   double decode_seconds() const { return decode_s_; }       ///< 0 until a decode-only step was recorded
   double token_seconds() const { return token_s_; }         ///< 0 until a prefill step was recorded
 
  private:
   bool changed(int64_t decoding) const { return 4 * decoding > 5 * decode_n_ || 4 * decoding < 3 * decode_n_; }
-  bool on() const { return ratio_ > 0 || min_step_s_ > 0; }
+  bool on() const { return enabled(ratio_, min_step_s_); }
   double ratio_;
   double min_step_s_;
   double decode_s_ = 0, token_s_ = 0;
@@ -180,6 +183,7 @@ class Scheduler {
     int64_t sessions = 0;
     double seconds = 0;
     int64_t shortened_chunks = 0, shortened_tokens = 0;  // prefill chunks PrefillBudget cut, and their tokens
+    int64_t prefill_tokens = 0;  // prompt tokens the step's chunks ran
     bool measured = false;  // a decode-only step PrefillBudget asked for while a prompt it governs waited
   };
   StepStats step(std::vector<Session*>& active);
