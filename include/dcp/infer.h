@@ -25,8 +25,8 @@ KvCacheSpec kv_cache_spec(const Transformer& model);
 
 /// Exact softmax attention of a chunk of T new tokens of `layer` over [every cached entry of each head, with its
 /// log-weight bias, not causal | the chunk itself, causal], i.e. softmax(scale q.K^T + bias) V; the cache is only
-/// read (through KvCacheAttention the chunk is appended afterwards, or first for a chunk of at most 64 tokens, which
-/// then attends by kv_chunk_decode_attention instead). Heads may hold different numbers of entries. q: [T, heads,
+/// read. It is the twin of kv_chunk_decode_attention and what kv_chunk_attention_append runs off the CPU (on the
+/// CPU the chunk is appended first and attends by kv_chunk_decode_attention instead). Heads may hold different numbers of entries. q: [T, heads,
 /// head_dim], k: [T, kv_heads, head_dim], v: [T, kv_heads, value_dim] in the cache dtype, k after rotary, heads a
 /// multiple of the cache's kv_heads (grouped-query attention: query head j reads KV head j / (heads / kv_heads)),
 /// value_dim == head_dim; T >= 1. The cache part runs per head as fp32 (fp64 for fp64) matmuls over blocks of keys, the chunk
@@ -98,9 +98,10 @@ torch::Tensor kv_chunk_decode_attention(const torch::Tensor& q, const torch::Ten
 
 /// A chunk of T >= 1 tokens of one sequence through its cache, as a forward's layer does it: the chunk's attention
 /// over `cache` as it was before the chunk plus its causal part, and the chunk appended at `positions` ([T] int64,
-/// KvCache::append). On the CPU a chunk of at most 64 tokens is appended first and attends by
-/// kv_chunk_decode_attention (on `threads`, 0 = at::get_num_threads()); a longer one (or one off the CPU) by
-/// kv_cache_attention, then appended. KvCacheAttention and DecodeSession::step_batch both call it, so a session's
+/// KvCache::append). On the CPU, unless the layer's cache is empty, the chunk is appended first and attends by
+/// kv_chunk_decode_attention (on `threads`, 0 = at::get_num_threads(); measured faster than kv_cache_attention at
+/// 29 of 30 points from 32 to 512 tokens over 1-8K entries, bench/chunk_attention.cpp); over an empty layer (the tiled
+/// kernel alone: the model's own forward, bitwise) or off the CPU by kv_cache_attention, then appended. KvCacheAttention and DecodeSession::step_batch both call it, so a session's
 /// chunk gives the same bits alone and in a batch. Returns out [T, heads, value_dim] in q's dtype. Throws as the
 /// functions it calls.
 torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -110,8 +111,8 @@ torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Ten
 /// The AttentionWrapper of one forward of a chunk through a KV cache (set as PackedBatch::attention): block
 /// `layer` attends over the cache and the chunk and appends the chunk's k and v at `positions`: on the CPU a chunk
 /// of one token attends with kv_decode_attention and is appended after, longer ones go through
-/// kv_chunk_attention_append (kv_cache_attention then append, or for at most 64 tokens append then
-/// kv_chunk_decode_attention; either way the chunk is seen once). One object per forward: it carries that chunk's absolute
+/// kv_chunk_attention_append (on the CPU over a non-empty layer append then kv_chunk_decode_attention, else
+/// kv_cache_attention then append; either way the chunk is seen once). One object per forward: it carries that chunk's absolute
 /// positions. Only for softmax blocks: throws std::invalid_argument naming the layer when the block's backend is
 /// not SoftmaxAttention, and when the batch is not one sequence of positions.numel() tokens. Inference only: the
 /// cache keeps no autograd history. With `observations` (a policy asked for them) each layer's queries are

@@ -11,10 +11,6 @@
 namespace dcp {
 namespace {
 
-// Chunks of at most this many tokens attend by the decode kernel (kv_chunk_decode_attention) in
-// kv_chunk_attention_append; longer ones by kv_cache_attention's matmuls.
-constexpr int64_t kDecodeChunkTokens = 64;
-
 // Keys per block of the cache part: bounds its [T, block] score temporaries (8 MiB for a 512-token chunk in
 // fp32) whatever the cache length.
 constexpr int64_t kKeyBlock = 4096;
@@ -138,10 +134,19 @@ torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Ten
   // Checked before anything is appended, so that a bad chunk leaves the cache as it was on either path.
   check_chunk("kv_chunk_attention_append", q, k, v, cache, layer);
   const double scale = options.scale > 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
-  // A short chunk (the last piece of a prompt, the chunks kv.chunk_pairs bounds): appended first, then each token
-  // by the decode kernel over the rows before it, where kv_cache_attention would convert the whole cache for a
-  // few queries.
-  if (q.size(0) <= kDecodeChunkTokens && q.is_cpu() && cache.spec().device.is_cpu()) {
+  // On the CPU every chunk is appended first, then each token attends by the decode kernel over the rows before it
+  // (kv_chunk_decode_attention, head by head so that the threads reread one head's rows from their own caches).
+  // kv_cache_attention converts each head's whole cache to fp32 and repacks it for OpenBLAS at every chunk, a cost
+  // that grows with the cache and not with the chunk: bench_chunk_attention (one layer, 4 heads of 32, bf16, 2
+  // threads on an AMD EPYC) measured the decode-kernel path faster at 29 of 30 points from 32 to 512 tokens over
+  // 1024-8192 entries in two runs (0.09-0.89x the time; 1.11x once, at 8192 x 512, where the matmul path's own time
+  // moved 5x between the runs), and dcp bench-serve 1.28-1.42x the tokens/s
+  // (bench/results/cpu2_202612_serve_chunk_paths.md). A chunk over an empty layer (a prompt's first chunk) has no
+  // cache part: kv_cache_attention is then the tiled kernel alone, the model's own forward bit for bit. Off the CPU,
+  // kv_cache_attention (its matmuls), then append.
+  bool empty = true;
+  for (int64_t h = 0; h < cache.spec().kv_heads && empty; ++h) empty = cache.length(layer, h) == 0;
+  if (!empty && q.is_cpu() && cache.spec().device.is_cpu()) {
     cache.append(layer, k, v, positions);
     return kv_chunk_decode_attention(q, k, v, cache, layer, scale, DecodeAttentionPath::kAuto, threads);
   }

@@ -105,7 +105,15 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
   // the other threads idle for its whole length. Every pair is computed alone, so its bits do not depend on the order.
   std::vector<int64_t> order(static_cast<size_t>(pairs));
   for (int64_t i = 0; i < pairs; ++i) order[static_cast<size_t>(i)] = i;
-  if (use > 1) {
+  if (chunk_first) {
+    // A chunk's tokens read the same rows of each head (each token a few more): head by head, every token of a head
+    // before the next head (its longest first), so that the threads reread one head's keys and values from their
+    // own caches instead of cycling through every head's for each token.
+    int64_t i = 0;
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t s = n_seq - 1; s >= 0; --s) order[static_cast<size_t>(i++)] = s * heads + h;
+    }
+  } else if (use > 1) {
     std::vector<int64_t> length(static_cast<size_t>(pairs));
     for (int64_t i = 0; i < pairs; ++i) {
       length[static_cast<size_t>(i)] = rows(i / heads, i % heads / (heads / kv_heads));

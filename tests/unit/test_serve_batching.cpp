@@ -166,9 +166,10 @@ TEST(KvDecodeAttention, AChunkAppendedFirstMatchesTheTwinOnEveryPath) {
       }
     }
   }
-  // kv_chunk_attention_append on either side of its 64-token threshold: the twin's result and the chunk appended;
-  // a bad chunk is refused before anything is appended.
-  for (int64_t T : {64, 65}) {
+  // kv_chunk_attention_append (on the CPU: append, then the decode kernel) for a short and two long chunks (a
+  // 200-token one beside the prefill budget's chunk sizes, 512 the default kv.chunk_tokens): the twin's result and
+  // the chunk appended; a bad chunk is refused before anything is appended.
+  for (int64_t T : {64, 200, 512}) {
     KvCache c(spec_of(torch::kFloat, kv_heads, 32));
     fill(c, 500);
     const auto q = torch::randn({T, heads, 32}), k = torch::randn({T, kv_heads, 32}), v = torch::randn({T, kv_heads, 32});
