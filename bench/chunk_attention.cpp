@@ -1,9 +1,9 @@
 // A prefill chunk's attention over a KV cache, the two paths of kv_chunk_attention_append side by side
 // (src/infer/cache_attention.cpp): kv_cache_attention (the cache converted to fp32 per key block, OpenBLAS matmuls,
 // merged with the chunk's causal part by the tiled kernel) and kv_chunk_decode_attention (the chunk appended first,
-// then each token by the decode kernel over the rows before it). Which one is faster at which chunk length and cache
-// depth decides the threshold kDecodeChunkTokens; the serving scheduler's prefill budget runs chunks of 60-250
-// tokens over caches of 1-8K entries (bench/results/cpu2_202612_serve_chunk_paths.md).
+// then each token by the decode kernel over the rows before it). It measured the decode-kernel path faster and so
+// removed the former 64-token threshold between them on the AVX-512 paths; the serving scheduler's prefill budget
+// runs chunks of 60-250 tokens over caches of 1-8K entries (bench/results/cpu2_202612_serve_chunk_paths.md).
 //
 //   build/bench/bench_chunk_attention --depths 1024 4096 8192 --tokens 32 64 128 256 512 --threads 2 --reps 7
 //
@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <vector>
 
 #include "dcp/infer.h"

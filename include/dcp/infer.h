@@ -25,8 +25,8 @@ KvCacheSpec kv_cache_spec(const Transformer& model);
 
 /// Exact softmax attention of a chunk of T new tokens of `layer` over [every cached entry of each head, with its
 /// log-weight bias, not causal | the chunk itself, causal], i.e. softmax(scale q.K^T + bias) V; the cache is only
-/// read. It is the twin of kv_chunk_decode_attention and what kv_chunk_attention_append runs off the CPU (on the
-/// CPU the chunk is appended first and attends by kv_chunk_decode_attention instead). Heads may hold different numbers of entries. q: [T, heads,
+/// read. It is the twin of kv_chunk_decode_attention and what kv_chunk_attention_append runs off the CPU and, on
+/// the CPU, over an empty layer (and for chunks of more than 64 tokens where the decode kernel is portable only). Heads may hold different numbers of entries. q: [T, heads,
 /// head_dim], k: [T, kv_heads, head_dim], v: [T, kv_heads, value_dim] in the cache dtype, k after rotary, heads a
 /// multiple of the cache's kv_heads (grouped-query attention: query head j reads KV head j / (heads / kv_heads)),
 /// value_dim == head_dim; T >= 1. The cache part runs per head as fp32 (fp64 for fp64) matmuls over blocks of keys, the chunk
@@ -80,14 +80,14 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
                                   const std::vector<const KvCache*>& caches, int64_t layer, double scale = 0,
                                   DecodeAttentionPath path = DecodeAttentionPath::kAuto, int64_t threads = 0);
 
-/// A short chunk's attention by the decode kernel, for a chunk whose k and v were just appended to `cache`
+/// A chunk's attention by the decode kernel, for a chunk whose k and v were just appended to `cache`
 /// (KvCache::append, which gives them bias 0): the chunk is the last T rows of every head of `layer`, and its token
 /// t attends, as kv_decode_attention's one token, over that head's rows before the chunk (with their log-weight
 /// biases), the chunk's tokens before t and its own k_t, v_t: what kv_cache_attention computes over the cache as
 /// it was before the chunk plus the chunk's causal part, in the decode kernel's order of sums (fp32; fp64 for fp64
 /// caches) instead of per-block matmuls and an (out, lse) merge. Each token reads its rows in place (bf16 rows are
 /// not converted), so a chunk costs about T decode steps of its session and no per-chunk conversion of the whole
-/// cache, which is what the short chunks of `kv.chunk_pairs` paid for (docs/serve.md "Prefill chunks"). q [T,
+/// cache, which the chunks of kv_cache_attention pay (bench/results/cpu2_202612_serve_chunk_paths.md). q [T,
 /// heads, head_dim], k [T, kv_heads, head_dim], v [T, kv_heads, value_dim] as kv_decode_attention's (T tokens of
 /// one sequence in place of N sequences); returns [T, heads, value_dim] in q's dtype. Throws std::invalid_argument
 /// as kv_decode_attention does, and naming the layer and head when a head holds fewer than T rows. Twin:
@@ -100,8 +100,10 @@ torch::Tensor kv_chunk_decode_attention(const torch::Tensor& q, const torch::Ten
 /// over `cache` as it was before the chunk plus its causal part, and the chunk appended at `positions` ([T] int64,
 /// KvCache::append). On the CPU, unless the layer's cache is empty, the chunk is appended first and attends by
 /// kv_chunk_decode_attention (on `threads`, 0 = at::get_num_threads(); measured faster than kv_cache_attention at
-/// 29 of 30 points from 32 to 512 tokens over 1-8K entries, bench/chunk_attention.cpp); over an empty layer (the tiled
-/// kernel alone: the model's own forward, bitwise) or off the CPU by kv_cache_attention, then appended. KvCacheAttention and DecodeSession::step_batch both call it, so a session's
+/// 29 of 30 points from 32 to 512 tokens over 1-8K entries on the AVX-512 paths, bench/chunk_attention.cpp; where
+/// the kernel is portable only, chunks of at most 64 tokens); else (an empty layer: the tiled kernel alone, the
+/// model's own forward bitwise; off the CPU) by kv_cache_attention, then appended. Throws std::invalid_argument for
+/// threads < 0 before anything is appended. KvCacheAttention and DecodeSession::step_batch both call it, so a session's
 /// chunk gives the same bits alone and in a batch. Returns out [T, heads, value_dim] in q's dtype. Throws as the
 /// functions it calls.
 torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

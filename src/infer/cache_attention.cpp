@@ -11,6 +11,10 @@
 namespace dcp {
 namespace {
 
+// Where the decode kernel has only its portable loops, chunks of at most this many tokens attend by it (the
+// threshold every chunk had before 2026-12-07, not re-measured for those loops).
+constexpr int64_t kPortableDecodeChunkTokens = 64;
+
 // Keys per block of the cache part: bounds its [T, block] score temporaries (8 MiB for a 512-token chunk in
 // fp32) whatever the cache length.
 constexpr int64_t kKeyBlock = 4096;
@@ -133,6 +137,9 @@ torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Ten
                                         const AttentionOptions& options, int64_t threads) {
   // Checked before anything is appended, so that a bad chunk leaves the cache as it was on either path.
   check_chunk("kv_chunk_attention_append", q, k, v, cache, layer);
+  if (threads < 0) {
+    throw std::invalid_argument(fmt::format("kv_chunk_attention_append: threads {} must be >= 0", threads));
+  }
   const double scale = options.scale > 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   // On the CPU every chunk is appended first, then each token attends by the decode kernel over the rows before it
   // (kv_chunk_decode_attention, head by head so that the threads reread one head's rows from their own caches).
@@ -141,12 +148,16 @@ torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Ten
   // threads on an AMD EPYC) measured the decode-kernel path faster at 29 of 30 points from 32 to 512 tokens over
   // 1024-8192 entries in two runs (0.09-0.89x the time; 1.11x once, at 8192 x 512, where the matmul path's own time
   // moved 5x between the runs), and dcp bench-serve 1.28-1.42x the tokens/s
-  // (bench/results/cpu2_202612_serve_chunk_paths.md). A chunk over an empty layer (a prompt's first chunk) has no
-  // cache part: kv_cache_attention is then the tiled kernel alone, the model's own forward bit for bit. Off the CPU,
-  // kv_cache_attention (its matmuls), then append.
+  // (bench/results/cpu2_202612_serve_chunk_paths.md). That was measured on the AVX-512 paths only: where the
+  // decode kernel runs its portable loops (no AVX-512, fp64 caches) chunks of more than kPortableDecodeChunkTokens
+  // keep kv_cache_attention, as every chunk that long did before. A chunk over an empty layer (a prompt's first
+  // chunk) has no cache part: kv_cache_attention is then the tiled kernel alone, the model's own forward bit for
+  // bit. Off the CPU, kv_cache_attention (its matmuls), then append.
   bool empty = true;
   for (int64_t h = 0; h < cache.spec().kv_heads && empty; ++h) empty = cache.length(layer, h) == 0;
-  if (!empty && q.is_cpu() && cache.spec().device.is_cpu()) {
+  const bool simd =
+      resolve_decode_attention_path(cache.spec().dtype, DecodeAttentionPath::kAuto) != DecodeAttentionPath::kPortable;
+  if (!empty && q.is_cpu() && cache.spec().device.is_cpu() && (simd || q.size(0) <= kPortableDecodeChunkTokens)) {
     cache.append(layer, k, v, positions);
     return kv_chunk_decode_attention(q, k, v, cache, layer, scale, DecodeAttentionPath::kAuto, threads);
   }

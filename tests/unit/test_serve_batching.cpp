@@ -169,18 +169,41 @@ TEST(KvDecodeAttention, AChunkAppendedFirstMatchesTheTwinOnEveryPath) {
   // kv_chunk_attention_append (on the CPU: append, then the decode kernel) for a short and two long chunks (a
   // 200-token one beside the prefill budget's chunk sizes, 512 the default kv.chunk_tokens): the twin's result and
   // the chunk appended; a bad chunk is refused before anything is appended.
+  // Which path ran is pinned bitwise: the decode kernel (append first) where it has AVX-512, else for more than 64
+  // tokens kv_cache_attention; over an empty layer kv_cache_attention (the tiled kernel alone); the decode path
+  // gives the same bits on 1 and 2 threads (each (token, head) pair alone, whatever the order).
+  const bool simd = resolve_decode_attention_path(torch::kFloat, DecodeAttentionPath::kAuto) != DecodeAttentionPath::kPortable;
   for (int64_t T : {64, 200, 512}) {
-    KvCache c(spec_of(torch::kFloat, kv_heads, 32));
+    KvCache c(spec_of(torch::kFloat, kv_heads, 32)), copy(spec_of(torch::kFloat, kv_heads, 32));
+    torch::manual_seed(40 + static_cast<uint64_t>(T));  // the same entries in both
     fill(c, 500);
+    torch::manual_seed(40 + static_cast<uint64_t>(T));
+    fill(copy, 500);
     const auto q = torch::randn({T, heads, 32}), k = torch::randn({T, kv_heads, 32}), v = torch::randn({T, kv_heads, 32});
     const AttentionResult ref = reference_kv_cache_attention(q, k, v, c, 0);
+    const torch::Tensor matmul = kv_cache_attention(q, k, v, copy, 0).out;
+    EXPECT_THROW(kv_chunk_attention_append(q, k, v, c, 0, torch::arange(500, 500 + T, torch::kInt64), {}, -1),
+                 std::invalid_argument);
+    EXPECT_EQ(c.length(0, 0), 500) << "a refused thread count appended nothing";
     const torch::Tensor out = kv_chunk_attention_append(q, k, v, c, 0, torch::arange(500, 500 + T, torch::kInt64), {});
     EXPECT_LE(max_abs_diff(out, ref.out), 5e-5) << T;
     EXPECT_EQ(c.length(0, 0), 500 + T);
+    copy.append(0, k, v, torch::arange(500, 500 + T, torch::kInt64));
+    const torch::Tensor one = kv_chunk_decode_attention(q, k, v, copy, 0, 0, DecodeAttentionPath::kAuto, 1);
+    EXPECT_TRUE(torch::equal(one, kv_chunk_decode_attention(q, k, v, copy, 0, 0, DecodeAttentionPath::kAuto, 2))) << T;
+    EXPECT_TRUE(torch::equal(out, simd || T <= 64 ? one : matmul)) << T << (simd ? " decode-kernel path" : " matmul path");
     EXPECT_THROW(kv_chunk_attention_append(q.narrow(2, 0, 16), k, v, c, 0,
                                            torch::arange(1000, 1000 + T, torch::kInt64), {}),
                  std::invalid_argument);
     EXPECT_EQ(c.length(0, 0), 500 + T) << "a refused chunk appended nothing";
+  }
+  {
+    KvCache empty(spec_of(torch::kFloat, kv_heads, 32));
+    const KvCache before(spec_of(torch::kFloat, kv_heads, 32));
+    const auto q = torch::randn({7, heads, 32}), k = torch::randn({7, kv_heads, 32}), v = torch::randn({7, kv_heads, 32});
+    const torch::Tensor out = kv_chunk_attention_append(q, k, v, empty, 0, torch::arange(0, 7, torch::kInt64), {});
+    EXPECT_TRUE(torch::equal(out, kv_cache_attention(q, k, v, before, 0).out)) << "a first chunk is the tiled kernel's";
+    EXPECT_EQ(empty.length(0, 1), 7);
   }
   KvCache small(spec_of(torch::kFloat, kv_heads, 16));
   fill(small, 3);

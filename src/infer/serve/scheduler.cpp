@@ -349,8 +349,9 @@ Scheduler::StepStats Scheduler::step(std::vector<Session*>& active) {
   } catch (const std::exception& e) {
     spdlog::error("serve: a scheduler step of {} sessions failed: {}", run.size(), e.what());
     for (Session* s : run) finish(*s, "error", ApiError{500, fmt::format("the model step failed: {}", e.what()), "server_error", "", "internal_error"});
-    stats.decode_only = false;  // a failed step decoded and prefilled nothing
-    stats.prefill_tokens = 0;
+    stats.decode_only = false;  // a failed step decoded and prefilled nothing (its seconds still count as busy)
+    stats.prefill_tokens = stats.shortened_chunks = stats.shortened_tokens = 0;
+    stats.seconds = std::chrono::duration<double>(Clock::now() - started).count();
     return stats;
   }
   const Clock::time_point now = Clock::now();
