@@ -22,15 +22,7 @@
 #include <vector>
 
 #include "dcp/infer.h"
-
-namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-}  // namespace
+#include "util/stats.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"A prefill chunk's attention over a KV cache: the matmul path against the decode-kernel path"};
@@ -89,7 +81,7 @@ int main(int argc, char** argv) {
         matmul.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
         decode.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
       }
-      const double m = median(matmul), d = median(decode);
+      const double m = dcp::median(matmul), d = dcp::median(decode);
       fmt::print("| {} | {} | {:.3f} ({:.4f}) | {:.3f} ({:.4f}) | {:.2f}x |\n", n, t, m, m / t, d, d / t, d / m);
     }
   }
