@@ -174,8 +174,9 @@ struct ServeConfig {
   /// streams' inter-token gap stays near a decode step while a long prompt is prefilled (Sarathi-Serve's per-step
   /// token budget, here set from measured step times instead of an offline profile). A step with no decoding
   /// session runs the whole chunk. 0 (the default) = no ratio term; with prefill_step_ms 0 too the budget is off:
-  /// chunks of chunk_tokens / kv.chunk_pairs only. With prefill_step_ms 40, 1.5 met the latency target at 4, 16 and
-  /// 64 clients, at 0.65-0.83x the tokens/s and up to 6.3x the time to first token (docs/serve.md).
+  /// chunks of chunk_tokens / kv.chunk_pairs only. Since prefill chunks attend 16 tokens at a time (2026-12-07),
+  /// 2 with prefill_step_ms 25 met the latency target at 16 and 64 clients (p99 / p50 1.49-1.77) at 0.73x the
+  /// tokens/s of the default (docs/serve.md "Prefill budget"); 1.5 with 40 ms, chosen before, no longer does.
   double prefill_step_ratio = 0;
   /// > 0: the prefill budget's floor, in milliseconds, of a step that runs a prefill chunk beside decoding sessions:
   /// the step may take max(prefill_step_ratio x a decode step, this) (Sarathi-Serve's time-between-tokens target).

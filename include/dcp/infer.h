@@ -92,9 +92,18 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
 /// one sequence in place of N sequences); returns [T, heads, value_dim] in q's dtype. Throws std::invalid_argument
 /// as kv_decode_attention does, and naming the layer and head when a head holds fewer than T rows. Twin:
 /// reference_kv_cache_attention over the cache before the append (tests/unit/test_serve_batching.cpp).
+/// On the AVX-512 paths the tokens go `query_block` at a time (1..16; 0 = kChunkQueryBlock) through each head: each
+/// block of key and value rows is read from memory once for the block's tokens instead of once per token; every
+/// token's sums keep one token's order, so the result is the same bits for every query_block (and thread count).
+/// The portable loops take one token at a time whatever query_block says. Throws std::invalid_argument for
+/// query_block outside [0, 16].
 torch::Tensor kv_chunk_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                         const KvCache& cache, int64_t layer, double scale = 0,
-                                        DecodeAttentionPath path = DecodeAttentionPath::kAuto, int64_t threads = 0);
+                                        DecodeAttentionPath path = DecodeAttentionPath::kAuto, int64_t threads = 0,
+                                        int64_t query_block = 0);
+
+/// kv_chunk_decode_attention's tokens per block by default (measured: bench/chunk_attention.cpp --query-blocks).
+constexpr int64_t kChunkQueryBlock = 16;
 
 /// A chunk of T >= 1 tokens of one sequence through its cache, as a forward's layer does it: the chunk's attention
 /// over `cache` as it was before the chunk plus its causal part, and the chunk appended at `positions` ([T] int64,

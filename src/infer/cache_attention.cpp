@@ -142,7 +142,9 @@ torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Ten
   }
   const double scale = options.scale > 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   // On the CPU every chunk is appended first, then each token attends by the decode kernel over the rows before it
-  // (kv_chunk_decode_attention, head by head so that the threads reread one head's rows from their own caches).
+  // (kv_chunk_decode_attention: on the AVX-512 paths 16 tokens of a head at a time, each key and value row read
+  // once per 16 tokens, 2.2-2.4x faster than token by token in bench_chunk_attention,
+  // bench/results/cpu2_202612_serve_chunk_blocks.md).
   // kv_cache_attention converts each head's whole cache to fp32 and repacks it for OpenBLAS at every chunk, a cost
   // that grows with the cache and not with the chunk: bench_chunk_attention (one layer, 4 heads of 32, bf16, 2
   // threads on an AMD EPYC) measured the decode-kernel path faster at 29 of 30 points from 32 to 512 tokens over
@@ -155,11 +157,11 @@ torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Ten
   // bit. Off the CPU, kv_cache_attention (its matmuls), then append.
   bool empty = true;
   for (int64_t h = 0; h < cache.spec().kv_heads && empty; ++h) empty = cache.length(layer, h) == 0;
-  const bool simd =
-      resolve_decode_attention_path(cache.spec().dtype, DecodeAttentionPath::kAuto) != DecodeAttentionPath::kPortable;
+  const DecodeAttentionPath path = resolve_decode_attention_path(cache.spec().dtype, DecodeAttentionPath::kAuto);
+  const bool simd = path != DecodeAttentionPath::kPortable;
   if (!empty && q.is_cpu() && cache.spec().device.is_cpu() && (simd || q.size(0) <= kPortableDecodeChunkTokens)) {
     cache.append(layer, k, v, positions);
-    return kv_chunk_decode_attention(q, k, v, cache, layer, scale, DecodeAttentionPath::kAuto, threads);
+    return kv_chunk_decode_attention(q, k, v, cache, layer, scale, path, threads);
   }
   torch::Tensor out = kv_cache_attention(q, k, v, cache, layer, options).out;
   cache.append(layer, k, v, positions);

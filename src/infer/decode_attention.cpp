@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -81,12 +82,63 @@ void parallel_pairs(int64_t pairs, int64_t threads, const Body& body) {
   body(0, pairs);
 }
 
+// A chunk's tokens on the AVX-512 paths: blocks of up to query_block consecutive tokens of one query head
+// (decode_simd::attend_queries), so that each key and value row is read from memory once per block instead of once
+// per token; the blocks head by head, each head's latest (longest) first, one block at a time to whichever thread is
+// free. Token t of the chunk reads the first chunk_first[kh] + t rows of its KV head kh and its own k_t, v_t; every
+// token's sums run as one token's alone (attend_pair), so its bits depend neither on the block size nor on threads.
+template <class T>
+void attend_chunk_blocks(const Rows& r, const std::vector<const KvCache*>& caches, int64_t layer, int64_t heads,
+                         int64_t kv_heads, int64_t d, int64_t dv, double scale, T* out, DecodeAttentionPath path,
+                         int64_t threads, const std::vector<int64_t>& chunk_first, int64_t query_block) {
+  const int64_t tokens = static_cast<int64_t>(caches.size());
+  struct Block {
+    int64_t head, begin, end;
+  };
+  std::vector<Block> blocks;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t e = tokens; e > 0; e -= query_block) blocks.push_back({h, std::max<int64_t>(0, e - query_block), e});
+  }
+  parallel_pairs(static_cast<int64_t>(blocks.size()), threads, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> scores, scratch;
+    std::array<decode_simd::Query<T>, decode_simd::kMaxQueries> qb;
+    for (int64_t taken = begin; taken < end; ++taken) {
+      const Block& b = blocks[static_cast<size_t>(taken)];
+      const int64_t h = b.head, kh = h / (heads / kv_heads), count = b.end - b.begin;
+      const KvHeadData hd = caches[0]->data(layer, kh);  // every token of the chunk reads the same cache
+      const int64_t n_max = chunk_first[static_cast<size_t>(kh)] + b.end - 1;
+      scores.resize(static_cast<size_t>(count * (n_max + 1)));
+      scratch.resize(static_cast<size_t>(decode_simd::query_scratch_floats(count, d)));
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t s = b.begin + i;
+        qb[static_cast<size_t>(i)] = {static_cast<const T*>(r.q) + s * r.q_stride[0] + h * r.q_stride[1],
+                                      static_cast<const T*>(r.k) + s * r.k_stride[0] + kh * r.k_stride[1],
+                                      static_cast<const T*>(r.v) + s * r.v_stride[0] + kh * r.v_stride[1],
+                                      chunk_first[static_cast<size_t>(kh)] + s,
+                                      scores.data() + i * (n_max + 1),
+                                      out + (s * heads + h) * dv};
+      }
+      const T* keys = static_cast<const T*>(hd.keys);
+      const T* values = static_cast<const T*>(hd.values);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (path == DecodeAttentionPath::kAvx512Bf16) {
+          decode_simd::attend_queries_dot(qb.data(), count, keys, values, hd.bias, d, dv, static_cast<float>(scale),
+                                          scratch.data());
+          continue;
+        }
+      }
+      decode_simd::attend_queries<T>(qb.data(), count, keys, values, hd.bias, d, dv, static_cast<float>(scale),
+                                     scratch.data());
+    }
+  });
+}
+
 // rows(s, kh): the cache rows sequence s's token reads at KV head kh: all of them, or, with `chunk_first` (one
 // chunk's tokens as the sequences, kv_chunk_decode_attention), the first chunk_first[kh] + s.
 template <class T>
 void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t layer, int64_t heads, int64_t kv_heads,
             int64_t d, int64_t dv, double scale, T* out, DecodeAttentionPath path, int64_t threads,
-            const std::vector<int64_t>* chunk_first) {
+            const std::vector<int64_t>* chunk_first, int64_t query_block) {
   using A = typename Acc<T>::type;
   const int64_t n_seq = static_cast<int64_t>(caches.size());
   const int64_t pairs = n_seq * heads;
@@ -99,6 +151,12 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
   }
   const bool simd = path != DecodeAttentionPath::kPortable;
   const int64_t use = work < kSerialWork ? 1 : threads;
+  if constexpr (!std::is_same_v<T, double>) {
+    if (chunk_first && simd) {
+      attend_chunk_blocks<T>(r, caches, layer, heads, kv_heads, d, dv, scale, out, path, use, *chunk_first, query_block);
+      return;
+    }
+  }
   // Threads take the pairs longest cache first (Graham's LPT rule, "Bounds on multiprocessing timing anomalies",
   // 1969): the last pairs taken are then the shortest, so the threads finish within about one short pair of each
   // other; in the callers' order (the scheduler's sessions by arrival) the longest cache could come last and leave
@@ -106,9 +164,10 @@ void attend(const Rows& r, const std::vector<const KvCache*>& caches, int64_t la
   std::vector<int64_t> order(static_cast<size_t>(pairs));
   for (int64_t i = 0; i < pairs; ++i) order[static_cast<size_t>(i)] = i;
   if (chunk_first) {
-    // A chunk's tokens read the same rows of each head (each token a few more): head by head, every token of a head
-    // before the next head (its longest first), so that the threads reread one head's keys and values from their
-    // own caches instead of cycling through every head's for each token.
+    // (The portable loops; the AVX-512 paths took attend_chunk_blocks above.) A chunk's tokens read the same rows of
+    // each head (each token a few more): head by head, every token of a head before the next head (its longest
+    // first), so that the threads reread one head's keys and values from their own caches instead of cycling
+    // through every head's for each token.
     int64_t i = 0;
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t s = n_seq - 1; s >= 0; --s) order[static_cast<size_t>(i++)] = s * heads + h;
@@ -239,7 +298,8 @@ namespace {
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const std::vector<const KvCache*>& caches, int64_t layer, double scale,
-                               DecodeAttentionPath path, int64_t threads, const std::vector<int64_t>* chunk_first) {
+                               DecodeAttentionPath path, int64_t threads, const std::vector<int64_t>* chunk_first,
+                               int64_t query_block = 1) {
   if (threads < 0) throw std::invalid_argument(fmt::format("kv_decode_attention: threads {} must be >= 0", threads));
   if (threads == 0) threads = at::get_num_threads();
   const int64_t n = static_cast<int64_t>(caches.size());
@@ -291,15 +351,15 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   switch (s.dtype) {
     case torch::kFloat:
       attend<float>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<float>(), resolved,
-                    threads, chunk_first);
+                    threads, chunk_first, query_block);
       break;
     case torch::kDouble:
       attend<double>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale, out.data_ptr<double>(), resolved,
-                     threads, chunk_first);
+                     threads, chunk_first, query_block);
       break;
     case torch::kBFloat16:
       attend<c10::BFloat16>(rows, caches, layer, heads, s.kv_heads, s.head_dim, s.value_dim, scale,
-                            out.data_ptr<c10::BFloat16>(), resolved, threads, chunk_first);
+                            out.data_ptr<c10::BFloat16>(), resolved, threads, chunk_first, query_block);
       break;
     default:
       throw std::invalid_argument("kv_decode_attention: unsupported dtype " + std::string(c10::toString(s.dtype)));
@@ -317,7 +377,12 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
 
 torch::Tensor kv_chunk_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                         const KvCache& cache, int64_t layer, double scale, DecodeAttentionPath path,
-                                        int64_t threads) {
+                                        int64_t threads, int64_t query_block) {
+  if (query_block == 0) query_block = kChunkQueryBlock;
+  if (query_block < 1 || query_block > decode_simd::kMaxQueries) {
+    throw std::invalid_argument(fmt::format("kv_chunk_decode_attention: query_block {} outside [0, {}] (0: the "
+                                            "default {})", query_block, decode_simd::kMaxQueries, kChunkQueryBlock));
+  }
   const KvCacheSpec& s = cache.spec();
   if (layer < 0 || layer >= s.layers) {
     throw std::invalid_argument(fmt::format("kv_chunk_decode_attention: layer {} outside [0, {})", layer, s.layers));
@@ -338,7 +403,7 @@ torch::Tensor kv_chunk_decode_attention(const torch::Tensor& q, const torch::Ten
     first[static_cast<size_t>(h)] = n - T;
   }
   const std::vector<const KvCache*> caches(static_cast<size_t>(T), &cache);
-  return decode_attention(q, k, v, caches, layer, scale, path, threads, &first);
+  return decode_attention(q, k, v, caches, layer, scale, path, threads, &first, query_block);
 }
 
 }  // namespace dcp

@@ -37,6 +37,42 @@ void attend_pair_dot(const c10::BFloat16* q, const c10::BFloat16* keys, const c1
                      int64_t n, const c10::BFloat16* k_new, const c10::BFloat16* v_new, int64_t d, int64_t dv,
                      float scale, float* scores, c10::BFloat16* out);
 
+/// One query of a block for attend_queries: token q (with its own k_new, v_new) over the first n rows of the head,
+/// scores scratch of n + 1 floats, out [dv].
+template <class T>
+struct Query {
+  const T* q;
+  const T* k_new;
+  const T* v_new;
+  int64_t n;
+  float* scores;
+  T* out;
+};
+
+/// Most queries of one attend_queries call.
+constexpr int64_t kMaxQueries = 16;
+
+/// Floats of attend_queries' scratch for `count` queries of head dimension d.
+inline int64_t query_scratch_floats(int64_t count, int64_t d) { return count * ((d + 31) / 32 * 32 + 64); }
+
+/// attend_pair for `count` (1..kMaxQueries) queries over the same head's rows at once (a prefill chunk's tokens,
+/// kv_chunk_decode_attention): each block of 16 key rows of pass 1 and each tile of 64 value rows of pass 3 is read
+/// from memory once for all of them (then from L1), where one query at a time rereads the head's rows per token.
+/// Every query's sums run in attend_pair's order, so each gets the bits attend_pair gives it alone. scratch:
+/// query_scratch_floats(count, d) floats.
+template <class T>
+void attend_queries(const Query<T>* queries, int64_t count, const T* keys, const T* values, const float* bias, int64_t d,
+                    int64_t dv, float scale, float* scratch);
+
+/// attend_queries by vdpbf16ps (attend_pair_dot's scores). Call only where cpu_features().avx512_bf16 holds.
+void attend_queries_dot(const Query<c10::BFloat16>* queries, int64_t count, const c10::BFloat16* keys,
+                        const c10::BFloat16* values, const float* bias, int64_t d, int64_t dv, float scale,
+                        float* scratch);
+
+extern template void attend_queries<float>(const Query<float>*, int64_t, const float*, const float*, const float*,
+                                           int64_t, int64_t, float, float*);
+extern template void attend_queries<c10::BFloat16>(const Query<c10::BFloat16>*, int64_t, const c10::BFloat16*,
+                                                   const c10::BFloat16*, const float*, int64_t, int64_t, float, float*);
 extern template void attend_pair<float>(const float*, const float*, const float*, const float*, int64_t,
                                         const float*, const float*, int64_t, int64_t, float, float*, float*, float*);
 extern template void attend_pair<c10::BFloat16>(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,

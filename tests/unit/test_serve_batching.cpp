@@ -119,17 +119,20 @@ TEST(KvDecodeAttention, MatchesTheTwinForEverySequenceHeadAndPath) {
 
 // A chunk through the decode kernel (kv_chunk_decode_attention, after the chunk is appended) against the fp64 twin
 // over the cache before the append: every path, grouped-query heads, a cache whose heads differ in length (one cut
-// to every 7th entry with biases, one whole), chunks of 2, 7 and 64 tokens. Tolerances: fp64 and bf16 as the decode
+// to every 7th entry with biases, one whole), chunks of 2, 7, 37 and 64 tokens, head dims 24, 32 and 80 (masked
+// column tails; 80 value columns take two sweeps of 64, the second with 16). Every query_block (tokens per block of
+// the AVX-512 paths: 1, 3, 4, 16; the blocks of 2, 3, 5 and 7 tokens also exercise the value pass's groups of 1-3
+// queries beside the full groups of 4) gives the same bits. Tolerances: fp64 and bf16 as the decode
 // kernel's above; fp32 sums up to 3064 terms in fp32, and the portable path sums each score's product and the
 // weighted values in one running sum (error ~ n eps, 3064 x 6e-8 ~ 1.8e-4 at worst; a reviewer measured up to
 // 1.03e-5 over other seeds and shapes), so 5e-5.
 TEST(KvDecodeAttention, AChunkAppendedFirstMatchesTheTwinOnEveryPath) {
   torch::manual_seed(22);
   const int64_t heads = 4, kv_heads = 2;
-  for (int64_t dim : {24, 32}) {
+  for (int64_t dim : {24, 32, 80}) {
     for (auto [dtype, tol] : {std::pair{torch::kDouble, 1e-12}, std::pair{torch::kFloat, 5e-5},
                               std::pair{torch::kBFloat16, 1.6e-2}}) {
-      for (int64_t T : {2, 7, 64}) {
+      for (int64_t T : {2, 7, 37, 64}) {
         // The same cache each time it is made: 3000 entries, head 0 of layer 1 cut to every 7th with biases.
         const auto keep = torch::arange(0, 3000, 7, torch::kInt64);
         const auto bias = torch::randn({keep.numel()});
@@ -154,6 +157,10 @@ TEST(KvDecodeAttention, AChunkAppendedFirstMatchesTheTwinOnEveryPath) {
           const torch::Tensor out = kv_chunk_decode_attention(q, k, v, *cache, 1, 0, path);
           EXPECT_EQ(out.scalar_type(), dtype);
           EXPECT_LE(max_abs_diff(out, ref.out), tol) << what;
+          for (int64_t block : {1, 3, 4, 16}) {
+            EXPECT_TRUE(torch::equal(kv_chunk_decode_attention(q, k, v, *cache, 1, 0, path, 0, block), out))
+                << what << " query_block " << block;
+          }
           // Token t reads what the decode kernel reads for one token after t rows of the chunk: the same bits.
           for (int64_t t : {int64_t{0}, T - 1}) {
             const auto upto = make();
@@ -212,6 +219,10 @@ TEST(KvDecodeAttention, AChunkAppendedFirstMatchesTheTwinOnEveryPath) {
   EXPECT_NE(e.find("layer 1 head 0 holds 3 rows, fewer than the chunk's 5 tokens"), std::string::npos) << e;
   EXPECT_NE(error_of([&] { kv_chunk_decode_attention(q, k, v, small, 2); }).find("layer 2 outside [0, 2)"),
             std::string::npos);
+  for (int64_t block : {-1, 17}) {
+    const std::string b = error_of([&] { kv_chunk_decode_attention(q, k, v, small, 0, 0, DecodeAttentionPath::kAuto, 0, block); });
+    EXPECT_NE(b.find("query_block " + std::to_string(block) + " outside [0, 16]"), std::string::npos) << b;
+  }
 }
 
 TEST(KvDecodeAttention, AForcedPathTheCpuOrDtypeLacksIsRefused) {
