@@ -86,8 +86,8 @@ torch::Tensor kv_decode_attention(const torch::Tensor& q, const torch::Tensor& k
 /// biases), the chunk's tokens before t and its own k_t, v_t: what kv_cache_attention computes over the cache as
 /// it was before the chunk plus the chunk's causal part, in the decode kernel's order of sums (fp32; fp64 for fp64
 /// caches) instead of per-block matmuls and an (out, lse) merge. Each token reads its rows in place (bf16 rows are
-/// not converted), so a chunk costs about T decode steps of its session and no per-chunk conversion of the whole
-/// cache, which the chunks of kv_cache_attention pay (bench/results/cpu2_202612_serve_chunk_paths.md). q [T,
+/// not converted; on the AVX-512 paths once per query block of tokens, below), with no per-chunk conversion of the
+/// whole cache, which the chunks of kv_cache_attention pay (bench/results/cpu2_202612_serve_chunk_paths.md). q [T,
 /// heads, head_dim], k [T, kv_heads, head_dim], v [T, kv_heads, value_dim] as kv_decode_attention's (T tokens of
 /// one sequence in place of N sequences); returns [T, heads, value_dim] in q's dtype. Throws std::invalid_argument
 /// as kv_decode_attention does, and naming the layer and head when a head holds fewer than T rows. Twin:

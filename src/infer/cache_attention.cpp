@@ -143,7 +143,7 @@ torch::Tensor kv_chunk_attention_append(const torch::Tensor& q, const torch::Ten
   const double scale = options.scale > 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   // On the CPU every chunk is appended first, then each token attends by the decode kernel over the rows before it
   // (kv_chunk_decode_attention: on the AVX-512 paths 16 tokens of a head at a time, each key and value row read
-  // once per 16 tokens, 2.2-2.4x faster than token by token in bench_chunk_attention,
+  // once per 16 tokens, a median 2.3x faster than token by token in bench_chunk_attention,
   // bench/results/cpu2_202612_serve_chunk_blocks.md).
   // kv_cache_attention converts each head's whole cache to fp32 and repacks it for OpenBLAS at every chunk, a cost
   // that grows with the cache and not with the chunk: bench_chunk_attention (one layer, 4 heads of 32, bf16, 2

@@ -70,8 +70,12 @@ struct Rows {
 // Values read, summed over query heads of (entries + 1) x (head_dim + value_dim), below which one call runs on the
 // calling thread: a call reads about 2 bytes (bf16) per entry
 // and dimension from memory, ~0.25 ms at 8 GB/s for 2^20 of them, and splitting less than that over threads saves
-// about what waking them costs (tens of microseconds, more on a loaded machine).
+// about what waking them costs (tens of microseconds, more on a loaded machine). A chunk's query blocks
+// (attend_chunk_blocks) read about 1/16 of that from memory, the rest from L1, so the same count stands there for
+// arithmetic, not bytes: ~0.1-0.2 ms of it at the rates bench_chunk_attention measured (not re-tuned for blocks).
 constexpr int64_t kSerialWork = int64_t{1} << 20;
+static_assert(kChunkQueryBlock >= 1 && kChunkQueryBlock <= decode_simd::kMaxQueries,
+              "the default query block must fit attend_queries");
 
 // Runs body(begin, end) over the pairs [0, pairs): on `threads` OpenMP threads, one pair at a time to whichever
 // thread is free (the caches differ in length), or all on the calling thread for threads <= 1. The first exception

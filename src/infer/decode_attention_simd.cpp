@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "kernels/simd.h"
@@ -92,9 +94,9 @@ template <class T>
 DCP_AVX512 inline void scaled_query(const T* q, int64_t d, float scale, float* qs) {
   const __m512 sv = _mm512_set1_ps(scale);
   if constexpr (std::is_same_v<T, float>) {
-    for (int64_t j = 0; j < d; j += kLanes) {
+    for (int64_t j = 0; j < d; j += kLanes) {  // all 16 lanes written, those past d as 0 (block_dots reads them)
       const __mmask16 m = tail(d, j);
-      simd::store(qs + j, _mm512_mul_ps(simd::load(q + j, m), sv), m);
+      _mm512_storeu_ps(qs + j, _mm512_maskz_mul_ps(m, simd::load(q + j, m), sv));
     }
   } else {
     for (int64_t j = 0; j < d; j += 32) {
@@ -296,7 +298,9 @@ DCP_AVX512 inline void value_tile_group(const Query<T>* qb, int64_t t0, int64_t 
 // out's columns [c, c + 64) from value_rows' accumulators, times inv.
 DCP_AVX512 inline void store_values(const __m512* a, int64_t dv, int64_t c, float inv, float* out) {
   const __m512 iv = _mm512_set1_ps(inv);
-  for (int k = 0; k < 4; ++k) simd::store(out + c + k * kLanes, _mm512_mul_ps(a[k], iv), tail(dv, c + k * kLanes));
+  for (int k = 0; k < 4 && c + k * kLanes < dv; ++k) {  // no pointer formed past the row
+    simd::store(out + c + k * kLanes, _mm512_mul_ps(a[k], iv), tail(dv, c + k * kLanes));
+  }
 }
 
 DCP_AVX512 inline void store_values(const __m512* a, int64_t dv, int64_t c, float inv, bf16* out) {
@@ -310,7 +314,7 @@ DCP_AVX512 inline void store_values(const __m512* a, int64_t dv, int64_t c, floa
       cols[32 * h + 2 * l + 1] = half[2 * h + 1][l];
     }
   }
-  for (int64_t k = 0; k < 64; k += kLanes) simd::store(out + c + k, _mm512_load_ps(cols + k), tail(dv, c + k));
+  for (int64_t k = 0; k < 64 && c + k < dv; k += kLanes) simd::store(out + c + k, _mm512_load_ps(cols + k), tail(dv, c + k));
 }
 
 // Value rows per tile of pass 3 when several queries share them: 64 rows of 32 bf16 columns are 4 KiB, read from
@@ -324,6 +328,9 @@ constexpr int kValueGroup = 4;
 template <class T, bool kDot>
 DCP_AVX512 inline void attend(const Query<T>* qb, int64_t count, const T* keys, const T* values, const float* bias,
                               int64_t d, int64_t dv, float scale, float* scratch) {
+  if (count < 1 || count > kMaxQueries) {  // mx and inv below hold kMaxQueries
+    throw std::invalid_argument("decode_simd::attend_queries: count " + std::to_string(count) + " outside [1, 16]");
+  }
   // scratch: per query its scaled query (d rounded up to 32 floats; the FMA paths) and its pass-3 accumulators.
   const int64_t dq = (d + 31) / 32 * 32;
   // (The vdpbf16ps path reads the bf16 query itself and one query keeps its accumulators in registers: scratch may

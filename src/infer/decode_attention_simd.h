@@ -1,5 +1,5 @@
-// The AVX-512 paths of the decode kernel (kv_decode_attention): one (sequence, head) pair over raw rows, and the
-// choice of path for given CPU features. Internal to the infer stage; callers check the CPU first (resolve_path:
+// The AVX-512 paths of the decode kernel (kv_decode_attention): one (sequence, head) pair over raw rows, or a block
+// of a chunk's tokens over one head's rows (kv_chunk_decode_attention), and the choice of path for given CPU features. Internal to the infer stage; callers check the CPU first (resolve_path:
 // the functions carry their own target attributes).
 #pragma once
 

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -119,17 +120,18 @@ TEST(KvDecodeAttention, MatchesTheTwinForEverySequenceHeadAndPath) {
 
 // A chunk through the decode kernel (kv_chunk_decode_attention, after the chunk is appended) against the fp64 twin
 // over the cache before the append: every path, grouped-query heads, a cache whose heads differ in length (one cut
-// to every 7th entry with biases, one whole), chunks of 2, 7, 37 and 64 tokens, head dims 24, 32 and 80 (masked
-// column tails; 80 value columns take two sweeps of 64, the second with 16). Every query_block (tokens per block of
-// the AVX-512 paths: 1, 3, 4, 16; the blocks of 2, 3, 5 and 7 tokens also exercise the value pass's groups of 1-3
-// queries beside the full groups of 4) gives the same bits. Tolerances: fp64 and bf16 as the decode
+// to every 7th entry with biases, one whole), chunks of 2, 7, 37 and 64 tokens, head dims 24, 32, 48 and 80 (masked
+// column tails; 48 fills three fp32 registers and half the second bf16 load; 80 value columns take two sweeps of
+// 64, the second with 16). Every query_block (tokens per block of the AVX-512 paths: 1, 3, 4, 16; the blocks of 2,
+// 3, 5 and 7 tokens also exercise the value pass's groups of 1-3 queries beside the full groups of 4), on 1 thread
+// and on the default threads, gives the same bits (the portable loops ignore query_block). Tolerances: fp64 and bf16 as the decode
 // kernel's above; fp32 sums up to 3064 terms in fp32, and the portable path sums each score's product and the
 // weighted values in one running sum (error ~ n eps, 3064 x 6e-8 ~ 1.8e-4 at worst; a reviewer measured up to
 // 1.03e-5 over other seeds and shapes), so 5e-5.
 TEST(KvDecodeAttention, AChunkAppendedFirstMatchesTheTwinOnEveryPath) {
   torch::manual_seed(22);
   const int64_t heads = 4, kv_heads = 2;
-  for (int64_t dim : {24, 32, 80}) {
+  for (int64_t dim : {24, 32, 48, 80}) {
     for (auto [dtype, tol] : {std::pair{torch::kDouble, 1e-12}, std::pair{torch::kFloat, 5e-5},
                               std::pair{torch::kBFloat16, 1.6e-2}}) {
       for (int64_t T : {2, 7, 37, 64}) {
@@ -158,8 +160,10 @@ TEST(KvDecodeAttention, AChunkAppendedFirstMatchesTheTwinOnEveryPath) {
           EXPECT_EQ(out.scalar_type(), dtype);
           EXPECT_LE(max_abs_diff(out, ref.out), tol) << what;
           for (int64_t block : {1, 3, 4, 16}) {
-            EXPECT_TRUE(torch::equal(kv_chunk_decode_attention(q, k, v, *cache, 1, 0, path, 0, block), out))
-                << what << " query_block " << block;
+            for (int64_t threads : {0, 1}) {
+              EXPECT_TRUE(torch::equal(kv_chunk_decode_attention(q, k, v, *cache, 1, 0, path, threads, block), out))
+                  << what << " query_block " << block << " threads " << threads;
+            }
           }
           // Token t reads what the decode kernel reads for one token after t rows of the chunk: the same bits.
           for (int64_t t : {int64_t{0}, T - 1}) {
@@ -222,6 +226,34 @@ TEST(KvDecodeAttention, AChunkAppendedFirstMatchesTheTwinOnEveryPath) {
   for (int64_t block : {-1, 17}) {
     const std::string b = error_of([&] { kv_chunk_decode_attention(q, k, v, small, 0, 0, DecodeAttentionPath::kAuto, 0, block); });
     EXPECT_NE(b.find("query_block " + std::to_string(block) + " outside [0, 16]"), std::string::npos) << b;
+  }
+}
+
+// A non-finite key in one head's rows stays in that head: the blocks share one thread's scratch (a block's
+// scaled queries where an earlier block kept its value accumulators), and an fp32 query's columns past head_dim
+// (24 here, read as a 32-wide register with zero weight) must be zeros, not what the scratch held, or the NaN of
+// head 0's accumulators became a later head's scores (0 x NaN). One thread, so the blocks run in order: head 0's
+// last block of 5 tokens, then head 1's of 16.
+TEST(KvDecodeAttention, ANonFiniteKeyInOneHeadLeavesTheOtherHeadsBits) {
+  for (DecodeAttentionPath path : decode_paths(torch::kFloat)) {
+    torch::manual_seed(3);
+    KvCache clean(spec_of(torch::kFloat, 2, 24)), dirty(spec_of(torch::kFloat, 2, 24));
+    torch::manual_seed(5);
+    fill(clean, 300);
+    torch::manual_seed(5);
+    fill(dirty, 300);
+    const int64_t T = 37;
+    const auto q = torch::randn({T, 2, 24}), k = torch::randn({T, 2, 24}), v = torch::randn({T, 2, 24});
+    // A NaN key of head 0 at token 3 (in head 0's last block): the scores, weights and so every value accumulator
+    // lane of the tokens after it are NaN, those past value_dim too.
+    auto k_nan = k.clone();
+    k_nan[3][0][7] = std::numeric_limits<float>::quiet_NaN();
+    clean.append(1, k, v, torch::arange(300, 300 + T, torch::kInt64));
+    dirty.append(1, k_nan, v, torch::arange(300, 300 + T, torch::kInt64));
+    const auto a = kv_chunk_decode_attention(q, k, v, clean, 1, 0, path, 1);
+    const auto b = kv_chunk_decode_attention(q, k_nan, v, dirty, 1, 0, path, 1);
+    EXPECT_TRUE(torch::equal(a.select(1, 1), b.select(1, 1))) << to_string(path) << ": head 1 changed";
+    EXPECT_TRUE(torch::isnan(b.select(1, 0)).any().item<bool>()) << to_string(path) << ": head 0 read its NaN";
   }
 }
 
