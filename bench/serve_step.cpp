@@ -5,7 +5,10 @@
 // as the scheduler runs the sequential run of dcp bench-serve. Prints the median seconds per step and tokens/s of
 // both and their ratio, and the decode kernel alone (kv_decode_attention on the same caches, every path this CPU
 // has) in GB/s against a streaming read peak measured in the same run. The profiling harness of docs/serve.md
-// "Scheduler"; the numbers of record come from dcp bench-serve.
+// "Scheduler"; the numbers of record come from dcp bench-serve. `--precision auto` (the default) picks the
+// precision a checkpoint trained here has (train.precision auto: bf16 only where the CPU has AVX512-BF16 or
+// AMX-BF16), so that the harness compares with dcp serve like for like; before 2026-12-07 the default was bf16,
+// which on a CPU without them timed caches of half the bytes the server held (cpu2_202612_serve_write_phase.md).
 //
 //   build/bench/bench_serve_step --sessions 16 --min-length 1024 --max-length 8192 --steps 64 --threads 2
 #include <CLI/CLI.hpp>
@@ -22,6 +25,7 @@
 #include <vector>
 
 #include "dcp/infer.h"
+#include "dcp/precision.h"
 #include "util/stats.h"
 
 namespace {
@@ -68,7 +72,8 @@ double read_peak_gbs(int64_t bytes, int64_t threads) {
 }  // namespace
 
 int run(int64_t sessions, int64_t min_length, int64_t max_length, int64_t steps, int64_t threads, int64_t d_model,
-        int64_t layers, int64_t heads, int64_t chunk_tokens, const std::string& precision, bool skip_sequential) {
+        int64_t layers, int64_t heads, int64_t chunk_tokens, const dcp::PrecisionChoice& precision,
+        bool skip_sequential) {
   torch::set_num_threads(static_cast<int>(threads));
   torch::manual_seed(1);
   dcp::ModelConfig mc;
@@ -76,7 +81,7 @@ int run(int64_t sessions, int64_t min_length, int64_t max_length, int64_t steps,
   mc.n_layers = layers;
   mc.n_heads = heads;
   mc.d_ff = 3 * d_model;
-  dcp::Transformer model(mc, dcp::AttentionConfig{}, precision == "bf16" ? dcp::Precision::kBf16 : dcp::Precision::kFp32);
+  dcp::Transformer model(mc, dcp::AttentionConfig{}, precision.precision);
   model->eval();
   torch::NoGradGuard no_grad;
   std::mt19937_64 rng(7);
@@ -109,7 +114,7 @@ int run(int64_t sessions, int64_t min_length, int64_t max_length, int64_t steps,
   }
   const double b = dcp::median(batched);
   fmt::print("model d_model {} layers {} heads {} {}, {} thread(s); {} sessions, caches {}..{} tokens ({} in all)\n",
-             d_model, layers, heads, precision, threads, sessions, shortest, max_length, total_entries);
+             d_model, layers, heads, precision.describe(), threads, sessions, shortest, max_length, total_entries);
   fmt::print("batched:    {:.3f} ms per step of {} sessions, {:.1f} tokens/s\n", 1e3 * b, sessions,
              static_cast<double>(sessions) / b);
   {
@@ -180,7 +185,7 @@ int main(int argc, char** argv) {
   CLI::App app("dcp serve's batched decode step against the same sessions decoded one after another");
   int64_t sessions = 16, min_length = 1024, max_length = 8192, steps = 64, threads = 2, d_model = 128, layers = 4,
           heads = 4, chunk_tokens = 512;
-  std::string precision = "bf16";
+  std::string precision = "auto";
   bool skip_sequential = false;
   app.add_option("--sessions", sessions, "concurrent sessions")->check(CLI::Range(1, 4096));
   app.add_option("--min-length", min_length, "shortest cache, tokens")->check(CLI::Range(1, 1 << 24));
@@ -191,7 +196,10 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers, "layers")->check(CLI::Range(1, 1024));
   app.add_option("--heads", heads, "heads")->check(CLI::Range(1, 1024));
   app.add_option("--chunk-tokens", chunk_tokens, "prefill chunk")->check(CLI::Range(1, 1 << 24));
-  app.add_option("--precision", precision, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--precision", precision,
+                 "auto | fp32 | bf16 (auto: as train.precision auto resolves it, bf16 exactly where the CPU has "
+                 "AVX512-BF16 or AMX-BF16, else fp32: the precision dcp serve's checkpoint trained on this machine has)")
+      ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
   app.add_flag("--skip-sequential", skip_sequential, "time the batched step only (for a profile)");
   try {
     app.parse(argc, argv);
@@ -209,8 +217,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    return run(sessions, min_length, max_length, steps, threads, d_model, layers, heads, chunk_tokens, precision,
-               skip_sequential);
+    return run(sessions, min_length, max_length, steps, threads, d_model, layers, heads, chunk_tokens,
+               dcp::resolve_precision(precision), skip_sequential);
   } catch (const std::exception& e) {
     fmt::print(stderr, "bench_serve_step: {}\n", e.what());
     return 1;
